@@ -297,7 +297,9 @@ def tiny_checkpoint() -> str:
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and immune to contention
         model, tok = _warm_start_tiny()
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -307,6 +309,7 @@ def tiny_checkpoint() -> str:
             if not (path / "config.json").is_file():
                 raise
     finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return str(path)
 
@@ -364,6 +367,12 @@ def load_model(name: str, device: torch.device, dtype=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_checkpoint() if name in TINY_MODELS else name
+    if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
+        # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
+        # only add synchronisation (and collapse when another process shares the cores).
+        torch.set_num_threads(1)
+    if "RLREF_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(path)

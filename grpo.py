@@ -1,0 +1,269 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300).
+
+Objective, for G completions y_i of each prompt x, maximised (DeepSeekMath Eq. 3, with the
+loss aggregation as a choice):
+
+    J(theta) = E[ agg_{i,t} ( min( r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i ) - beta KL_it ) ]
+    r_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)          (one ratio per *token*)
+    A_i  = (R_i - mean_j R_j) / std_j R_j       (Dr. GRPO: R_i - mean_j R_j, --scale-rewards none)
+    KL_it = k3 = exp(ref - logp) - (ref - logp) - 1   (only with --kl-coef > 0: a frozen reference)
+
+No critic: the other completions of the same prompt are the baseline. The aggregation decides how
+tokens of different sequences are weighted: "seq-mean-token-mean" (the paper: every sequence
+counts once), "token-mean" (DAPO: every token counts once), "seq-mean-token-sum-norm" (Dr. GRPO:
+a constant normaliser, no length bias). Defaults and why: see the Args help and the README.
+
+Run (CPU, embedded tiny Qwen3, about 5 minutes):   python grpo.py
+A real Qwen on a GPU:   python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
+    --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+import common
+from common import arg, masked_mean
+
+LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as verl does)
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class Args:
+    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use) or a local dir / hub id")
+    task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
+    data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
+    steps: int = arg(60, "number of rollout + update steps")
+    prompts_per_step: int = arg(32, "prompts sampled per step")
+    group_size: int = arg(8, "completions per prompt (G); the group is the advantage baseline")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
+    lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
+    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
+    epochs: int = arg(1, "passes over each rollout")
+    eps_low: float = arg(0.2, "lower clip range of the token ratio")
+    eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
+    kl_coef: float = arg(0.0, "beta of the k3 KL penalty to a frozen reference (0: no reference in memory)")
+    loss_agg: str = arg("seq-mean-token-mean", "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)")
+    scale_rewards: str = arg("std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)")
+    seed: int = arg(0, "random seed (data order, sampling, init)")
+    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
+    eval_size: int = arg(500, "held-out prompts used for evaluation")
+    out: str = arg("runs/grpo", "output directory")
+    device: str = arg("auto", "auto, cpu or cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# The algorithm: pure tensor functions (tests/test_grpo.py checks each against a plain loop)
+# --------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
+    """[B] -> [B]: R - group mean, divided by (group std + eps) when scale="std" (Bessel's std).
+    Rewards come group by group. A group whose rewards are all equal gets exactly 0."""
+    r = rewards.float().view(-1, group_size)  # [B/G, G]
+    adv = r - r.mean(1, keepdim=True)
+    if scale == "std":
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    constant = (r.max(1, keepdim=True).values == r.min(1, keepdim=True).values)
+    return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """[B, T]: k3 = exp(x) - x - 1 with x = ref - logp, an unbiased, non-negative estimate of
+    KL(pi || ref) (Schulman's k3). expm1 keeps it >= 0 in float32 where exp(x) - 1 would not."""
+    x = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.expm1(x) - x).clamp(min=0)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: int | None = None,
+              denominator: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar over mask == 1.
+    seq-mean-token-mean: mean_i (sum_t m l / sum_t m)        denominator default B
+    token-mean:          sum m l / sum m                      denominator default sum m
+    seq-mean-token-sum-norm: sum m l / (B * max_len)          denominator default B * max_len
+    When a minibatch is split into micro-batches, pass the whole minibatch's denominator to
+    each so that the accumulated gradient equals the full-batch gradient (verl PR #5798)."""
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    B, T = per_token.shape
+    if agg == "seq-mean-token-mean":
+        per_seq = masked.sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum() / (denominator if denominator is not None else B)
+    if agg == "token-mean":
+        return masked.sum() / (denominator if denominator is not None else mask.sum().clamp(min=1))
+    if agg == "seq-mean-token-sum-norm":
+        return masked.sum() / (denominator if denominator is not None else B * (max_len or T))
+    raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
+
+
+def grpo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, ref_logp=None, kl_coef=0.0,
+              agg="seq-mean-token-mean", max_len=None, denominator=None):
+    """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
+    `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T]."""
+    mask = mask.bool()
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    kl = torch.zeros_like(per_token)
+    if ref_logp is not None:
+        kl = torch.where(mask, kl_k3(logp, ref_logp), torch.zeros_like(logp))
+        per_token = per_token + kl_coef * kl
+    loss = aggregate(per_token, mask, agg, max_len, denominator)
+    # the clip is active (and the token's gradient zero) where the clipped branch is the larger
+    clip_low = (adv < 0) & (ratio < 1 - eps_low) & mask
+    clip_high = (adv > 0) & (ratio > 1 + eps_high) & mask
+    stats = {
+        "clip_frac": masked_mean((clip_low | clip_high).float(), mask).item(),
+        "clip_frac_low": masked_mean(clip_low.float(), mask).item(),
+        "clip_frac_high": masked_mean(clip_high.float(), mask).item(),
+        "ratio_mean": masked_mean(ratio.detach(), mask).item(),
+        "ratio_max_dev": ((ratio.detach() - 1).abs() * mask).max().item() if mask.any() else 0.0,
+        "kl": masked_mean(kl.detach(), mask).item(),
+    }
+    return loss, stats
+
+
+# --------------------------------------------------------------------------------------------
+# Training loop
+# --------------------------------------------------------------------------------------------
+
+
+def train(args: Args):
+    common.check_common_args(args, needs_group=True)
+    if args.loss_agg not in AGGREGATIONS:
+        raise common.UsageError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {args.loss_agg!r}")
+    if args.scale_rewards not in ("std", "none"):
+        raise common.UsageError(f"--scale-rewards must be std or none, got {args.scale_rewards!r}")
+    if args.kl_coef < 0:
+        raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if args.eps_low < 0 or args.eps_high < 0 or args.eps_low >= 1:
+        raise common.UsageError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {args.eps_low}, {args.eps_high}")
+    train_set, eval_set = common.load_task(args.task, args.data)
+    eval_set = eval_set[: args.eval_size]
+
+    common.seed_everything(args.seed)
+    device = common.resolve_device(args.device)
+    common.tiny_checkpoint() if args.model in common.TINY_MODELS else None  # first build is not timed
+    t_start = time.perf_counter()
+    model, tok = common.load_model(args.model, device)
+    eos_ids = common.eos_token_ids(model, tok)
+    ref_model = None
+    if args.kl_coef > 0:  # a frozen copy of the initial policy; none in memory when beta = 0
+        ref_model, _ = common.load_model(args.model, device)
+        ref_model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    stream = common.PromptStream(train_set, args.seed)
+    sampling_gen = torch.Generator(device=device).manual_seed(args.seed)
+    logger = common.RunLogger(args.out)
+
+    before = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+    tqdm.write(f"step 0: eval accuracy {before['accuracy']:.3f}  format {before['format_rate']:.3f}")
+    clip_fracs, last_eval, skipped_in_a_row = [], before, 0
+    bar = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        # 1. Rollout: G completions per prompt, grouped contiguously.
+        examples = stream.next(args.prompts_per_step)
+        prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
+        answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
+        model.eval()
+        roll = common.sample(model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id,
+                             args.temperature, args.top_p, generator=sampling_gen)
+        t_sample = time.perf_counter() - t0
+        rewards, formats, _ = common.score_rollout(tok, roll, answers)
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)  # [B]
+        mask = roll.completion_mask  # [B, T]
+
+        # 2. Log-probs of the sampling policy (pi_old) and of the reference, once per rollout.
+        with torch.no_grad():
+            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
+            ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if ref_model else None
+
+        # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
+        model.train()
+        step_stats, n_updates = [], 0
+        for _ in range(args.epochs):
+            order = torch.randperm(len(roll), device=device)
+            for idx in order.chunk(args.minibatches):
+                logp, _ = common.completion_logprobs(model, roll[idx], args.temperature)
+                loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                        args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
+                                        args.loss_agg, max_len=args.max_new_tokens)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    skipped_in_a_row += 1  # non-finite guard: weights and optimizer untouched
+                    optimizer.zero_grad(set_to_none=True)
+                    if skipped_in_a_row >= 3:
+                        common.die(f"loss or gradient norm non-finite in {skipped_in_a_row} consecutive updates (step {step}); lower --lr")
+                    continue
+                skipped_in_a_row = 0
+                optimizer.step()
+                n_updates += 1
+                step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+
+        # 4. Logging.
+        step_time = time.perf_counter() - t0
+        n_tokens = mask.sum().item()
+        mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
+        row = {
+            "step": step,
+            "reward": rewards.mean().item(),
+            "accuracy": rewards.mean().item(),
+            "format_rate": formats.mean().item(),
+            "loss": mean("loss"),
+            "clip_frac": mean("clip_frac"),
+            "clip_frac_low": mean("clip_frac_low"),
+            "clip_frac_high": mean("clip_frac_high"),
+            "kl": mean("kl"),
+            "ratio_mean": mean("ratio_mean"),
+            "ratio_max_dev": max((s["ratio_max_dev"] for s in step_stats), default=0.0),
+            "entropy": masked_mean(entropy, mask).item(),
+            "response_len": mask.sum(1).mean().item(),
+            "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+            "grad_norm": mean("grad_norm"),
+            "skipped_updates": args.epochs * args.minibatches - n_updates,
+            "tokens_per_s": n_tokens / t_sample,
+            "step_time_s": step_time,
+        }
+        clip_fracs.append(row["clip_frac"])
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+            row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
+            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
+                       f"clip_frac {row['clip_frac']:.3f}")
+        logger.log(row)
+        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{last_eval['accuracy']:.3f}")
+
+    logger.save_model(model, tok)
+    logger.summary({
+        "algo": "grpo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
+        "seed": args.seed, "steps": args.steps,
+        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": last_eval["accuracy"],
+        "eval_format_rate_after": last_eval["format_rate"],
+        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
+        "mean_clip_frac": sum(clip_fracs) / len(clip_fracs), "args": asdict(args),
+    })
+    logger.close()
+    return last_eval
+
+
+if __name__ == "__main__":
+    try:
+        train(common.parse_args(Args))
+    except common.UsageError as e:
+        common.die(str(e))

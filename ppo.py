@@ -1,0 +1,318 @@
+"""PPO for language models: actor-critic with a learned value function (Schulman et al. 2017;
+the RLHF recipe of Ouyang et al. 2022 and Huang et al., "The N+ implementation details of RLHF
+with PPO").
+
+Objective, per completion token t of completion y (policy loss minimised, critic regressed):
+
+    r_t  = -beta (old_t - ref_t)  [+ score(y) on the last real token]     (KL-in-reward)
+    A_t  = GAE(gamma, lambda) of r with the critic's V_t; A whitened over the batch
+    L_pi = token-mean of max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),
+           and for A_t < 0 the dual clip min(that, -c A_t)                (Ye et al. 2020)
+    L_V  = 0.5 token-mean of max((V - R)^2, (clip(V, V_old +- cv) - R)^2),  R = A + V_old
+    r_t  = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+
+The critic is a *separate* transformer initialised from the policy checkpoint, with a scalar head,
+as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
+loss's scale then tunes the other) and makes the policy checkpoint non-standard. The price is a
+second model's weights, gradients and AdamW state (about 4x the parameter bytes again) plus its
+activations; the frozen reference adds one more copy of the weights. That memory is what GRPO
+and GSPO save by using the group as the baseline (see the README's table).
+
+Run (CPU, embedded tiny Qwen3, about 5 minutes):   python ppo.py
+A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
+    --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+import common
+from common import arg, masked_mean
+
+LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as verl does)
+
+
+@dataclass
+class Args:
+    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use) or a local dir / hub id")
+    task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
+    data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
+    steps: int = arg(60, "number of rollout + update steps")
+    prompts_per_step: int = arg(256, "prompts sampled per step")
+    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
+    lr: float = arg(3e-4, "policy AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
+    critic_lr: float = arg(1e-3, "critic AdamW learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold (policy and critic each)")
+    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
+    epochs: int = arg(1, "passes over each rollout")
+    eps_low: float = arg(0.2, "lower clip range of the token ratio")
+    eps_high: float = arg(0.2, "upper clip range of the token ratio")
+    dual_clip: float = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
+    kl_coef: float = arg(0.01, "beta of the per-token KL penalty in the reward (k1, to a frozen reference)")
+    gamma: float = arg(1.0, "discount")
+    lam: float = arg(0.95, "GAE lambda")
+    vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
+    cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
+    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
+    seed: int = arg(0, "random seed (data order, sampling, init)")
+    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
+    eval_size: int = arg(500, "held-out prompts used for evaluation")
+    out: str = arg("runs/ppo", "output directory")
+    device: str = arg("auto", "auto, cpu or cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# The algorithm: pure tensor functions (tests/test_ppo.py checks each against a plain loop)
+# --------------------------------------------------------------------------------------------
+
+
+def token_rewards(scores, old_logp, ref_logp, mask, kl_coef):
+    """[B, T]: -kl_coef * (old - ref) on every completion token (k1 KL estimate, InstructGPT),
+    plus the sequence's scalar score on its last real token (the EOS token when there is one)."""
+    mask = mask.float()
+    rewards = -kl_coef * (old_logp - ref_logp) * mask
+    lengths = mask.sum(1).long()  # completions are right-padded: the last real token is len - 1
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """Generalised advantage estimation over right-padded [B, T] tensors:
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last real token is 0),
+    A_t = delta_t + gamma lam A_{t+1};  returns R_t = A_t + V_t. Zero on padding; not whitened."""
+    mask = mask.float()
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = (delta + gamma * lam * next_adv) * mask[:, t]
+        advantages[:, t] = adv_t
+        # where position t is padding, the step "after" t-1 is terminal: carry zeros backwards
+        next_value = values[:, t] * mask[:, t]
+        next_adv = adv_t
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def whiten(x, mask, eps=1e-8):
+    """[B, T]: (x - mean) / sqrt(var + eps) over mask == 1 (unbiased var); 0 on padding."""
+    mask = mask.float()
+    mean = masked_mean(x, mask)
+    var = ((x - mean) ** 2 * mask).sum() / (mask.sum() - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
+    """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs."""
+    mask = mask.bool()
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps_low, 1 + eps_high))
+    dual = torch.zeros_like(mask)
+    if dual_clip is not None:
+        # with A < 0 and a huge ratio the clipped loss grows without bound: cap it at -c A
+        dual = (advantages < 0) & (per_token > -dual_clip * advantages) & mask
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    loss = masked_mean(per_token, mask)
+    clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
+    stats = {
+        "clip_frac": masked_mean(clipped.float(), mask).item(),
+        "dual_clip_frac": masked_mean(dual.float(), mask).item(),
+        "approx_kl": masked_mean((ratio - 1 - log_ratio).detach(), mask).item(),  # k3(old || new)
+        "ratio_mean": masked_mean(ratio.detach(), mask).item(),
+    }
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip=0.2):
+    """0.5 * token-mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    loss_plain = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_plain, loss_clipped), mask)
+    return loss, {"vf_clip_frac": masked_mean((loss_clipped > loss_plain).float(), mask).item()}
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over real tokens: 1 is a perfect critic, 0 no better than a constant."""
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    diff = returns - values
+    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    return (1 - var_d / var_r).item() if var_r > 0 else float("nan")
+
+
+class Critic(nn.Module):
+    """V(x, y_<t) for every completion position: a transformer trunk initialised from the policy
+    checkpoint, with a scalar head initialised to zero (so V starts at 0 everywhere)."""
+
+    def __init__(self, model_name: str, device):
+        super().__init__()
+        lm, _ = common.load_model(model_name, device)
+        self.trunk = lm.get_decoder()
+        self.head = nn.Linear(lm.config.hidden_size, 1, device=device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, roll: common.Rollout) -> torch.Tensor:
+        hidden = common.completion_hidden_states(self.trunk, roll)  # [B, T, H]
+        return self.head(hidden.float()).squeeze(-1)  # [B, T]
+
+
+# --------------------------------------------------------------------------------------------
+# Training loop
+# --------------------------------------------------------------------------------------------
+
+
+def train(args: Args):
+    common.check_common_args(args, needs_group=False)
+    if args.eps_low < 0 or args.eps_high < 0 or args.eps_low >= 1:
+        raise common.UsageError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {args.eps_low}, {args.eps_high}")
+    for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
+        if getattr(args, name) < 0:
+            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
+    train_set, eval_set = common.load_task(args.task, args.data)
+    eval_set = eval_set[: args.eval_size]
+
+    common.seed_everything(args.seed)
+    device = common.resolve_device(args.device)
+    common.tiny_checkpoint() if args.model in common.TINY_MODELS else None  # first build is not timed
+    t_start = time.perf_counter()
+    model, tok = common.load_model(args.model, device)
+    eos_ids = common.eos_token_ids(model, tok)
+    ref_model, _ = common.load_model(args.model, device)  # frozen copy of the initial policy
+    ref_model.eval().requires_grad_(False)
+    critic = Critic(args.model, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    stream = common.PromptStream(train_set, args.seed)
+    sampling_gen = torch.Generator(device=device).manual_seed(args.seed)
+    logger = common.RunLogger(args.out)
+
+    before = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+    tqdm.write(f"step 0: eval accuracy {before['accuracy']:.3f}  format {before['format_rate']:.3f}")
+    clip_fracs, last_eval, skipped_in_a_row = [], before, 0
+    bar = tqdm(range(1, args.steps + 1), desc="ppo", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        # 1. Rollout.
+        examples = stream.next(args.prompts_per_step)
+        prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
+        answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
+        model.eval()
+        roll = common.sample(model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id,
+                             args.temperature, args.top_p, generator=sampling_gen)
+        t_sample = time.perf_counter() - t0
+        scores, formats, _ = common.score_rollout(tok, roll, answers)
+        mask = roll.completion_mask  # [B, T]
+        has_eos = torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=device)).any(1)
+        scores = scores.to(device) - args.missing_eos_penalty * (~has_eos).float()
+
+        # 2. Old log-probs, reference log-probs and values, once per rollout; then rewards and GAE.
+        with torch.no_grad():
+            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
+            ref_logp, _ = common.completion_logprobs(ref_model, roll, args.temperature)
+            old_values = critic(roll) * mask
+            rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)
+            advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+            advantages = whiten(advantages, mask)
+
+        # 3. Updates of policy and critic: epochs x minibatches.
+        model.train()
+        step_stats, n_updates = [], 0
+        for _ in range(args.epochs):
+            order = torch.randperm(len(roll), device=device)
+            for idx in order.chunk(args.minibatches):
+                logp, _ = common.completion_logprobs(model, roll[idx], args.temperature)
+                pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx],
+                                                 args.eps_low, args.eps_high, args.dual_clip)
+                v_loss, v_stats = value_loss(critic(roll[idx]), old_values[idx], returns[idx], mask[idx],
+                                             args.cliprange_value)
+                loss = pg_loss + args.vf_coef * v_loss
+                optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm) and torch.isfinite(critic_grad_norm)):
+                    skipped_in_a_row += 1  # non-finite guard: weights and optimizer untouched
+                    if skipped_in_a_row >= 3:
+                        common.die(f"loss or gradient norm non-finite in {skipped_in_a_row} consecutive updates (step {step}); lower --lr")
+                    continue
+                skipped_in_a_row = 0
+                optimizer.step()
+                critic_optimizer.step()
+                n_updates += 1
+                step_stats.append({**stats, **v_stats, "loss": pg_loss.item(), "value_loss": v_loss.item(),
+                                   "grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()})
+
+        # 4. Logging.
+        step_time = time.perf_counter() - t0
+        mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
+        raw_scores = scores + args.missing_eos_penalty * (~has_eos).float()
+        row = {
+            "step": step,
+            "reward": raw_scores.mean().item(),
+            "accuracy": raw_scores.mean().item(),
+            "format_rate": formats.mean().item(),
+            "loss": mean("loss"),
+            "value_loss": mean("value_loss"),
+            "clip_frac": mean("clip_frac"),
+            "dual_clip_frac": mean("dual_clip_frac"),
+            "vf_clip_frac": mean("vf_clip_frac"),
+            "approx_kl": mean("approx_kl"),
+            "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
+            "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
+            "value_mean": masked_mean(old_values, mask).item(),
+            "entropy": masked_mean(entropy, mask).item(),
+            "response_len": mask.sum(1).mean().item(),
+            "eos_rate": has_eos.float().mean().item(),
+            "grad_norm": mean("grad_norm"),
+            "critic_grad_norm": mean("critic_grad_norm"),
+            "skipped_updates": args.epochs * args.minibatches - n_updates,
+            "tokens_per_s": mask.sum().item() / t_sample,
+            "step_time_s": step_time,
+        }
+        clip_fracs.append(row["clip_frac"])
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+            row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
+            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
+                       f"clip_frac {row['clip_frac']:.3f}  explained_var {row['explained_variance']:.3f}")
+        logger.log(row)
+        bar.set_postfix(reward=f"{row['reward']:.3f}", ev=f"{row['explained_variance']:.2f}", acc=f"{last_eval['accuracy']:.3f}")
+
+    logger.save_model(model, tok)
+    torch.save(critic.state_dict(), logger.out / "final" / "critic.pt")
+    logger.summary({
+        "algo": "ppo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
+        "seed": args.seed, "steps": args.steps,
+        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": last_eval["accuracy"],
+        "eval_format_rate_after": last_eval["format_rate"],
+        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
+        "mean_clip_frac": sum(clip_fracs) / len(clip_fracs), "args": asdict(args),
+    })
+    logger.close()
+    return last_eval
+
+
+if __name__ == "__main__":
+    try:
+        train(common.parse_args(Args))
+    except common.UsageError as e:
+        common.die(str(e))

@@ -1,0 +1,280 @@
+"""run_all.sh: the report from fabricated run directories, and loud failures (no torch, no training)."""
+import json
+import math
+import inspect
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "run_all.sh"
+ALGOS = ("ppo", "grpo", "gspo")
+SEEDS = (0, 1)
+STEPS = 30
+EVAL_EVERY = 10
+
+# Algorithm-specific extra keys, as the real scripts log them: the report must not care.
+EXTRA_KEYS = {
+    "ppo": {"value_loss": 0.12, "explained_variance": 0.4, "kl_to_ref": 0.001, "eos_rate": 0.98},
+    "grpo": {"clip_frac_low": 0.01, "clip_frac_high": 0.02, "kl": 0.0, "zero_std_frac": 0.4},
+    "gspo": {"ratio_mean": 1.0, "ratio_max_dev": 0.2, "zero_std_frac": 0.35},
+}
+
+
+def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: int = EVAL_EVERY):
+    """Write plausible summary.json + metrics.jsonl for one run; return (summary, rows)."""
+    a, k = ALGOS.index(algo), seed
+    rows = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "reward": round(0.1 + 0.01 * step + 0.03 * a + 0.02 * k + 0.005 * ((step * 7) % 3), 6),
+            "accuracy": 0.0,
+            "format_rate": 0.99,
+            "loss": 0.01,
+            "clip_frac": round(0.05 + 0.01 * a + 0.001 * step, 6),
+            "entropy": round(0.8 - 0.01 * step - 0.02 * a + 0.03 * k, 6),
+            "response_len": 3.5,
+            "grad_norm": 1.5,
+            "skipped_updates": 0,
+            "tokens_per_s": round(1000.0 + 100 * a + 37 * k + 3 * step, 6),
+            "step_time_s": round(0.5 + 0.2 * a + 0.01 * k, 6),
+            **EXTRA_KEYS[algo],
+        }
+        row["accuracy"] = row["reward"]
+        if step % eval_every == 0 or step == steps:
+            row["eval_accuracy"] = round(0.3 + 0.005 * step + 0.01 * a + 0.004 * k, 6)
+            row["eval_format_rate"] = 0.99
+        rows.append(row)
+    summary = {
+        "algo": algo, "model": "tiny", "task": "arith", "seed": seed, "steps": steps,
+        "eval_accuracy_before": round(0.30 + 0.002 * a + 0.01 * k, 6),
+        "eval_accuracy_after": rows[-1]["eval_accuracy"],
+        "eval_format_rate_after": 0.99,
+        "wall_time_s": round(100.0 + 40 * a + 3.5 * k, 6),
+        "peak_mem_mb": round(900.0 + 300 * (algo == "ppo") + 11 * k, 6),
+        "mean_clip_frac": round(statistics.mean(r["clip_frac"] for r in rows), 6),
+        "args": {"model": "tiny", "task": None, "steps": steps, "prompts_per_step": 16, "group_size": 8,
+                 "max_new_tokens": 8, "seed": seed, "eval_every": eval_every},
+    }
+    d = out / f"{algo}-seed{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "summary.json").write_text(json.dumps(summary, indent=2))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return summary, rows
+
+
+def run_all(*flags, env=None, timeout=60):
+    full_env = {**os.environ, "SEEDS": " ".join(map(str, SEEDS)), "STEPS": str(STEPS),
+                "EVAL_EVERY": str(EVAL_EVERY), "PYTHON": sys.executable, "MPLBACKEND": "Agg", **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *flags], env=full_env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def ms(values):
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+@pytest.fixture
+def fabricated(tmp_path):
+    out = tmp_path / "compare"
+    runs = {(algo, seed): fabricate(out, algo, seed) for algo in ALGOS for seed in SEEDS}
+    return out, runs
+
+
+def test_report_only_builds_table_json_and_plot(fabricated):
+    out, runs = fabricated
+    res = run_all("--report-only", env={"OUT": str(out)})
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    md = (out / "results.md").read_text()
+    table_rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    assert set(ALGOS) <= set(table_rows), md
+    data = json.loads((out / "results.json").read_text())
+    assert data["seeds"] == list(SEEDS) and data["steps"] == STEPS and data["warnings"] == []
+    assert "Command:" in md and "Date:" in md and "Machine:" in md and "cores" in md
+
+    for algo in ALGOS:
+        summaries = [runs[(algo, s)][0] for s in SEEDS]
+        metrics = [runs[(algo, s)][1] for s in SEEDS]
+        expected = {
+            "eval_accuracy_before": ms([s["eval_accuracy_before"] for s in summaries]),
+            "eval_accuracy_after": ms([s["eval_accuracy_after"] for s in summaries]),
+            "final_reward": ms([statistics.mean(r["reward"] for r in rows[-10:]) for rows in metrics]),
+            "wall_time_s": ms([s["wall_time_s"] for s in summaries]),
+            "tokens_per_s": ms([statistics.mean(r["tokens_per_s"] for r in rows) for rows in metrics]),
+            "peak_mem_mb": ms([s["peak_mem_mb"] for s in summaries]),
+            "mean_clip_frac": ms([s["mean_clip_frac"] for s in summaries]),
+            "final_entropy": ms([rows[-1]["entropy"] for rows in metrics]),
+        }
+        got = data["algos"][algo]
+        for key, (mean, std) in expected.items():
+            assert math.isclose(got[key]["mean"], mean, rel_tol=1e-9, abs_tol=1e-9), (algo, key)
+            assert math.isclose(got[key]["std"], std, rel_tol=1e-9, abs_tol=1e-9), (algo, key)
+        assert got["before_after"] == [
+            {"seed": s, "before": runs[(algo, s)][0]["eval_accuracy_before"],
+             "after": runs[(algo, s)][0]["eval_accuracy_after"]} for s in SEEDS]
+
+        # the table cells, parsed back: "m +- s" numbers, before -> after, within display rounding
+        cells = [c.strip() for c in table_rows[algo].strip().strip("|").split("|")]
+        before_after = re.fullmatch(r"(\S+) \+- (\S+) -> (\S+) \+- (\S+)", cells[1])
+        assert before_after, cells[1]
+        shown = [float(x) for x in before_after.groups()]
+        want = [*expected["eval_accuracy_before"], *expected["eval_accuracy_after"]]
+        assert all(abs(x - y) <= 5e-4 + 1e-9 for x, y in zip(shown, want)), (cells[1], want)
+        for cell, key, tol in ((cells[2], "final_reward", 5e-4), (cells[3], "wall_time_s", 0.5),
+                               (cells[4], "tokens_per_s", 0.5), (cells[5], "peak_mem_mb", 0.5),
+                               (cells[6], "mean_clip_frac", 5e-4), (cells[7], "final_entropy", 5e-4)):
+            m, sd = (float(x) for x in re.fullmatch(r"(\S+) \+- (\S+)", cell).groups())
+            assert abs(m - expected[key][0]) <= tol + 1e-9 and abs(sd - expected[key][1]) <= tol + 1e-9, (key, cell)
+        assert table_rows[algo] in res.stdout  # the same table is printed
+
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+@pytest.mark.parametrize("damage", ["missing_summary", "wrong_steps", "truncated_metrics"])
+def test_report_only_refuses_incomplete_runs(fabricated, damage):
+    out, _ = fabricated
+    (out / "results.md").write_text("stale table\n")
+    (out / "results.json").write_text("{}\n")
+    run = out / "grpo-seed1"
+    if damage == "missing_summary":
+        (run / "summary.json").unlink()
+    elif damage == "wrong_steps":
+        s = json.loads((run / "summary.json").read_text())
+        s["steps"] = STEPS - 5
+        (run / "summary.json").write_text(json.dumps(s))
+    else:
+        lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (run / "metrics.jsonl").write_text("".join(lines[:-3]))
+    res = run_all("--report-only", env={"OUT": str(out)})
+    assert res.returncode != 0
+    assert "grpo seed 1" in res.stderr, res.stderr
+    assert "ppo seed" not in res.stderr and "gspo seed" not in res.stderr  # only the damaged run is named
+    assert not (out / "results.md").exists() and not (out / "results.json").exists()
+    assert not (out / "curves.png").exists()
+
+
+def test_report_only_refuses_a_missing_seed(fabricated):
+    out, _ = fabricated
+    res = run_all("--report-only", env={"OUT": str(out), "SEEDS": "0 1 2"})
+    assert res.returncode != 0
+    for algo in ALGOS:
+        assert f"{algo} seed 2" in res.stderr
+    assert not (out / "results.md").exists()
+
+
+def test_failing_training_run_stops_and_names_it(tmp_path):
+    out = tmp_path / "compare"
+    fabricate(out, "ppo", 0)  # stale results of an earlier sweep: must not survive
+    (out / "results.md").write_text("stale table\n")
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python-stub"
+    stub.write_text(f'#!/bin/bash\necho "$@" >> {shlex.quote(str(calls))}\n'
+                    'echo "Traceback: something broke" >&2\nexit 1\n')
+    stub.chmod(0o755)
+    res = run_all(env={"OUT": str(out), "PYTHON": str(stub)})
+    assert res.returncode != 0
+    text = res.stdout + res.stderr
+    assert "FAILED: ppo seed 0" in res.stderr, text
+    assert str(out / "ppo-seed0.log") in res.stderr
+    assert "something broke" in res.stderr  # the log's tail is shown
+    assert len(calls.read_text().splitlines()) == 1  # stopped at the first failure
+    assert not (out / "results.md").exists() and not (out / "results.json").exists()
+    assert not (out / "ppo-seed0" / "summary.json").exists()  # the old run directory was deleted
+
+
+def test_real_script_usage_error_fails_loudly(tmp_path):
+    """EXTRA_ARGS reach the real scripts: --steps 0 is rejected by ppo.py with exit status 2."""
+    pytest.importorskip("torch")
+    out = tmp_path / "compare"
+    res = run_all(env={"OUT": str(out), "SEEDS": "0", "EXTRA_ARGS": "--steps 0"}, timeout=120)
+    assert res.returncode != 0
+    assert "FAILED: ppo seed 0 (exit status 2)" in res.stderr, res.stderr
+    assert "--steps must be >= 1" in res.stderr
+    assert not (out / "results.md").exists()
+
+
+FAKE_TRAINER = r'''
+import json, os, statistics, sys
+from pathlib import Path
+script, argv = Path(sys.argv[1]).stem, sys.argv[2:]
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    f.write(json.dumps([script] + argv) + "\n")
+opts = {}
+for i, a in enumerate(argv):
+    if a.startswith("--"):
+        opts[a] = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+if os.environ.get("FAKE_FAIL") == f"{script}-seed{opts['--seed']}":
+    print("fake failure", file=sys.stderr)
+    sys.exit(3)
+'''
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """A PYTHON that runs a fake trainer for `PYTHON x.py ...` and the real interpreter otherwise."""
+    trainer = tmp_path / "fake_trainer.py"
+    trainer.write_text(
+        FAKE_TRAINER + f"ALGOS, STEPS, EVAL_EVERY, EXTRA_KEYS = {ALGOS!r}, {STEPS}, {EVAL_EVERY}, {EXTRA_KEYS!r}\n"
+        + inspect.getsource(fabricate)
+        + 'fabricate(Path(opts["--out"]).parent, script, int(opts["--seed"]), int(opts["--steps"]), '
+          'int(opts["--eval-every"]))\n')
+    stub = tmp_path / "python-fake"
+    py = shlex.quote(sys.executable)
+    stub.write_text(f'#!/bin/bash\nif [[ "$1" == *.py ]]; then exec {py} {shlex.quote(str(trainer))} "$@"; fi\n'
+                    f'exec {py} "$@"\n')
+    stub.chmod(0o755)
+    calls = tmp_path / "calls.jsonl"
+    env = {"PYTHON": str(stub), "FAKE_CALLS": str(calls)}
+    return env, calls
+
+
+def test_full_run_passes_identical_settings_and_builds_report(tmp_path, fake_python):
+    env, calls = fake_python
+    out = tmp_path / "compare"
+    (out / "gspo-seed1").mkdir(parents=True)
+    (out / "gspo-seed1" / "stale.txt").write_text("old")
+    res = run_all(env={**env, "OUT": str(out), "PROMPTS_PER_STEP": "16", "GROUP_SIZE": "4",
+                       "MAX_NEW_TOKENS": "6", "EXTRA_ARGS": "--eval-size 50", "GSPO_ARGS": "--variant token"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [(c[0], c[c.index("--seed") + 1]) for c in recorded] == [
+        (algo, str(seed)) for seed in SEEDS for algo in ALGOS]
+    for c in recorded:
+        flags = dict(zip(c[1::2], c[2::2]))
+        assert flags["--steps"] == str(STEPS) and flags["--prompts-per-step"] == "16"
+        assert flags["--group-size"] == "4" and flags["--max-new-tokens"] == "6"
+        assert flags["--model"] == "tiny" and flags["--eval-every"] == str(EVAL_EVERY)
+        assert flags["--eval-size"] == "50"
+        assert flags["--out"] == str(out / f"{c[0]}-seed{flags['--seed']}")
+        assert (flags.get("--variant") == "token") == (c[0] == "gspo")
+    assert not (out / "gspo-seed1" / "stale.txt").exists()
+    assert all((out / f"{a}-seed{s}.log").is_file() for a in ALGOS for s in SEEDS)
+    assert (out / "results.md").is_file() and (out / "curves.png").is_file()
+    assert "--eval-size 50" in (out / "results.md").read_text()  # the command is recorded
+
+
+def test_failure_mid_sweep_names_the_run_and_writes_no_table(tmp_path, fake_python):
+    env, calls = fake_python
+    out = tmp_path / "compare"
+    res = run_all(env={**env, "OUT": str(out), "FAKE_FAIL": "grpo-seed1"})
+    assert res.returncode != 0
+    assert "FAILED: grpo seed 1 (exit status 3)" in res.stderr, res.stderr
+    assert str(out / "grpo-seed1.log") in res.stderr and "fake failure" in res.stderr
+    assert len(calls.read_text().splitlines()) == 5  # ppo0 grpo0 gspo0 ppo1 grpo1, then stop
+    assert not (out / "results.md").exists() and not (out / "results.json").exists()
+
+
+def test_help_and_bad_flag():
+    res = run_all("--help")
+    assert res.returncode == 0 and "--report-only" in res.stdout and "GSPO_ARGS" in res.stdout
+    res = run_all("--bogus")
+    assert res.returncode == 2 and "--bogus" in res.stderr
