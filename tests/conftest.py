@@ -1,0 +1,28 @@
+"""Shared fixtures: the repository root on sys.path, the cached tiny checkpoint, the char tokenizer."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
+# The models under test are tiny: intra-op threads only add synchronisation, and on a shared 2-core
+# machine two threads contending with other jobs made a 10-token sample ~100x slower (5 s vs 0.05 s).
+torch.set_num_threads(int(os.environ.get("RLREF_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    """The warm-started tiny checkpoint (built once, about a minute on 2 cores, then cached)."""
+    return common.tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def char_tok():
+    return common.build_char_tokenizer()

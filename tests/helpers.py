@@ -1,0 +1,220 @@
+"""Shared helpers for tests/test_gspo.py and tests/test_grpo.py.
+
+Reference computations here are plain Python loops over float64 (Python floats), written from
+/work/shared/REFERENCE.md, never from the code under test. Hypothesis strategies draw small
+batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # conftest.py does this too; the helpers must not depend on it
+    sys.path.insert(0, str(ROOT))
+
+# Light hypothesis profile: no deadline (the machine is shared), a modest number of examples.
+LIGHT = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+F64 = torch.float64
+
+
+def t64(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=F64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hypothesis strategies
+# ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw, max_b=4, max_t=6, min_len=1, min_b=1, log_ratio_scales=(1e-4, 1e-3, 0.05, 0.5, 2.0),
+            allow_zero_adv=True):
+    """A small batch as Python lists: mask [B][T] (0/1, any pattern, >= min_len real tokens per
+    row), old [B][T], logp [B][T] = old + d with |d| <= scale (scale drawn so both in- and
+    out-of-clip-range ratios occur), adv [B] (nonzero unless allow_zero_adv)."""
+    B = draw(st.integers(min_b, max_b))
+    T = draw(st.integers(max(1, min_len), max_t))
+    row = st.lists(st.integers(0, 1), min_size=T, max_size=T).filter(lambda r: sum(r) >= min_len)
+    mask = [draw(row) for _ in range(B)]
+    scale = draw(st.sampled_from(log_ratio_scales))
+    val = st.floats(-6.0, 0.0, allow_nan=False)
+    dif = st.floats(-scale, scale, allow_nan=False)
+    old = [[draw(val) for _ in range(T)] for _ in range(B)]
+    logp = [[o + draw(dif) for o in r] for r in old]
+    a = st.floats(-2.0, 2.0, allow_nan=False)
+    if not allow_zero_adv:
+        a = a.filter(lambda x: abs(x) > 1e-3)
+    adv = [draw(a) for _ in range(B)]
+    return dict(B=B, T=T, mask=mask, old=old, logp=logp, adv=adv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-loop references (float64)
+# ----------------------------------------------------------------------------------------------
+
+
+def loop_seq_ratio(logp, old, mask):
+    """s_i = exp(sum_t m (logp - old) / sum_t m) per row (1 for an empty row)."""
+    out = []
+    for lr, orow, mrow in zip(logp, old, mask):
+        n = sum(mrow)
+        tot = sum(l - o for l, o, m in zip(lr, orow, mrow) if m)
+        out.append(math.exp(tot / n) if n else 1.0)
+    return out
+
+
+def loop_geo_mean_ratio(logp, old, mask):
+    """(prod_t r_t) ** (1/|y|) with r_t = exp(logp_t - old_t): the geometric mean of token ratios."""
+    out = []
+    for lr, orow, mrow in zip(logp, old, mask):
+        rs = [math.exp(l - o) for l, o, m in zip(lr, orow, mrow) if m]
+        out.append(math.prod(rs) ** (1.0 / len(rs)) if rs else 1.0)
+    return out
+
+
+def is_clipped(a, r, eps_low, eps_high):
+    """The clipped branch of max(-A r, -A clip(r)) is active (and the gradient zero)."""
+    return (a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low)
+
+
+def clipped_objective(a, r, eps_low, eps_high):
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) for Python floats."""
+    c = min(max(r, 1 - eps_low), 1 + eps_high)
+    return max(-a * r, -a * c)
+
+
+def loop_group_advantages(rewards, group_size, scale="std", eps=1e-6):
+    """(R - mean) / (Bessel std + eps) per group, exactly 0 for a constant group; float64."""
+    out = []
+    for g in range(0, len(rewards), group_size):
+        grp = [float(x) for x in rewards[g: g + group_size]]
+        if all(x == grp[0] for x in grp):
+            out += [0.0] * len(grp)
+            continue
+        mean = sum(grp) / len(grp)
+        if scale == "none":
+            out += [x - mean for x in grp]
+            continue
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (len(grp) - 1))
+        out += [(x - mean) / (std + eps) for x in grp]
+    return out
+
+
+def loop_grpo(b, eps_low, eps_high, agg, max_len=None, ref=None, kl_coef=0.0, adv=None):
+    """GRPO's loss and d loss / d logp from plain loops over a `batches()` draw.
+    Per token: max(-A r, -A clip(r)) + kl_coef * k3, r = exp(logp - old), k3 = e^x - x - 1 with
+    x = ref - logp; weight w_it = 1 / (B |y_i|) (seq-mean-token-mean), 1 / sum m (token-mean),
+    1 / (B * max_len) (seq-mean-token-sum-norm). `adv` may be [B] (default b["adv"]) or [B][T]."""
+    B, T = b["B"], b["T"]
+    adv = b["adv"] if adv is None else adv
+    n_tok = sum(sum(r) for r in b["mask"])
+    loss, grad = 0.0, []
+    for i in range(B):
+        n = sum(b["mask"][i])
+        row = []
+        for t in range(T):
+            if not b["mask"][i][t]:
+                row.append(0.0)
+                continue
+            a = adv[i][t] if isinstance(adv[i], (list, tuple)) else adv[i]
+            r = math.exp(b["logp"][i][t] - b["old"][i][t])
+            l = clipped_objective(a, r, eps_low, eps_high)
+            g = 0.0 if is_clipped(a, r, eps_low, eps_high) else -a * r
+            if ref is not None:
+                x = ref[i][t] - b["logp"][i][t]
+                l += kl_coef * (math.expm1(x) - x)
+                g += kl_coef * (1.0 - math.exp(x))
+            if agg == "seq-mean-token-mean":
+                w = 1.0 / (B * n)
+            elif agg == "token-mean":
+                w = 1.0 / n_tok
+            else:
+                w = 1.0 / (B * (max_len or T))
+            loss += w * l
+            row.append(w * g)
+        grad.append(row)
+    return loss, grad
+
+
+def float32_round(xs):
+    """The float32 value of each Python float (the code casts rewards to float32)."""
+    return torch.tensor(xs, dtype=torch.float32).double().tolist()
+
+
+def group_mean_std(adv, group_size):
+    """Per group: (mean, Bessel std) of the advantages, in float64."""
+    out = []
+    for g in range(0, len(adv), group_size):
+        grp = adv[g: g + group_size]
+        mean = sum(grp) / len(grp)
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (len(grp) - 1))
+        out.append((mean, std))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Subprocess smoke runs
+# ----------------------------------------------------------------------------------------------
+
+SMOKE_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2",
+              "--eval-size", "16", "--eval-every", "1"]
+METRIC_KEYS = {"step", "reward", "accuracy", "loss", "clip_frac", "entropy", "response_len",
+               "tokens_per_s", "step_time_s", "eval_accuracy"}
+SUMMARY_KEYS = {"algo", "model", "task", "seed", "steps", "eval_accuracy_before", "eval_accuracy_after",
+                "wall_time_s", "peak_mem_mb", "mean_clip_frac", "args"}
+
+
+def run_smoke(script: str, out: Path, extra=(), timeout=240):
+    """Run `python <script> <SMOKE_ARGS> <extra> --out <out>` from the repo root and check the
+    outputs every training script must write. Returns (metrics rows, summary)."""
+    env = dict(os.environ)
+    env.setdefault("RLREF_THREADS", "1")  # a shared 2-core machine: keep the subprocess on one core
+    cmd = [sys.executable, script, *SMOKE_ARGS, *extra, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    assert len(rows) == 2, rows
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        missing = METRIC_KEYS - r.keys()
+        assert not missing, f"metrics row lacks {missing}"
+        for k in METRIC_KEYS - {"step"}:
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
+        assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0
+        assert 0.0 <= r["eval_accuracy"] <= 1.0
+        assert 0.0 <= r["clip_frac"] <= 1.0
+        assert r["entropy"] >= 0.0 and r["response_len"] >= 1.0
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+
+    summary = json.loads((out / "summary.json").read_text())
+    missing = SUMMARY_KEYS - summary.keys()
+    assert not missing, f"summary.json lacks {missing}"
+    assert summary["steps"] == 2 and summary["model"] == "tiny" and summary["task"] == "arith"
+    assert summary["seed"] == 0
+    assert math.isclose(summary["mean_clip_frac"], sum(r["clip_frac"] for r in rows) / 2, abs_tol=1e-5)
+    assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
+    assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
+    assert isinstance(summary["args"], dict)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert sum(p.numel() for p in model.parameters()) > 0
+    with torch.no_grad():
+        ids = torch.tensor([tok("1+2=")["input_ids"]])
+        logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    return rows, summary

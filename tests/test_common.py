@@ -1,0 +1,801 @@
+"""Tests for common.py, the shared harness.
+
+Every value is checked against an independent computation: plain Python loops, a full no-cache
+forward with a float64 log_softmax + gather, Hugging Face's own `generate`, or hand-worked cases.
+Most model tests use a small *random* Qwen3ForCausalLM (built once per session, seeded); only the
+round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
+"""
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import common
+
+# Prompts of different lengths, so a batch of them is genuinely left-padded.
+PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
+# A small random model. initializer_range 0.3 (not the default 0.02) makes the next-token
+# distributions peaked enough that greedy choices are not near-ties decided by float noise.
+RANDOM_CONFIG = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.3,
+    tie_word_embeddings=False,
+)
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers and fixtures
+# ---------------------------------------------------------------------------------------------
+
+
+def enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def rand_model(char_tok):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(char_tok), pad_token_id=char_tok.pad_token_id, eos_token_id=char_tok.eos_token_id,
+        bos_token_id=None, **RANDOM_CONFIG,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[char_tok.eos_token_id], pad_token_id=char_tok.pad_token_id, do_sample=False
+    )
+    return model
+
+
+@pytest.fixture(scope="session")
+def prompts(char_tok):
+    return [enc(char_tok, p) for p in PROMPTS]
+
+
+def real_length(tokens, eos_ids, max_new_tokens):
+    """Plain loop: a completion ends at (and includes) the first token that is any EOS id."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos_ids:
+            return i + 1
+    return min(len(tokens), max_new_tokens)
+
+
+@torch.no_grad()
+def naive_row(model, prompt, completion, temperature=1.0):
+    """Per-token log p and entropy for one *unpadded* row from a full no-cache forward, float64."""
+    logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    P = len(prompt)
+    logp = [logp_all[P - 1 + t, y].item() for t, y in enumerate(completion)]
+    ent = [-(logp_all[P - 1 + t].exp() * logp_all[P - 1 + t]).sum().item() for t in range(len(completion))]
+    return logp, ent
+
+
+def rows(roll):
+    """The real (unpadded) prompt and completion token lists of each row."""
+    out = []
+    for i in range(len(roll)):
+        p = roll.prompt_ids[i][roll.prompt_mask[i].bool()].tolist()
+        n = int(roll.completion_mask[i].sum().item())
+        out.append((p, roll.completion_ids[i, :n].tolist()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def sampled_roll(rand_model, prompts, char_tok):
+    """A temperature-1 rollout with two EOS ids, so rows end at different lengths (padded tails)."""
+    pad = char_tok.pad_token_id
+    ref = common.sample(rand_model, prompts, 10, [], pad, generator=torch.Generator().manual_seed(5))
+    eos = sorted({int(ref.completion_ids[0, 2]), int(ref.completion_ids[1, 6])})
+    roll = common.sample(rand_model, prompts, 10, eos, pad, generator=torch.Generator().manual_seed(5))
+    lengths = roll.completion_mask.sum(1)
+    assert lengths.min() < lengths.max(), "fixture should have completions of different lengths"
+    return roll
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. the tiny checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
+    assert common.tiny_checkpoint() == tiny_path  # second call: the cached path, no rebuild
+    assert tiny_path.startswith(str(common.cache_root()))
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert isinstance(model, Qwen3ForCausalLM)
+    for text in ["12+34=46", "0+0=0", "99+99=198", "#### 1,234\n"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text)  # character level
+        assert tok.decode(ids) == text
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    assert tok.eos_token_id != tok.pad_token_id
+    assert tok.eos_token_id in common.eos_token_ids(model, tok)
+    assert tok.pad_token_id not in common.eos_token_ids(model, tok)
+
+    _, held_out = common.arith_split()
+    result = common.evaluate(model, tok, held_out, max_new_tokens=5)
+    assert 0.10 <= result["accuracy"] <= 0.50, result
+
+    # independent check of evaluate's accuracy: Hugging Face greedy generate + plain string compare
+    tok.padding_side = "left"
+    batch = tok([ex["prompt"] for ex in held_out[:100]], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    hf_acc = sum(t.strip() == ex["answer"] for t, ex in zip(texts, held_out[:100])) / 100
+    ours = common.evaluate(model, tok, held_out[:100], max_new_tokens=5)["accuracy"]
+    assert ours == pytest.approx(hf_acc, abs=1e-6)  # evaluate averages in float32
+
+
+@given(st.text(alphabet=st.sampled_from(common.TINY_CHARS), max_size=40))
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_char_tokenizer_round_trips_any_printable_text(char_tok, text):
+    # the special tokens' own spellings are parsed as the special tokens (as every HF tokenizer does)
+    assume(not any(special in text for special in (common.PAD, common.EOS, char_tok.unk_token)))
+    ids = enc(char_tok, text)
+    assert len(ids) == len(text)
+    assert char_tok.unk_token_id not in ids
+    assert char_tok.decode(ids) == text
+
+
+def test_eos_token_ids_collects_every_id(char_tok):
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=[7, 9]))
+    assert sorted(common.eos_token_ids(model, char_tok)) == sorted([7, 9, char_tok.eos_token_id])
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=char_tok.eos_token_id))
+    assert common.eos_token_ids(model, char_tok) == [char_tok.eos_token_id]
+    model = SimpleNamespace(generation_config=None)
+    assert common.eos_token_ids(model, char_tok) == [char_tok.eos_token_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-3. greedy sampling: equals HF generate, and is invariant to batching / left padding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_sample_equals_hf_generate(rand_model, prompts, char_tok):
+    pad, T = char_tok.pad_token_id, 12
+    free = common.sample(rand_model, prompts, T, [], pad, greedy=True)
+    # two EOS ids taken from the EOS-free run, so several rows stop early and at different steps
+    eos = sorted({int(free.completion_ids[0, 2]), int(free.completion_ids[2, 6])})
+    ours = common.sample(rand_model, prompts, T, eos, pad, greedy=True)
+
+    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
+    with torch.no_grad():
+        out = rand_model.generate(
+            input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
+            do_sample=False, eos_token_id=eos, pad_token_id=pad,
+        )
+    hf = out[:, batch.prompt_ids.shape[1]:]
+    assert hf.shape == ours.completion_ids.shape
+    stopped = 0
+    for i in range(len(prompts)):
+        n = real_length(hf[i].tolist(), eos, T)
+        stopped += n < T
+        assert ours.completion_ids[i, :n].tolist() == hf[i, :n].tolist()
+        assert ours.completion_mask[i, :n].tolist() == [1.0] * n
+        assert ours.completion_mask[i, n:].sum() == 0
+        assert (hf[i, n:] == pad).all() and (ours.completion_ids[i, n:] == pad).all()
+    assert stopped >= 2
+
+
+def test_greedy_completion_independent_of_batch_and_padding(rand_model, prompts, char_tok):
+    pad, T = char_tok.pad_token_id, 10
+    eos = [char_tok.eos_token_id, 40]
+    batch = common.sample(rand_model, prompts, T, eos, pad, greedy=True)
+    reversed_batch = common.sample(rand_model, prompts[::-1], T, eos, pad, greedy=True)
+    for i, p in enumerate(prompts):
+        alone = common.sample(rand_model, [p], T, eos, pad, greedy=True)
+        n = int(alone.completion_mask.sum())
+        assert int(batch.completion_mask[i].sum()) == n
+        assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0, :n].tolist()
+        j = len(prompts) - 1 - i
+        assert reversed_batch.completion_ids[j, :n].tolist() == alone.completion_ids[0, :n].tolist()
+
+
+def test_greedy_tokens_are_argmax_of_full_no_cache_forward(rand_model, prompts, char_tok):
+    roll = common.sample(rand_model, prompts, 10, [], char_tok.pad_token_id, greedy=True)
+    for p, c in rows(roll):
+        with torch.no_grad():
+            logits = rand_model(input_ids=torch.tensor([p + c])).logits[0]
+        for t, y in enumerate(c):
+            assert logits[len(p) - 1 + t].argmax().item() == y
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. KV cache and padding invariance
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_kv_cache_logits_equal_full_forward(rand_model, prompts, char_tok):
+    """Left-padded prompt through a DynamicCache, then one token at a time with RoPE positions that
+    skip the padding (the sampler's scheme), against a full no-cache forward of each unpadded row."""
+    T = 6
+    base = common.Rollout.from_lists(prompts, [[]] * len(prompts), char_tok.pad_token_id)
+    B, P = base.prompt_ids.shape
+    cont = torch.randint(2, len(char_tok), (B, T), generator=torch.Generator().manual_seed(1))
+    attn = torch.cat([base.prompt_mask, torch.ones(B, T, dtype=torch.long)], 1)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=rand_model.config)
+    steps = [rand_model(input_ids=base.prompt_ids, attention_mask=attn[:, :P], position_ids=pos[:, :P],
+                        past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(T - 1):
+        steps.append(rand_model(input_ids=cont[:, t: t + 1], attention_mask=attn[:, : P + t + 1],
+                                position_ids=pos[:, P + t: P + t + 1], past_key_values=cache,
+                                use_cache=True).logits[:, -1])
+    cached = torch.stack(steps, 1)  # [B, T, V]
+    for i, p in enumerate(prompts):
+        full = rand_model(input_ids=torch.tensor([p + cont[i, : T - 1].tolist()])).logits[0]
+        torch.testing.assert_close(cached[i], full[len(p) - 1:], atol=1e-5, rtol=0)
+
+
+# The sampler's own KV-cache decoders (prefill(), step(token) -> next-token logits [B, V]), whichever
+# of them this version of common.py has; each must match a full no-cache forward of every row.
+SAMPLER_DECODERS = [name for name in ("_StaticKVDecoder", "_HFDecoder") if hasattr(common, name)]
+
+
+@pytest.mark.skipif(not SAMPLER_DECODERS, reason="common.sample has no separate decoder classes")
+@pytest.mark.parametrize("decoder_name", SAMPLER_DECODERS or ["none"])
+@torch.no_grad()
+def test_sampler_decoder_logits_equal_full_forward(rand_model, prompts, char_tok, decoder_name):
+    T = 6
+    roll = common.Rollout.from_lists(prompts, [[]] * len(prompts), char_tok.pad_token_id)
+    cont = torch.randint(2, len(char_tok), (len(prompts), T), generator=torch.Generator().manual_seed(2))
+    decoder = getattr(common, decoder_name)(rand_model, roll, T)
+    steps = [decoder.prefill()]
+    for t in range(T - 1):
+        steps.append(decoder.step(cont[:, t]).clone())
+    cached = torch.stack(steps, 1)  # [B, T, V]
+    for i, p in enumerate(prompts):
+        full = rand_model(input_ids=torch.tensor([p + cont[i, : T - 1].tolist()])).logits[0]
+        torch.testing.assert_close(cached[i], full[len(p) - 1:], atol=1e-5, rtol=0)
+
+
+def test_completion_logprobs_padding_invariant(rand_model, sampled_roll):
+    with torch.no_grad():
+        logp, ent = common.completion_logprobs(rand_model, sampled_roll)
+    for i, (p, c) in enumerate(rows(sampled_roll)):
+        single = common.Rollout.from_lists([p], [c], pad_id=0)
+        with torch.no_grad():
+            lp1, en1 = common.completion_logprobs(rand_model, single)
+        n = len(c)
+        torch.testing.assert_close(logp[i, :n], lp1[0, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[i, :n], en1[0, :n], atol=1e-5, rtol=0)
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all()  # padding positions stay finite
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. EOS handling and max_new_tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
+    pad, T = char_tok.pad_token_id, 10
+    # With no EOS ids nothing stops; the same generator seed then gives the same tokens up to the
+    # first EOS once EOS ids are set (every row draws one sample per step either way).
+    free = common.sample(rand_model, prompts, T, [], pad, generator=torch.Generator().manual_seed(11))
+    assert free.completion_ids.shape == (len(prompts), T) and free.completion_mask.all()
+    eos = sorted({int(free.completion_ids[0, 1]), int(free.completion_ids[1, 4]), int(free.completion_ids[3, 7])})
+    roll = common.sample(rand_model, prompts, T, eos, pad, generator=torch.Generator().manual_seed(11))
+    lengths, stoppers = [], set()
+    for i in range(len(prompts)):
+        ref = free.completion_ids[i].tolist()
+        n = real_length(ref, eos, T)
+        lengths.append(n)
+        if n < T or ref[n - 1] in eos:
+            stoppers.add(ref[n - 1])
+        assert roll.completion_ids[i, :n].tolist() == ref[:n]
+        assert roll.completion_mask[i].tolist()[:n] == [1.0] * n  # EOS included
+        assert roll.completion_mask[i, n:].sum() == 0
+        assert (roll.completion_ids[i, n:] == pad).all()
+    assert len(stoppers) >= 2, "at least two different EOS ids should have stopped rows"
+    assert roll.completion_ids.shape[1] == max(lengths) <= T
+    assert roll.completion_lists() == [free.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rows_finishing_early_do_not_disturb_the_others(rand_model, char_tok, greedy):
+    """Most rows stop within three steps while three run to the end: the survivors' tokens must equal
+    an EOS-free run with the same seed (a sampler may shrink its batch as rows finish)."""
+    pad, T = char_tok.pad_token_id, 8
+    texts = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+", "42+", "8+8=", "x", "3+4=7, 1+1="]
+    prompts = [enc(char_tok, t) for t in texts]
+    kw = dict(greedy=greedy, temperature=1.0)
+
+    def run(eos):
+        return common.sample(rand_model, prompts, T, eos, pad, generator=torch.Generator().manual_seed(9), **kw)
+
+    free = run([])
+    survivors = [6, 7, 8]
+    keep_going = {int(x) for i in survivors for x in free.completion_ids[i]}
+    eos = set()
+    for i in range(6):  # each early row: its first token (of steps 0-2) that no survivor produces
+        eos |= {next((x for x in free.completion_ids[i, :3].tolist() if x not in keep_going), None)}
+    eos = sorted(eos - {None})
+    roll = run(eos)
+    lengths = [real_length(free.completion_ids[i].tolist(), eos, T) for i in range(len(prompts))]
+    assert sum(n <= 3 for n in lengths) > len(prompts) // 2, "fixture: most rows should stop early"
+    assert all(lengths[i] == T for i in survivors)
+    for i, n in enumerate(lengths):
+        assert roll.completion_ids[i, :n].tolist() == free.completion_ids[i, :n].tolist(), i
+        assert roll.completion_mask[i].sum().item() == n
+        assert (roll.completion_ids[i, n:] == pad).all()
+
+
+def test_forced_eos_at_first_step(rand_model, prompts, char_tok):
+    """Final hidden state forced to all-ones and an lm_head whose only non-zero row is a second EOS
+    id: every row is exactly [that id] with mask [1], and sampling stops after one step."""
+    model = copy.deepcopy(rand_model)
+    eos2 = 50  # a second EOS id besides the tokenizer's
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eos2] = 1.0
+    model.model.norm.register_forward_hook(lambda module, inputs, output: torch.ones_like(output))
+    for greedy in (True, False):
+        roll = common.sample(model, prompts, 6, [char_tok.eos_token_id, eos2], char_tok.pad_token_id,
+                             greedy=greedy, temperature=0.05, generator=torch.Generator().manual_seed(0))
+        assert roll.completion_ids.tolist() == [[eos2]] * len(prompts)
+        assert roll.completion_mask.tolist() == [[1.0]] * len(prompts)
+        assert roll.completion_lists() == [[eos2]] * len(prompts)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7])
+def test_max_new_tokens_respected(rand_model, prompts, char_tok, max_new_tokens):
+    pad = char_tok.pad_token_id
+    roll = common.sample(rand_model, prompts, max_new_tokens, [], pad, generator=torch.Generator().manual_seed(0))
+    assert roll.completion_ids.shape == (len(prompts), max_new_tokens)
+    assert roll.completion_mask.tolist() == [[1.0] * max_new_tokens] * len(prompts)
+    greedy = common.sample(rand_model, prompts, max_new_tokens, [char_tok.eos_token_id], pad, greedy=True)
+    assert greedy.completion_ids.shape[1] <= max_new_tokens
+    assert (greedy.completion_mask.sum(1) <= max_new_tokens).all()
+
+
+def test_zero_new_tokens_is_empty_or_a_clear_error(rand_model, prompts, char_tok):
+    """max_new_tokens=0 (the CLI forbids it, a library caller may not): an empty [B, 0] rollout or a
+    ValueError, not an internal crash."""
+    try:
+        roll = common.sample(rand_model, prompts, 0, [char_tok.eos_token_id], char_tok.pad_token_id, greedy=True)
+    except ValueError:
+        return
+    assert roll.completion_ids.shape == (len(prompts), 0) and roll.completion_mask.shape == (len(prompts), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. log-probs, temperature, entropy, chunking
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_completion_logprobs_equal_naive_float64(rand_model, sampled_roll, temperature):
+    with torch.no_grad():
+        logp, ent = common.completion_logprobs(rand_model, sampled_roll, temperature=temperature)
+    assert logp.dtype == torch.float32 and ent.dtype == torch.float32
+    for i, (p, c) in enumerate(rows(sampled_roll)):
+        ref_lp, ref_ent = naive_row(rand_model, p, c, temperature)
+        n = len(c)
+        np.testing.assert_allclose(logp[i, :n].double().numpy(), ref_lp, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(ent[i, :n].double().numpy(), ref_ent, atol=1e-5, rtol=0)
+    if temperature != 1.0:  # and the temperature is really applied (not silently 1)
+        with torch.no_grad():
+            plain, _ = common.completion_logprobs(rand_model, sampled_roll, temperature=1.0)
+        assert (plain - logp).abs().max() > 1e-2
+
+
+def test_completion_logprobs_chunked_equals_plain_with_model_gradients(rand_model, sampled_roll):
+    model = copy.deepcopy(rand_model)
+    mask = sampled_roll.completion_mask
+    weights = torch.linspace(-1, 2, mask.numel()).view_as(mask)
+    results = []
+    for chunk in (None, 3):
+        model.zero_grad()
+        logp, ent = common.completion_logprobs(model, sampled_roll, temperature=0.8, chunk_tokens=chunk)
+        (logp * weights * mask).sum().backward()
+        results.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, en0, g0), (lp1, en1, g1) = results
+    torch.testing.assert_close(lp0, lp1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(en0, en1, atol=1e-5, rtol=0)
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert g0["lm_head.weight"].abs().sum() > 0
+
+
+def _naive_logp_entropy_f64(hidden, weight, targets, temperature):
+    logits = (hidden.double() @ weight.double().T) / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@given(
+    B=st.integers(1, 3), T=st.integers(1, 9), chunk=st.integers(1, 12),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.9]), seed=st.integers(0, 10_000),
+)
+@FAST
+def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, chunk, temperature, seed):
+    g = torch.Generator().manual_seed(seed)
+    V, H = 37, 16
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_(True)
+    weight = (0.5 * torch.randn(V, H, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    coef = torch.randn(B, T, generator=g)
+
+    ref_lp, ref_ent = _naive_logp_entropy_f64(hidden.detach(), weight.detach(), targets, temperature)
+    out = {}
+    for c in (None, chunk):
+        hidden.grad = weight.grad = None
+        lp, ent = common.logprobs_from_hidden(hidden, weight, targets, temperature, chunk_tokens=c)
+        assert lp.shape == (B, T) and ent.shape == (B, T)
+        torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
+        (coef * lp).sum().backward()
+        out[c] = (hidden.grad.clone(), weight.grad.clone())
+    # gradients reach |g| ~ 10 at temperature 0.3; a different float32 summation order over chunks
+    # moves them by a few ulps, hence rtol 1e-5 besides atol 1e-5
+    torch.testing.assert_close(out[None][0], out[chunk][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[None][1], out[chunk][1], atol=1e-5, rtol=1e-5)
+
+    # the gradient itself, against float64 autograd of the naive formula
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    lp64, _ = _naive_logp_entropy_f64(h64, w64, targets, temperature)
+    (coef.double() * lp64).sum().backward()
+    torch.testing.assert_close(out[chunk][0].double(), h64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[chunk][1].double(), w64.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_entropy_hand_worked():
+    # logits (via weight @ hidden) = [0, log 3] over 2 tokens -> p = [1/4, 3/4]
+    hidden = torch.tensor([[1.0]])
+    weight = torch.tensor([[0.0], [math.log(3.0)]])
+    for temperature in (1.0, 2.0):
+        p1 = 3 ** (1 / temperature)
+        probs = [1 / (1 + p1), p1 / (1 + p1)]
+        want_ent = -sum(q * math.log(q) for q in probs)
+        lp, ent = common.logprobs_from_hidden(hidden, weight, torch.tensor([1]), temperature, chunk_tokens=None)
+        assert lp.item() == pytest.approx(math.log(probs[1]), abs=1e-6)
+        assert ent.item() == pytest.approx(want_ent, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. arith task and PromptStream
+# ---------------------------------------------------------------------------------------------
+
+
+def test_arith_split_deterministic_disjoint_and_correct():
+    train, held = common.arith_split()
+    train2, held2 = common.arith_split()
+    assert train == train2 and held == held2
+    assert len(held) == common.ARITH_EVAL_SIZE == 500
+    assert len(train) == 100 * 100 - 500
+    train_prompts = {ex["prompt"] for ex in train}
+    held_prompts = {ex["prompt"] for ex in held}
+    assert len(train_prompts) == len(train) and len(held_prompts) == len(held)
+    assert not train_prompts & held_prompts
+    assert train_prompts | held_prompts == {f"{a}+{b}=" for a in range(100) for b in range(100)}
+    for ex in train + held:
+        a, b = ex["prompt"][:-1].split("+")
+        assert ex["answer"] == str(int(a) + int(b))
+    small_train, small_held = common.arith_split(max_operand=30)
+    assert len(small_train) + len(small_held) == 31 * 31 and len(small_held) == 500
+
+
+def test_load_task_arith_and_jsonl_split(tmp_path):
+    assert common.load_task(None, None) == common.arith_split()
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    train, held = common.load_task("jsonl", str(path), eval_fraction=0.25)
+    assert len(held) == 5 and len(train) == 15
+    assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in held})
+    assert common.load_task("jsonl", str(path), eval_fraction=0.25) == (train, held)
+    with pytest.raises(common.UsageError):
+        common.load_task("arith", str(path))
+    with pytest.raises(common.UsageError):
+        common.load_task("gsm8k", None)
+    with pytest.raises(common.UsageError):
+        common.load_task("nope", None)
+
+
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 15), k1=st.integers(0, 40), k2=st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_prompt_stream_deterministic_and_resumable(seed, n, k1, k2):
+    examples = [{"prompt": f"p{i}", "answer": str(i)} for i in range(n)]
+    a = common.PromptStream(examples, seed)
+    b = common.PromptStream(examples, seed)
+    first = a.next(k1) if k1 else []
+    assert first == (b.next(k1) if k1 else [])
+    state = json.loads(json.dumps(a.state_dict()))  # must survive a JSON round trip (checkpoints)
+    rest = a.next(k2)
+    c = common.PromptStream(examples, seed)
+    c.load_state_dict(state)
+    assert c.next(k2) == rest
+    # each epoch is a permutation of the examples
+    d = common.PromptStream(examples, seed)
+    for _ in range(3):
+        epoch = d.next(n)
+        assert sorted(ex["prompt"] for ex in epoch) == sorted(ex["prompt"] for ex in examples)
+
+
+def test_prompt_stream_seed_matters():
+    examples = [{"prompt": f"p{i}", "answer": str(i)} for i in range(50)]
+    assert common.PromptStream(examples, 1).next(50) != common.PromptStream(examples, 2).next(50)
+    s = common.PromptStream(examples, 1)
+    assert s.next(50) != s.next(50)  # a fresh permutation each epoch
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. reward parsing
+# ---------------------------------------------------------------------------------------------
+
+integers = st.integers(min_value=-(10**12), max_value=10**12)
+words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20).filter(lambda w: w.strip())
+
+
+@given(integers)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_extract_answer_plain_integer(n):
+    assert common.extract_answer(str(n)) == str(n)
+    assert common.extract_answer(f"  {n}\n") == str(n)
+    assert common.score(str(n), str(n)) == (1.0, 1.0)
+
+
+@given(st.text(max_size=60), integers)
+@example("Let me think: 12+34 = 46, so", 46)
+@example("#### 5 then", 46)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_extract_answer_after_marker(text, n):
+    # text ending in '#' makes a run of five or more '#'; that case has its own test below
+    assume(not text.endswith("#"))
+    for completion in (f"{text}#### {n}", f"{text}\n####{n}\n", f"{text} #### {n:,}"):
+        assert common.extract_answer(completion) == str(n)
+        assert common.score(completion, str(n)) == (1.0, 1.0)
+
+
+def test_extract_answer_marker_inside_hash_run():
+    """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'."""
+    assert common.extract_answer("##### 46") == "46"
+    assert common.score("work ##### 46", "46")[0] == 1.0
+
+
+@given(integers)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_commas_and_trailing_zero_decimals_normalise(n):
+    assert common.extract_answer(f"{n:,}") == str(n)
+    assert common.extract_answer(f"{n}.0") == str(n)
+    assert common.extract_answer(f"{n:,}.00") == str(n)
+    assert common.score(f"#### {n:,}", str(n)) == (1.0, 1.0)
+    assert common.score(str(n), f"{n:,}")[0] == 1.0
+    assert common.score(f"{n}.0", str(n))[0] == 1.0
+
+
+def test_normalize_number_hand_worked():
+    assert common.normalize_number("1,234") == "1234"
+    assert common.normalize_number("12.0") == "12"
+    assert common.normalize_number("+5") == "5"
+    assert common.normalize_number("-0") == "0"
+    assert common.normalize_number("-0.0") == "0"
+    assert common.normalize_number("0.50") == "0.5"
+    assert common.normalize_number("$1,234.50") == "1234.5"
+    assert common.normalize_number("100") == "100"  # trailing zeros of an integer are kept
+    for bad in ("", " ", "abc", "4 6", "46 or 47", "1e3", "--4", "4-6", "."):
+        assert common.normalize_number(bad) is None, bad
+
+
+def test_decimal_without_leading_zero_normalises_like_with_it():
+    """'.5' is accepted as a number by the parser, so it must compare equal to '0.5'."""
+    assert common.normalize_number(".5") == common.normalize_number("0.5")
+    assert common.normalize_number("-.5") == common.normalize_number("-0.5")
+    assert common.normalize_number("-.0") == "0"  # today: "-" (rstrip eats the whole number)
+    assert common.score("#### .5", "0.5")[0] == 1.0
+
+
+@given(integers, integers)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_only_the_exact_final_answer_scores(n, m):
+    assume(n != m)
+    assert common.score(str(m), str(n)) == (0.0, 1.0)
+    assert common.score(f"{n} #### {m}", str(n)) == (0.0, 1.0)  # right number, different final answer
+    assert common.score(f"#### {n}\n#### {m}", str(n))[0] == 0.0
+    assert common.score(f"{n} {m}", str(n)) == (0.0, 0.0)  # two numbers: no answer
+    assert common.score(f"{m} {n}", str(n)) == (0.0, 0.0)
+
+
+@given(st.text(alphabet=" \t\n\r", max_size=10), integers)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_empty_or_whitespace_completion_scores_zero(blank, n):
+    assert common.extract_answer(blank) is None
+    assert common.score(blank, str(n)) == (0.0, 0.0)
+    assert common.score(f"####{blank}", str(n)) == (0.0, 0.0)
+
+
+@given(words, integers)
+@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
+def test_number_among_words_scores_zero(w, n):
+    assert common.score(f"{w} {n}", str(n)) == (0.0, 0.0)
+    assert common.score(f"{n} {w}", str(n)) == (0.0, 0.0)
+    assert common.score(f"the answer is {n} or {n + 1}", str(n)) == (0.0, 0.0)
+
+
+def test_substring_cases_hand_worked():
+    assert common.score("the answer is 46 or 47", "46") == (0.0, 0.0)
+    assert common.score("46 47", "46") == (0.0, 0.0)
+    assert common.score("I think 46", "46") == (0.0, 0.0)
+    assert common.score("146", "46") == (0.0, 1.0)
+    assert common.score("46", "46") == (1.0, 1.0)
+    assert common.score("#### 46", "46") == (1.0, 1.0)
+    assert common.score("", "46") == (0.0, 0.0)
+
+
+def test_non_numeric_gold_is_exact_string_match():
+    assert common.score("Paris", "Paris") == (1.0, 1.0)
+    assert common.score("reasoning #### Paris ", "Paris") == (1.0, 1.0)
+    assert common.score("Paris is nice", "Paris")[0] == 0.0
+    assert common.score("   ", "Paris") == (0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. load_jsonl
+# ---------------------------------------------------------------------------------------------
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", [
+        json.dumps({"prompt": "2+2=", "answer": "4"}),
+        "",
+        json.dumps({"prompt": "3*3=", "answer": 9}),
+        json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
+        json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
+    ])
+    recs = common.load_jsonl(path)
+    assert recs == [
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": "3*3=", "answer": "9"},
+        {"prompt": "How many?", "answer": "1,234"},
+        {"prompt": "Half?", "answer": "0.50"},
+    ]
+    assert common.score("#### 1234", recs[2]["answer"]) == (1.0, 1.0)
+    assert common.score("1,234", recs[2]["answer"]) == (1.0, 1.0)
+    assert common.score("#### 1235", recs[2]["answer"])[0] == 0.0
+    assert common.score("0.5", recs[3]["answer"])[0] == 1.0
+
+
+@pytest.mark.parametrize("bad_line", ['{"prompt": "x", "answer": ', "not json", '{"prompt": "x" "answer": "1"}'])
+def test_load_jsonl_malformed_json_names_file_and_line(tmp_path, bad_line):
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "a", "answer": "1"}), "", bad_line])
+    with pytest.raises(common.UsageError) as err:
+        common.load_jsonl(path)
+    assert f"{path}:3" in str(err.value)
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"answer": "1"}, "prompt"),
+    ({"prompt": "", "answer": "1"}, "prompt"),
+    ({"prompt": "a"}, "answer"),
+    ({"prompt": "a", "answer": "  "}, "answer"),
+    ({"question": "q"}, "answer"),
+])
+def test_load_jsonl_missing_field_names_field(tmp_path, record, field):
+    path = write_lines(tmp_path / "m.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), json.dumps(record)])
+    with pytest.raises(common.UsageError) as err:
+        common.load_jsonl(path)
+    assert f"'{field}'" in str(err.value) and f"{path}:2" in str(err.value)
+
+
+def test_load_jsonl_other_errors(tmp_path):
+    with pytest.raises(common.UsageError, match="not found"):
+        common.load_jsonl(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(common.UsageError, match="no records"):
+        common.load_jsonl(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
+    with pytest.raises(common.UsageError, match=":1: expected a JSON object"):
+        common.load_jsonl(write_lines(tmp_path / "list.jsonl", ["[1, 2]"]))
+    with pytest.raises(common.UsageError, match="####"):
+        common.load_jsonl(write_lines(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "42"})]))
+
+
+def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
+    """JSON allows raw U+2028 / U+2029 / U+0085 inside strings (json.dumps(ensure_ascii=False) writes
+    them raw); JSONL records are separated by '\\n' only, so such a record must load intact."""
+    prompt = "first\u2028second\u2029third\x85fourth"
+    path = tmp_path / "u.jsonl"
+    path.write_text(
+        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False) + "\n"
+        + json.dumps({"prompt": "b", "answer": "2"}) + "\n",
+        encoding="utf-8",
+    )
+    assert common.load_jsonl(str(path)) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. top-p and seeded sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def test_top_p_filter_hand_worked():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    logits = probs.log()
+    # row 0 sorted: 0.5, 0.3, 0.15, 0.05 -> cumulative 0.5, 0.8, 0.95, 1.0
+    cases = {
+        0.3: [[False, True, False, False]],   # the top token alone reaches 0.3
+        0.7: [[False, True, False, True]],    # 0.5 < 0.7 <= 0.8
+        0.9: [[True, True, False, True]],     # 0.8 < 0.9 <= 0.95
+        0.99: [[True, True, True, True]],
+    }
+    for top_p, (keep0,) in cases.items():
+        out = common._top_p_filter(logits, top_p)
+        assert torch.isfinite(out[0]).tolist() == keep0, top_p
+        kept = torch.isfinite(out[0])
+        torch.testing.assert_close(out[0][kept], logits[0][kept])  # survivors untouched
+    # uniform row: 0.6 needs three of the four tokens (any three: ties), 0.2 needs one
+    assert torch.isfinite(common._top_p_filter(logits, 0.6)[1]).sum() == 3
+    assert torch.isfinite(common._top_p_filter(logits, 0.2)[1]).sum() == 1
+
+
+class FixedLogits(torch.nn.Module):
+    """A stand-in causal LM whose next-token logits never change (sampler statistics test)."""
+
+    def __init__(self, logits, config):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits.clone(), requires_grad=False)
+        self.config = config
+
+    def forward(self, input_ids, **kwargs):
+        return SimpleNamespace(logits=self.logits.expand(input_ids.shape[0], 1, -1))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (2.0, 1.0), (0.5, 1.0), (1.0, 0.7), (2.0, 0.9)])
+def test_sampling_distribution_respects_temperature_and_top_p(rand_model, temperature, top_p):
+    probs = np.array([0.05, 0.5, 0.15, 0.3])
+    model = FixedLogits(torch.tensor(np.log(probs), dtype=torch.float32), rand_model.config)
+    # expected distribution, by hand: p^(1/T) renormalised, then the nucleus renormalised
+    q = probs ** (1 / temperature)
+    q /= q.sum()
+    order = np.argsort(-q)
+    keep, cum = np.zeros(4, bool), 0.0
+    for i in order:
+        if cum >= top_p:
+            break
+        keep[i], cum = True, cum + q[i]
+    want = np.where(keep, q, 0) / q[keep].sum()
+    n = 4000
+    roll = common.sample(model, [[5]] * n, 1, [], 0, temperature=temperature, top_p=top_p,
+                         generator=torch.Generator().manual_seed(0))
+    freq = np.bincount(roll.completion_ids[:, 0].numpy(), minlength=4)[:4] / n
+    assert np.all(freq[~keep] == 0)
+    np.testing.assert_allclose(freq, want, atol=0.03)
+
+
+def test_seeded_sampling_reproducible(rand_model, prompts, char_tok):
+    pad, eos = char_tok.pad_token_id, [char_tok.eos_token_id]
+
+    def run(seed, **kw):
+        return common.sample(rand_model, prompts, 8, eos, pad, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b = run(3, temperature=1.3, top_p=0.9), run(3, temperature=1.3, top_p=0.9)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert not torch.equal(a.completion_ids, run(4, temperature=1.3, top_p=0.9).completion_ids)
+    # a nucleus so small it holds only the top token is greedy decoding
+    tiny_p = run(5, top_p=1e-6)
+    greedy = common.sample(rand_model, prompts, 8, eos, pad, greedy=True)
+    assert torch.equal(tiny_p.completion_ids, greedy.completion_ids)

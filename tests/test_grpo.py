@@ -1,0 +1,517 @@
+"""Tests for grpo.py: token ratios, the clipped per-token surrogate, the three loss aggregations,
+micro-batch accumulation, the k3 KL term, group advantages, numerics, stats, and 2-step runs.
+
+Every expected value comes from an independent computation: a float64 plain-Python loop, a
+separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+import grpo
+from helpers import (
+    LIGHT,
+    batches,
+    float32_round,
+    group_mean_std,
+    is_clipped,
+    loop_group_advantages,
+    loop_grpo,
+    run_smoke,
+    t64,
+)
+
+AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+EPS_PAIRS = [(0.2, 0.2), (0.2, 0.28)]
+
+
+def _grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def _away_from_clip_edges(b, eps_low, eps_high, tol=1e-9):
+    """At exactly r = 1 +- eps the two branches tie and torch.maximum splits the gradient."""
+    for lr, orow, mrow in zip(b["logp"], b["old"], b["mask"]):
+        for l, o, m in zip(lr, orow, mrow):
+            r = math.exp(l - o)
+            if m and (abs(r - 1 - eps_high) < tol or abs(r - 1 + eps_low) < tol):
+                return False
+    return True
+
+
+def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, denominator=None):
+    logp = t64(b["logp"]).requires_grad_(True)
+    adv = t64(b["adv"] if adv is None else adv)
+    loss, stats = grpo.grpo_loss(logp, t64(b["old"]), adv, t64(b["mask"]), eps[0], eps[1],
+                                 None if ref is None else t64(ref), kl_coef, agg, max_len, denominator)
+    return loss, _grad(loss, logp), stats
+
+
+REF_OFFSET = st.floats(-1.5, 1.5, allow_nan=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ratios, the clipped surrogate, the KL term: loss and gradient against a plain loop
+# ----------------------------------------------------------------------------------------------
+
+
+@LIGHT
+@given(batches(), st.sampled_from(AGGS))
+def test_token_ratio_is_exp_of_log_difference(b, agg):
+    """With no clipping (eps_low = 1, eps_high = inf) the loss is agg(-A exp(logp - old))."""
+    loss, _, stats = _run(b, agg, eps=(1.0, float("inf")))
+    expected, _ = loop_grpo(b, 1.0, float("inf"), agg)
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-13)
+    ratios = [math.exp(l - o) for lr, orow, mrow in zip(b["logp"], b["old"], b["mask"])
+              for l, o, m in zip(lr, orow, mrow) if m]
+    assert stats["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-10)
+    assert stats["ratio_max_dev"] == pytest.approx(max(abs(r - 1) for r in ratios), rel=1e-9, abs=1e-13)
+
+
+@LIGHT
+@given(batches(), st.sampled_from(AGGS), st.sampled_from(EPS_PAIRS), st.booleans(), st.data())
+def test_loss_and_gradient_match_loop(b, agg, eps, with_ref, data):
+    assume(_away_from_clip_edges(b, *eps))
+    ref, kl_coef = None, 0.0
+    if with_ref:
+        ref = [[l + data.draw(REF_OFFSET) for l in row] for row in b["logp"]]
+        kl_coef = data.draw(st.sampled_from([0.04, 0.5]))
+    max_len = data.draw(st.sampled_from([None, b["T"] + 3]))
+    loss, g, stats = _run(b, agg, eps, ref, kl_coef, max_len)
+    exp_loss, exp_grad = loop_grpo(b, eps[0], eps[1], agg, max_len, ref, kl_coef)
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-10, abs=1e-13)
+    torch.testing.assert_close(g, t64(exp_grad), rtol=1e-9, atol=1e-13)
+    if with_ref:
+        k3 = [math.expm1(r - l) - (r - l) for rr, lr, mr in zip(ref, b["logp"], b["mask"])
+              for r, l, m in zip(rr, lr, mr) if m]
+        assert stats["kl"] == pytest.approx(sum(k3) / len(k3), rel=1e-9, abs=1e-13)
+    else:
+        assert stats["kl"] == 0.0
+
+
+@LIGHT
+@given(batches(), st.sampled_from(AGGS))
+def test_per_token_advantages(b, agg):
+    """advantages may be [B, T]: each token uses its own A_it."""
+    assume(_away_from_clip_edges(b, 0.2, 0.2))
+    adv2 = [[a * (1 + 0.5 * t) * (-1) ** t for t in range(b["T"])] for a in b["adv"]]
+    loss, g, _ = _run(b, agg, adv=adv2)
+    exp_loss, exp_grad = loop_grpo(b, 0.2, 0.2, agg, adv=adv2)
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-10, abs=1e-13)
+    torch.testing.assert_close(g, t64(exp_grad), rtol=1e-9, atol=1e-13)
+
+
+@LIGHT
+@given(batches(), st.sampled_from(AGGS))
+def test_on_policy_gradient_equals_reinforce(b, agg):
+    mask, adv = t64(b["mask"]), t64(b["adv"])
+    logp = t64(b["logp"]).requires_grad_(True)
+    loss, stats = grpo.grpo_loss(logp, logp.detach(), adv, mask, agg=agg)
+    g = _grad(loss, logp)
+    assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
+    x = logp.detach().clone().requires_grad_(True)
+    B, T = mask.shape
+    if agg == "seq-mean-token-mean":  # -mean_i mean_t A_i logp_it
+        pg = -sum(adv[i] * (x[i] * mask[i]).sum() / mask[i].sum() for i in range(B)) / B
+    elif agg == "token-mean":  # -sum m A logp / sum m
+        pg = -(mask * adv[:, None] * x).sum() / mask.sum()
+    else:  # -sum m A logp / (B * max_len), max_len defaulting to T
+        pg = -(mask * adv[:, None] * x).sum() / (B * T)
+    torch.testing.assert_close(g, _grad(pg, x), rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------------------------
+# Clipping
+# ----------------------------------------------------------------------------------------------
+
+# one token per case: (A, r) and whether it is clipped under (0.2, 0.2) and under (0.2, 0.28)
+CLIP_CASES = [
+    (1.0, 1.25, True, False),   # above 1.2, below 1.28
+    (1.0, 1.30, True, True),    # above both upper bounds
+    (0.5, 0.50, False, False),  # A > 0, r small: the unclipped branch is the pessimistic one
+    (-1.0, 0.79, True, True),   # A < 0, r < 0.8
+    (-0.7, 0.81, False, False),
+    (-1.5, 2.00, False, False),  # A < 0, r large: not clipped (no dual clip in GRPO)
+    (2.0, 1.10, False, False),
+    (-2.0, 0.95, False, False),
+]
+
+
+@pytest.mark.parametrize("eps_high, col", [(0.2, 2), (0.28, 3)])
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
+    """B = 8 one-token sequences (seq-mean-token-mean, normaliser 8); the gradient on token i is 0
+    where clipped, else -A_i r_i / 8. With a [1, 8] per-token advantage instead (token-mean over
+    8 tokens) the answer is the same."""
+    n = len(CLIP_CASES)
+    adv = [c[0] for c in CLIP_CASES]
+    lr = [math.log(c[1]) for c in CLIP_CASES]
+    expected = [0.0 if c[col] else -c[0] * c[1] / n for c in CLIP_CASES]
+    if per_token_adv:
+        logp = t64([lr]).requires_grad_(True)
+        loss, stats = grpo.grpo_loss(logp, torch.zeros(1, n, dtype=torch.float64), t64([adv]),
+                                     torch.ones(1, n), 0.2, eps_high, agg="token-mean")
+        g = _grad(loss, logp)[0]
+    else:
+        logp = t64([[x] for x in lr]).requires_grad_(True)
+        loss, stats = grpo.grpo_loss(logp, torch.zeros(n, 1, dtype=torch.float64), t64(adv),
+                                     torch.ones(n, 1), 0.2, eps_high, agg="seq-mean-token-mean")
+        g = _grad(loss, logp)[:, 0]
+    for i, (gi, ei) in enumerate(zip(g.tolist(), expected)):
+        if ei == 0.0:
+            assert gi == 0.0, (CLIP_CASES[i], gi)
+        else:
+            assert gi == pytest.approx(ei, rel=1e-12), (CLIP_CASES[i], gi)
+    n_low = sum(1 for c in CLIP_CASES if c[col] and c[0] < 0)
+    n_high = sum(1 for c in CLIP_CASES if c[col] and c[0] > 0)
+    assert stats["clip_frac_low"] == pytest.approx(n_low / n, abs=1e-7)
+    assert stats["clip_frac_high"] == pytest.approx(n_high / n, abs=1e-7)
+    assert stats["clip_frac"] == pytest.approx((n_low + n_high) / n, abs=1e-7)
+
+
+def test_clip_fractions_hand_counted_with_padding():
+    """Two rows, 3 + 2 real tokens (5 in all), a padded column with a huge ratio that must not
+    count. Row 0 (A = +1): r = [1.5, 1.0, 0.5] -> one high clip. Row 1 (A = -1): r = [0.5, 0.7]
+    -> two low clips. clip_frac_high 1/5, clip_frac_low 2/5, clip_frac 3/5."""
+    r = [[1.5, 1.0, 0.5, 100.0], [0.5, 0.7, 100.0, 100.0]]
+    logp = t64([[math.log(x) for x in row] for row in r])
+    mask = t64([[1, 1, 1, 0], [1, 1, 0, 0]])
+    _, stats = grpo.grpo_loss(logp, torch.zeros(2, 4, dtype=torch.float64), t64([1.0, -1.0]), mask)
+    assert stats["clip_frac_high"] == pytest.approx(1 / 5, abs=1e-7)
+    assert stats["clip_frac_low"] == pytest.approx(2 / 5, abs=1e-7)
+    assert stats["clip_frac"] == pytest.approx(3 / 5, abs=1e-7)
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 1.0 + 0.5 + 0.5 + 0.7) / 5, rel=1e-7)
+    assert stats["ratio_max_dev"] == pytest.approx(0.5, rel=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_aggregation_anchors():
+    """REFERENCE: per-sequence losses [1, -1], lengths [10, 30]: seq-mean-token-mean 0,
+    token-mean -0.5; sum-norm with L_max = 30: (10 - 30) / (2 * 30) = -1/3."""
+    T = 30
+    per_token = t64([[1.0] * T, [-1.0] * T])
+    mask = t64([[1] * 10 + [0] * 20, [1] * 30])
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(0.0, abs=1e-15)
+    assert grpo.aggregate(per_token, mask, "token-mean").item() == pytest.approx(-0.5, abs=1e-15)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum-norm", max_len=30).item() == pytest.approx(-1 / 3)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum-norm", max_len=40).item() == pytest.approx(-0.25)
+    with pytest.raises(ValueError):
+        grpo.aggregate(per_token, mask, "sum")
+
+
+FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0])
+GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, 0.0])
+
+
+@LIGHT
+@given(batches(), st.integers(1, 3), st.data())
+def test_aggregate_ignores_padding_columns(b, k, data):
+    per_token = [[l - o for l, o in zip(lr, orow)] for lr, orow in zip(b["logp"], b["old"])]
+    padded = [row + [data.draw(FINITE_GARBAGE) for _ in range(k)] for row in per_token]
+    pmask = [row + [0] * k for row in b["mask"]]
+    L = b["T"] + 3
+    for agg in AGGS:
+        x0 = t64(per_token).requires_grad_(True)
+        x1 = t64(padded).requires_grad_(True)
+        a0 = grpo.aggregate(x0, t64(b["mask"]), agg, max_len=L)
+        a1 = grpo.aggregate(x1, t64(pmask), agg, max_len=L)
+        torch.testing.assert_close(a1, a0, rtol=1e-12, atol=1e-14)
+        g0, g1 = _grad(a0, x0), _grad(a1, x1)
+        torch.testing.assert_close(g1[:, : b["T"]], g0, rtol=1e-12, atol=0)
+        assert torch.equal(g1[:, b["T"]:], torch.zeros_like(g1[:, b["T"]:]))
+
+
+@LIGHT
+@given(batches(), st.integers(1, 3), st.sampled_from(AGGS), st.booleans(), st.data())
+def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
+    """Garbage (even inf / nan) in padded logp, old_logp and ref_logp changes neither loss, stats
+    nor the real gradient (sum-norm with a fixed max_len); padding gets exactly zero gradient."""
+    T, L = b["T"], b["T"] + 3
+    g = lambda: data.draw(GARBAGE)  # noqa: E731
+    ref = [[l + 0.3 for l in row] for row in b["logp"]] if with_ref else None
+    pb = dict(b, T=T + k, logp=[r + [g() for _ in range(k)] for r in b["logp"]],
+              old=[r + [g() for _ in range(k)] for r in b["old"]], mask=[r + [0] * k for r in b["mask"]])
+    pref = [r + [g() for _ in range(k)] for r in ref] if with_ref else None
+    l0, g0, s0 = _run(b, agg, ref=ref, kl_coef=0.1, max_len=L)
+    l1, g1, s1 = _run(pb, agg, ref=pref, kl_coef=0.1, max_len=L)
+    assert torch.isfinite(l1) and torch.isfinite(g1).all()
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g1[:, :T], g0, rtol=1e-12, atol=1e-14)
+    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
+    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max_dev", "kl"):
+        assert s1[key] == pytest.approx(s0[key], rel=1e-9, abs=1e-12), key
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batch accumulation (REFERENCE mistake 5)
+# ----------------------------------------------------------------------------------------------
+
+
+def _full_denominator(agg, mask, max_len):
+    B = len(mask)
+    if agg == "seq-mean-token-mean":
+        return float(B)
+    if agg == "token-mean":
+        return float(sum(sum(r) for r in mask))
+    return float(B * max_len)
+
+
+def _accumulate(b, agg, pieces, max_len, ref, with_denominator):
+    """Sum of the micro-batch gradients (and losses), each piece a contiguous row slice."""
+    logp = t64(b["logp"]).requires_grad_(True)
+    old, mask, adv = t64(b["old"]), t64(b["mask"]), t64(b["adv"])
+    refl = t64(ref) if ref is not None else None
+    den = _full_denominator(agg, b["mask"], max_len) if with_denominator else None
+    total = 0.0
+    for lo, hi in pieces:
+        loss, _ = grpo.grpo_loss(logp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], 0.2, 0.28,
+                                 None if refl is None else refl[lo:hi], 0.05, agg, max_len, den)
+        loss.backward()
+        total += loss.item()
+    return total, logp.grad
+
+
+@LIGHT
+@given(batches(min_b=3, max_b=6), st.sampled_from(AGGS), st.booleans(), st.data())
+def test_micro_batches_with_denominator_reproduce_full_batch(b, agg, with_ref, data):
+    B = b["B"]
+    c1 = data.draw(st.integers(1, B - 2))
+    c2 = data.draw(st.integers(c1 + 1, B - 1))
+    pieces = [(0, c1), (c1, c2), (c2, B)]
+    max_len = b["T"] + 2
+    ref = [[l - 0.2 * (t % 3) for t, l in enumerate(row)] for row in b["logp"]] if with_ref else None
+    full_loss, full_grad = _accumulate(b, agg, [(0, B)], max_len, ref, with_denominator=False)
+    acc_loss, acc_grad = _accumulate(b, agg, pieces, max_len, ref, with_denominator=True)
+    torch.testing.assert_close(acc_grad, full_grad, rtol=1e-10, atol=1e-14)
+    assert acc_loss == pytest.approx(full_loss, rel=1e-10, abs=1e-13)
+    # and the full-batch gradient itself is the loop's
+    _, loop_grad = loop_grpo(b, 0.2, 0.28, agg, max_len, ref, 0.05)
+    assume(_away_from_clip_edges(b, 0.2, 0.28))
+    torch.testing.assert_close(full_grad, t64(loop_grad), rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_micro_batches_without_denominator_are_wrong(agg):
+    """Shows the test above is meaningful: 3 uneven pieces (1, 2, 3 rows, different lengths)
+    without the whole-minibatch denominator give a different gradient."""
+    gen = torch.Generator().manual_seed(3)
+    B, T = 6, 5
+    old = -torch.rand(B, T, dtype=torch.float64, generator=gen) * 3
+    logp = old + 0.05 * torch.randn(B, T, dtype=torch.float64, generator=gen)
+    mask = [[1] * n + [0] * (T - n) for n in (5, 1, 3, 2, 4, 5)]
+    b = dict(B=B, T=T, logp=logp.tolist(), old=old.tolist(), mask=mask, adv=[1.0, -0.5, 0.3, 2.0, -1.2, 0.7])
+    pieces = [(0, 1), (1, 3), (3, 6)]
+    _, full = _accumulate(b, agg, [(0, B)], T, None, with_denominator=False)
+    _, good = _accumulate(b, agg, pieces, T, None, with_denominator=True)
+    _, bad = _accumulate(b, agg, pieces, T, None, with_denominator=False)
+    torch.testing.assert_close(good, full, rtol=1e-10, atol=1e-14)
+    assert (bad - full).abs().max().item() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# The k3 KL estimator
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_k3_reference_value(dtype):
+    """REFERENCE: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
+    logp = torch.tensor([[0.5, -1.0]], dtype=dtype)
+    ref = torch.tensor([[0.0, -1.5]], dtype=dtype)
+    k = grpo.kl_k3(logp, ref)
+    assert k[0, 0].item() == pytest.approx(0.1065307, abs=1e-6)
+    assert k[0, 1].item() == pytest.approx(0.1065307, abs=1e-6)
+    assert math.expm1(-0.5) + 0.5 == pytest.approx(0.1065307, abs=1e-7)
+
+
+@LIGHT
+@given(st.floats(-1e4, 1e4, allow_nan=False, width=32),
+       st.one_of(st.floats(-1e-6, 1e-6), st.floats(-60, 60), st.floats(-1e4, 1e4)))
+@example(0.0, 1e-7)
+@example(-3.0, -1e-8)
+@example(-1e4, 1e4)
+def test_kl_k3_never_negative_and_matches_loop(logp, diff):
+    lp32 = torch.tensor([[logp]], dtype=torch.float32)
+    ref32 = lp32 + diff
+    k = grpo.kl_k3(lp32, ref32).item()
+    assert k >= 0.0 and math.isfinite(k)
+    x = ref32.double().item() - lp32.double().item()  # the difference the float32 inputs hold
+    if abs(x) <= 15:
+        expected = math.expm1(x) - x
+        assert k == pytest.approx(expected, rel=1e-4, abs=1e-6 * max(1.0, abs(logp)) * (1 + abs(x)))
+    # float64 is not negative either, and is exact against the loop
+    k64 = grpo.kl_k3(lp32.double(), ref32.double()).item()
+    assert k64 >= 0.0
+    if abs(x) <= 15:
+        assert k64 == pytest.approx(math.expm1(x) - x, rel=1e-9, abs=4e-16 * abs(x))
+
+
+@LIGHT
+@given(st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=1, max_size=8))
+def test_kl_k3_zero_when_equal(vals):
+    x = torch.tensor([vals], dtype=torch.float32)
+    assert torch.equal(grpo.kl_k3(x, x.clone()), torch.zeros_like(x))
+
+
+def test_kl_term_added_per_token():
+    """On-policy (r = 1) with A = 0 the surrogate is 0, so the loss is kl_coef * agg(k3)."""
+    logp = t64([[-1.0, -2.0, -0.5], [-3.0, -0.1, -4.0]])
+    ref = t64([[-1.5, -2.0, 0.3], [-2.0, -0.6, 9.0]])
+    mask = t64([[1, 1, 1], [1, 1, 0]])
+    k3 = [[math.expm1(r - l) - (r - l) for r, l in zip(rr, lr)] for rr, lr in zip(ref.tolist(), logp.tolist())]
+    seq = [(k3[0][0] + k3[0][1] + k3[0][2]) / 3, (k3[1][0] + k3[1][1]) / 2]
+    expected = {
+        "seq-mean-token-mean": sum(seq) / 2,
+        "token-mean": (sum(k3[0]) + k3[1][0] + k3[1][1]) / 5,
+        "seq-mean-token-sum-norm": (sum(k3[0]) + k3[1][0] + k3[1][1]) / (2 * 4),
+    }
+    for agg in AGGS:
+        loss, stats = grpo.grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), mask,
+                                     ref_logp=ref, kl_coef=0.3, agg=agg, max_len=4)
+        assert loss.item() == pytest.approx(0.3 * expected[agg], rel=1e-12), agg
+        assert stats["kl"] == pytest.approx(expected["token-mean"], rel=1e-12)
+    # no reference: no KL, whatever kl_coef says
+    loss, stats = grpo.grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), mask, kl_coef=0.3)
+    assert loss.item() == 0.0 and stats["kl"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Group advantages
+# ----------------------------------------------------------------------------------------------
+
+REWARD = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 2)))
+
+
+@LIGHT
+@given(st.integers(2, 6), st.integers(1, 4), st.sampled_from(["std", "none"]), st.data())
+def test_group_advantages_match_loop(G, n_groups, scale, data):
+    rewards = data.draw(st.lists(REWARD, min_size=G * n_groups, max_size=G * n_groups))
+    adv = grpo.group_advantages(torch.tensor(rewards), G, scale=scale)
+    assert adv.shape == (G * n_groups,)
+    r32 = float32_round(rewards)
+    expected = loop_group_advantages(r32, G, scale=scale)
+    for g, (mean, std) in enumerate(group_mean_std(adv.double().tolist(), G)):
+        grp = r32[g * G: (g + 1) * G]
+        got = adv[g * G: (g + 1) * G]
+        if all(x == grp[0] for x in grp):
+            assert torch.equal(got, torch.zeros(G))  # exact zero
+            continue
+        rstd = torch.tensor(grp, dtype=torch.float64).std().item()
+        big = max(1.0, max(abs(x) for x in grp))
+        tol = 1e-5 + 1e-6 * big / (rstd if scale == "std" else 1.0)
+        for x, e in zip(got.tolist(), expected[g * G: (g + 1) * G]):
+            assert x == pytest.approx(e, abs=tol)
+        assert mean == pytest.approx(0.0, abs=tol)
+        if scale == "std":
+            assert std == pytest.approx(1.0, abs=tol + 1e-6 / rstd)
+        else:
+            assert std == pytest.approx(rstd, abs=tol)
+
+
+@pytest.mark.parametrize("scale, expected", [
+    ("std", [1.5, -0.5, -0.5, -0.5]),
+    ("none", [0.75, -0.25, -0.25, -0.25]),
+])
+def test_group_advantages_hand_case(scale, expected):
+    got = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, scale=scale).tolist()
+    for g, e in zip(got, expected):
+        assert g == pytest.approx(e, abs=1e-5)
+
+
+CONSTANT_VALUES = [0.1, 0.3, 0.7, 1 / 3, 2.2, 1e-3, 0.0, 1.0, -0.6]
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+@pytest.mark.parametrize("G", [3, 5, 7, 8])
+def test_group_advantages_exactly_zero_for_constant_groups(G, scale):
+    rewards = []
+    for v in CONSTANT_VALUES:
+        rewards += [v] * G + [1.0] + [0.0] * (G - 1)
+    adv = grpo.group_advantages(torch.tensor(rewards), G, scale=scale).view(-1, G)
+    for k in range(len(CONSTANT_VALUES)):
+        assert torch.equal(adv[2 * k], torch.zeros(G)), (CONSTANT_VALUES[k], adv[2 * k].tolist())
+        assert adv[2 * k + 1, 0].item() > 0
+
+
+def test_constant_groups_are_a_real_trap():
+    """Without the exact-zero rule, float32 leaves residue in R - mean for some constant groups."""
+    residue = False
+    for G in (3, 5, 7, 8):
+        for v in CONSTANT_VALUES:
+            r = torch.full((G,), v, dtype=torch.float32)
+            residue |= bool((r - r.mean()).ne(0).any())
+    assert residue
+
+
+def test_group_advantages_unknown_scale_raises():
+    with pytest.raises(ValueError):
+        grpo.group_advantages(torch.tensor([1.0, 0.0]), 2, scale="mad")
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_extreme_log_ratios_are_finite(agg, dtype):
+    old = torch.zeros(3, 4, dtype=dtype)
+    logp = torch.tensor([[50.0, -50.0, 50.0, -50.0], [-50.0] * 4, [50.0, 0.0, -50.0, 0.0]], dtype=dtype)
+    ref = torch.tensor([[-50.0, 50.0, 0.0, 50.0], [50.0] * 4, [-50.0, 50.0, 50.0, 0.0]], dtype=dtype)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=dtype)
+    for adv in ([1.0, -1.0, 0.5], [-1.0, 1.0, -0.5]):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = grpo.grpo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, 0.2, 0.28,
+                                     ref, 0.05, agg, max_len=4)
+        g = _grad(loss, x)
+        assert torch.isfinite(loss), (adv, loss)
+        assert torch.isfinite(g).all(), (adv, g)
+        assert all(math.isfinite(v) for v in stats.values()), stats
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
+    b = dict(B=2, T=3, logp=[[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]], old=[[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]],
+             mask=[[1, 1, 0], [0, 0, 0]], adv=[0.7, -1.2])
+    ref = [[-1.0, -1.5, 0.0], [0.0, 0.0, 0.0]]
+    loss, g, stats = _run(b, agg, ref=ref, kl_coef=0.1, max_len=3)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
+    assert all(math.isfinite(v) for v in stats.values())
+    exp_loss, exp_grad = loop_grpo(b, 0.2, 0.2, agg, 3, ref, 0.1)
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-12)
+    torch.testing.assert_close(g, t64(exp_grad), rtol=1e-12, atol=0)
+    # a batch of nothing but empty rows: loss 0, no NaN anywhere
+    empty = dict(b, mask=[[0, 0, 0], [0, 0, 0]])
+    loss, g, stats = _run(empty, agg, ref=ref, kl_coef=0.1, max_len=3)
+    assert loss.item() == 0.0 and torch.equal(g, torch.zeros_like(g))
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+# ----------------------------------------------------------------------------------------------
+
+
+def test_smoke_run_with_reference(tmp_path):
+    rows, summary = run_smoke("grpo.py", tmp_path / "run", ["--kl-coef", "0.05"])
+    assert summary["algo"] == "grpo" and summary["args"]["kl_coef"] == 0.05
+    assert all("kl" in r and r["kl"] >= 0.0 and math.isfinite(r["kl"]) for r in rows)
+    for r in rows:
+        assert r["clip_frac"] == pytest.approx(r["clip_frac_low"] + r["clip_frac_high"], abs=1e-5)
+
+
+def test_smoke_run_token_mean_no_scaling(tmp_path):
+    rows, summary = run_smoke("grpo.py", tmp_path / "run", ["--loss-agg", "token-mean", "--scale-rewards", "none"])
+    assert summary["algo"] == "grpo"
+    assert summary["args"]["loss_agg"] == "token-mean" and summary["args"]["scale_rewards"] == "none"
+    assert all(r["kl"] == 0.0 for r in rows)  # no reference model without --kl-coef

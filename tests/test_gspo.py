@@ -1,0 +1,471 @@
+"""Tests for gspo.py: the sequence ratio, the clipped sequence objective, GSPO-token, group
+advantages, numerics, stats, and a 2-step end-to-end run.
+
+Every expected value comes from an independent computation: a float64 plain-Python loop, a
+separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+import gspo
+from helpers import (
+    LIGHT,
+    batches,
+    clipped_objective,
+    float32_round,
+    is_clipped,
+    loop_geo_mean_ratio,
+    loop_group_advantages,
+    loop_seq_ratio,
+    group_mean_std,
+    run_smoke,
+    t64,
+)
+
+EPS_LOW, EPS_HIGH = 3e-4, 4e-4  # the paper's (and gspo_loss's default) clip range
+VARIANTS = ("sequence", "token")
+
+
+def _grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def _away_from_clip_edges(s_list, eps_low, eps_high, tol=1e-9):
+    """At exactly s = 1 +- eps the two branches tie and torch.maximum splits the gradient."""
+    return all(abs(s - (1 + eps_high)) > tol and abs(s - (1 - eps_low)) > tol for s in s_list)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sequence ratio
+# ----------------------------------------------------------------------------------------------
+
+
+@LIGHT
+@given(batches())
+def test_seq_ratio_is_geometric_mean_of_token_ratios(b):
+    logp, old, mask = t64(b["logp"]), t64(b["old"]), t64(b["mask"])
+    s = gspo.seq_log_ratio(logp, old, mask).exp().tolist()
+    exp_mean = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    geo = loop_geo_mean_ratio(b["logp"], b["old"], b["mask"])
+    for got, e1, e2 in zip(s, exp_mean, geo):
+        assert math.isclose(got, e1, rel_tol=1e-10, abs_tol=0)
+        assert math.isclose(got, e2, rel_tol=1e-9, abs_tol=0)
+    # the loss reports the same ratio
+    _, stats = gspo.gspo_loss(logp, old, t64(b["adv"]), mask)
+    assert math.isclose(stats["ratio_mean"], sum(exp_mean) / len(exp_mean), rel_tol=1e-10)
+    assert math.isclose(stats["ratio_max_dev"], max(abs(x - 1) for x in exp_mean), rel_tol=1e-8, abs_tol=1e-12)
+
+
+def test_seq_ratio_is_a_mean_not_a_sum():
+    # 3 real tokens, each log-ratio 0.1: the mean is 0.1 (a sum would give 0.3); padding ignored
+    logp = t64([[0.1, 0.1, 0.1, 5.0]])
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    mask = t64([[1, 1, 1, 0]])
+    assert gspo.seq_log_ratio(logp, old, mask).item() == pytest.approx(0.1, abs=1e-15)
+
+
+@LIGHT
+@given(batches(), st.sampled_from(VARIANTS))
+def test_identical_policies_give_ratio_one(b, variant):
+    old = t64(b["old"])
+    logp = old.clone().requires_grad_(True)
+    log_s = gspo.seq_log_ratio(logp, old, t64(b["mask"]))
+    assert torch.equal(log_s, torch.zeros_like(log_s))
+    _, stats = gspo.gspo_loss(logp, old, t64(b["adv"]), t64(b["mask"]), variant=variant)
+    assert stats["ratio_mean"] == 1.0 and stats["ratio_max_dev"] == 0.0 and stats["clip_frac"] == 0.0
+
+
+GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, -7.5, 0.0])
+FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0, -50.0])
+
+
+def _pad(b, k, draw_garbage):
+    logp = [r + [draw_garbage() for _ in range(k)] for r in b["logp"]]
+    old = [r + [draw_garbage() for _ in range(k)] for r in b["old"]]
+    mask = [r + [0] * k for r in b["mask"]]
+    return logp, old, mask
+
+
+def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
+    logp = t64(logp_rows).requires_grad_(True)
+    loss, stats = gspo.gspo_loss(logp, t64(old_rows), adv, t64(mask_rows), variant=variant, **kw)
+    return loss, _grad(loss, logp), stats
+
+
+@LIGHT
+@given(batches(), st.integers(1, 3), st.data())
+def test_padding_columns_change_nothing_sequence_variant(b, k, data):
+    """Appended padding (with any garbage, even inf / nan, in logp and old_logp) changes neither
+    the sequence ratio, the loss, the stats nor the real tokens' gradient; padding gets exactly 0."""
+    garbage = lambda: data.draw(GARBAGE)  # noqa: E731
+    plogp, pold, pmask = _pad(b, k, garbage)
+    T = b["T"]
+    adv = t64(b["adv"])
+    s0 = gspo.seq_log_ratio(t64(b["logp"]), t64(b["old"]), t64(b["mask"]))
+    s1 = gspo.seq_log_ratio(t64(plogp), t64(pold), t64(pmask))
+    torch.testing.assert_close(s1, s0, rtol=1e-12, atol=1e-14)
+    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "sequence")
+    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "sequence")
+    assert torch.isfinite(l1) and torch.isfinite(g1).all()
+    torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(g1[:, :T], g0, rtol=1e-10, atol=1e-14)
+    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
+    assert st1["clip_frac"] == st0["clip_frac"]
+
+
+@LIGHT
+@given(batches(), st.integers(1, 3), st.data())
+def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data):
+    garbage = lambda: data.draw(FINITE_GARBAGE)  # noqa: E731
+    plogp, pold, pmask = _pad(b, k, garbage)
+    T = b["T"]
+    adv = t64(b["adv"])
+    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "token")
+    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "token")
+    torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(g1[:, :T], g0, rtol=1e-10, atol=1e-14)
+    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
+    assert st1["clip_frac"] == pytest.approx(st0["clip_frac"], abs=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf")])
+def test_inf_in_padded_logp_gives_finite_loss(variant, bad):
+    """Padding positions may hold anything (REFERENCE: inf * 0 must not poison the loss).
+    Token log-ratios [0.01, -0.02, 0.04] then a padded column holding +-inf."""
+    logp = t64([[0.01, -0.02, 0.04, bad]]).requires_grad_(True)
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    mask = t64([[1, 1, 1, 0]])
+    loss, _ = gspo.gspo_loss(logp, old, t64([-1.0]), mask, variant=variant)
+    g = _grad(loss, logp)
+    s = math.exp((0.01 - 0.02 + 0.04) / 3)
+    assert torch.isfinite(loss), f"variant={variant}: loss {loss.item()} with {bad} in a padded logp"
+    assert loss.item() == pytest.approx(s, rel=1e-12)  # -A s with A = -1, unclipped
+    assert torch.isfinite(g).all() and g[0, 3].item() == 0.0
+    torch.testing.assert_close(g[0, :3], torch.full((3,), s / 3, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Clipping and the gradient
+# ----------------------------------------------------------------------------------------------
+
+
+def _hand_grad(b, s_list, eps_low, eps_high):
+    """d loss / d logp_it = -A_i s_i / (|y_i| B) on real tokens of unclipped sequences, else 0."""
+    B = b["B"]
+    out = []
+    for i in range(B):
+        n = sum(b["mask"][i])
+        a, s = b["adv"][i], s_list[i]
+        g = 0.0 if is_clipped(a, s, eps_low, eps_high) else -a * s / (n * B)
+        out.append([g if m else 0.0 for m in b["mask"][i]])
+    return t64(out)
+
+
+@LIGHT
+@given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27), (0.0, 0.0)]), st.sampled_from(VARIANTS))
+def test_loss_and_gradient_match_hand_computation(b, eps, variant):
+    eps_low, eps_high = eps
+    s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    assume(_away_from_clip_edges(s, eps_low, eps_high))
+    loss, g, _ = _loss_and_grad(b["logp"], b["old"], t64(b["adv"]), b["mask"], variant,
+                                eps_low=eps_low, eps_high=eps_high)
+    expected_loss = sum(clipped_objective(a, si, eps_low, eps_high) for a, si in zip(b["adv"], s)) / b["B"]
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-10, abs=1e-13)
+    torch.testing.assert_close(g, _hand_grad(b, s, eps_low, eps_high), rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_example(variant):
+    """REFERENCE: token log-ratios [0.01, -0.02, 0.04] -> s = 1.0100502; with eps 3e-4 / 4e-4 it is
+    clipped for A > 0 (zero gradient, loss -A (1 + eps_high)) and not for A < 0 (gradient on each
+    token's logp -A s / 3, loss -A s)."""
+    old = t64([[-1.0, -2.0, -0.5]])
+    d = [0.01, -0.02, 0.04]
+    logp0 = old + t64([d])
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    s = math.exp(sum(d) / 3)
+    assert s == pytest.approx(1.0100502, abs=1e-7)
+    assert gspo.seq_log_ratio(logp0, old, mask).exp().item() == pytest.approx(1.0100502, abs=1e-7)
+
+    logp = logp0.clone().requires_grad_(True)
+    loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, EPS_LOW, EPS_HIGH, variant)
+    assert loss.item() == pytest.approx(-(1 + EPS_HIGH), rel=1e-12)
+    assert torch.equal(_grad(loss, logp), torch.zeros(1, 3, dtype=torch.float64))
+    assert stats["clip_frac"] == 1.0
+
+    for a in (-1.0, -0.37):
+        logp = logp0.clone().requires_grad_(True)
+        loss, stats = gspo.gspo_loss(logp, old, t64([a]), mask, EPS_LOW, EPS_HIGH, variant)
+        assert loss.item() == pytest.approx(-a * s, rel=1e-12)
+        expected = torch.full((1, 3), -a * s / 3, dtype=torch.float64)
+        torch.testing.assert_close(_grad(loss, logp), expected, rtol=1e-12, atol=0)
+        assert stats["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_clip_zero_gradient_both_sides(variant):
+    """Row 0: A > 0, s = e^0.01 > 1 + eps_high -> clipped. Row 1: A < 0, s = e^-0.01 < 1 - eps_low
+    -> clipped. Row 2: A > 0, s < 1 -> not clipped. Row 3: A < 0, s > 1 -> not clipped. Row 4: in
+    range, not clipped. B = 5, lengths 2, 3, 1, 2, 4."""
+    mask = t64([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    lr = [0.01, -0.01, -0.2, 0.3, 1e-4]
+    adv = [0.8, -1.3, 0.5, -2.0, 1.1]
+    old = -torch.rand(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logp0 = old + t64([[x] * 4 for x in lr]) * mask
+    logp = logp0.clone().requires_grad_(True)
+    loss, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, variant)
+    g = _grad(loss, logp)
+    assert torch.equal(g[0], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(g[1], torch.zeros(4, dtype=torch.float64))
+    lens = [2, 3, 1, 2, 4]
+    for i in (2, 3, 4):
+        s = math.exp(lr[i])
+        expected = [-adv[i] * s / (lens[i] * 5) if t < lens[i] else 0.0 for t in range(4)]
+        torch.testing.assert_close(g[i], t64(expected), rtol=1e-12, atol=0)
+    if variant == "sequence":  # 2 of 5 sequences clipped (GSPO-token counts tokens instead)
+        assert stats["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+
+
+def test_clip_frac_hand_counted_sequence_variant():
+    """5 sequences, of which exactly rows 0 and 3 are clipped -> clip_frac 2/5."""
+    mask = t64([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    # per-sequence mean log-ratio
+    lr = [0.001, 0.001, -0.001, -0.001, 0.0002]
+    adv = [1.0, -1.0, 1.0, -1.0, 1.0]  # clipped: A>0 & s>1+4e-4 (row 0); A<0 & s<1-3e-4 (row 3)
+    old = torch.zeros(5, 3, dtype=torch.float64)
+    logp = t64([[x] * 3 for x in lr]) * mask
+    _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, "sequence")
+    assert stats["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+    expected_ratio_mean = sum(math.exp(x) for x in lr) / 5
+    assert stats["ratio_mean"] == pytest.approx(expected_ratio_mean, rel=1e-12)
+    assert stats["ratio_max_dev"] == pytest.approx(math.exp(0.001) - 1, rel=1e-9)
+    # equal lengths: a per-sequence and a per-token fraction agree, so GSPO-token must say 2/5 too
+    full = torch.ones(5, 3, dtype=torch.float64)
+    logp_full = t64([[x] * 3 for x in lr])
+    _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "token")
+    _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "sequence")
+    assert st_tok["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+    assert st_seq["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+
+
+def test_unknown_variant_raises():
+    z = torch.zeros(1, 2)
+    with pytest.raises(ValueError):
+        gspo.gspo_loss(z, z, torch.zeros(1), torch.ones(1, 2), variant="tokens")
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO-token == GSPO when every token of a sequence has the sequence's advantage
+# ----------------------------------------------------------------------------------------------
+
+
+@LIGHT
+@given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27)]), st.booleans())
+def test_token_variant_equals_sequence_variant(b, eps, adv_2d):
+    s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    assume(_away_from_clip_edges(s, *eps))
+    adv = t64(b["adv"])
+    adv_tok = adv[:, None].expand(b["B"], b["T"]).clone() if adv_2d else adv
+    l_seq, g_seq, _ = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "sequence", eps_low=eps[0], eps_high=eps[1])
+    l_tok, g_tok, _ = _loss_and_grad(b["logp"], b["old"], adv_tok, b["mask"], "token", eps_low=eps[0], eps_high=eps[1])
+    torch.testing.assert_close(l_tok, l_seq, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(g_tok, g_seq, rtol=1e-12, atol=1e-15)
+
+
+@LIGHT
+@given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27)]), st.data())
+def test_token_variant_with_per_token_advantages(b, eps, data):
+    """GSPO-token (paper section 4.3) with A_it varying along the sequence: every token's ratio has
+    the value s_i, and d s_it / d logp_it = s_i (the gradient flows through its own logp only), so
+    loss = mean_i mean_t max(-A_it s_i, -A_it clip(s_i)) and
+    d loss / d logp_it = -A_it s_i / (|y_i| B) unless that token is clipped (then 0)."""
+    s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    assume(_away_from_clip_edges(s, *eps))
+    A = [[data.draw(st.floats(-2, 2, allow_nan=False)) for _ in range(b["T"])] for _ in range(b["B"])]
+    loss, g, _ = _loss_and_grad(b["logp"], b["old"], t64(A), b["mask"], "token", eps_low=eps[0], eps_high=eps[1])
+    B = b["B"]
+    exp_loss, exp_grad = 0.0, []
+    for i in range(B):
+        n = sum(b["mask"][i])
+        row = []
+        for t in range(b["T"]):
+            if not b["mask"][i][t]:
+                row.append(0.0)
+                continue
+            a = A[i][t]
+            exp_loss += clipped_objective(a, s[i], *eps) / (n * B)
+            row.append(0.0 if is_clipped(a, s[i], *eps) else -a * s[i] / (n * B))
+        exp_grad.append(row)
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-10, abs=1e-13)
+    torch.testing.assert_close(g, t64(exp_grad), rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("mean_log_ratio", [12.0, 50.0])
+def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_log_ratio):
+    """A < 0 with a large ratio is the unclipped branch of GSPO. REFERENCE: with A_it = A_i,
+    GSPO-token's loss AND gradient equal GSPO's exactly; this must also hold once the sequence
+    log-ratio passes the <= 10 clamp."""
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    mask = t64([[1, 1, 1], [1, 1, 0]])
+    logp = t64([[mean_log_ratio] * 3, [0.0, 0.0, 0.0]])
+    adv = t64([-1.0, 0.5])
+    l_seq, g_seq, _ = _loss_and_grad(logp.tolist(), old.tolist(), adv, mask.tolist(), "sequence")
+    l_tok, g_tok, _ = _loss_and_grad(logp.tolist(), old.tolist(), adv, mask.tolist(), "token")
+    torch.testing.assert_close(l_tok, l_seq, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g_tok, g_seq, rtol=1e-12, atol=1e-15,
+                               msg=lambda m: f"GSPO-token gradient {g_tok.tolist()} != GSPO's {g_seq.tolist()}\n{m}")
+
+
+# ----------------------------------------------------------------------------------------------
+# On-policy: GSPO's gradient is REINFORCE's (seq-mean-token-mean)
+# ----------------------------------------------------------------------------------------------
+
+
+@LIGHT
+@given(batches(), st.sampled_from(VARIANTS))
+def test_on_policy_gradient_equals_reinforce(b, variant):
+    mask = t64(b["mask"])
+    adv = t64(b["adv"])
+    logp = t64(b["logp"]).requires_grad_(True)
+    loss, stats = gspo.gspo_loss(logp, logp.detach(), adv, mask, variant=variant)
+    g = _grad(loss, logp)
+    assert stats["clip_frac"] == 0.0
+    # -mean_i A_i * mean_t logp_it over real tokens, written independently
+    x = logp.detach().clone().requires_grad_(True)
+    per_seq = torch.stack([(x[i] * mask[i]).sum() / mask[i].sum() for i in range(b["B"])])
+    reinforce = -(adv * per_seq).mean()
+    torch.testing.assert_close(g, _grad(reinforce, x), rtol=1e-12, atol=1e-15)
+    assert loss.item() == pytest.approx(-sum(b["adv"]) / b["B"], rel=1e-12, abs=1e-15)  # s = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Group advantages
+# ----------------------------------------------------------------------------------------------
+
+REWARD = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 2)))
+
+
+@LIGHT
+@given(st.integers(2, 6), st.integers(1, 4), st.data())
+def test_group_advantages_match_loop(G, n_groups, data):
+    rewards = data.draw(st.lists(REWARD, min_size=G * n_groups, max_size=G * n_groups))
+    adv = gspo.group_advantages(torch.tensor(rewards), G)
+    assert adv.shape == (G * n_groups,)
+    r32 = float32_round(rewards)
+    expected = loop_group_advantages(r32, G)
+    for g, (mean, std) in enumerate(group_mean_std(adv.double().tolist(), G)):
+        grp = r32[g * G: (g + 1) * G]
+        got = adv[g * G: (g + 1) * G]
+        if all(x == grp[0] for x in grp):
+            assert torch.equal(got, torch.zeros(G))  # exact zero, not residue / eps
+            continue
+        rstd = torch.tensor(grp, dtype=torch.float64).std().item()
+        # float32 arithmetic: errors of a few ulps of max|R|, relative to the group's spread
+        tol = 1e-5 + 1e-6 * max(1.0, max(abs(x) for x in grp)) / rstd
+        for x, e in zip(got.tolist(), expected[g * G: (g + 1) * G]):
+            assert x == pytest.approx(e, abs=tol)
+        assert mean == pytest.approx(0.0, abs=tol)
+        assert std == pytest.approx(rstd / (rstd + 1e-6), abs=tol)  # Bessel std: 1 up to eps
+        assert std == pytest.approx(1.0, abs=tol + 1e-6 / rstd)
+
+
+@pytest.mark.parametrize("rewards, expected", [
+    ([1.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]),
+    ([0.0, 1.0, 1.0, 0.0], [-math.sqrt(3) / 2, math.sqrt(3) / 2, math.sqrt(3) / 2, -math.sqrt(3) / 2]),
+])
+def test_group_advantages_hand_cases(rewards, expected):
+    got = gspo.group_advantages(torch.tensor(rewards), 4).tolist()
+    for g, e in zip(got, expected):
+        assert g == pytest.approx(e, abs=1e-5)
+
+
+CONSTANT_VALUES = [0.1, 0.3, 0.7, 1 / 3, 2.2, 1e-3, 0.0, 1.0, -0.6]
+
+
+@pytest.mark.parametrize("G", [3, 5, 7, 8])
+def test_group_advantages_exactly_zero_for_constant_groups(G):
+    varied = [1.0] + [0.0] * (G - 1)
+    rewards = []
+    for v in CONSTANT_VALUES:
+        rewards += [v] * G + varied
+    adv = gspo.group_advantages(torch.tensor(rewards), G).view(-1, G)
+    for k in range(len(CONSTANT_VALUES)):
+        assert torch.equal(adv[2 * k], torch.zeros(G)), (CONSTANT_VALUES[k], adv[2 * k].tolist())
+        assert adv[2 * k + 1, 0].item() > 0  # the non-constant neighbour is untouched
+
+
+def test_constant_groups_are_a_real_trap():
+    """The exact-zero test above is meaningful: the naive float32 z-score leaves residue for some
+    of those constant groups (NeMo-RL #4161)."""
+    residue = False
+    for G in (3, 5, 7, 8):
+        for v in CONSTANT_VALUES:
+            r = torch.full((G,), v, dtype=torch.float32)
+            naive = (r - r.mean()) / (r.std() + 1e-6)
+            residue |= bool(naive.ne(0).any())
+    assert residue
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_extreme_log_ratios_are_finite(variant, dtype):
+    old = torch.zeros(4, 3, dtype=dtype)
+    logp = torch.tensor([[50.0] * 3, [-50.0] * 3, [50.0, -50.0, 50.0], [-50.0, 50.0, 0.0]], dtype=dtype)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=dtype)
+    for adv in ([1.0, 1.0, -1.0, -1.0], [-1.0, -1.0, 1.0, 1.0]):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = gspo.gspo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, variant=variant)
+        g = _grad(loss, x)
+        assert torch.isfinite(loss), (adv, loss)
+        assert torch.isfinite(g).all(), (adv, g)
+        assert all(math.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_all_masked_row_gives_no_nan(variant):
+    old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]]).requires_grad_(True)
+    mask = t64([[1, 1, 0], [0, 0, 0]])
+    loss, stats = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
+    g = _grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_all_masked_row_contributes_zero_to_the_loss(variant):
+    """REFERENCE: 'An all-masked row must give 0'. Row 1 has no tokens; the loss must be row 0's
+    term over B = 2 whatever row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
+    old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]])
+    mask = t64([[1, 1, 0], [0, 0, 0]])
+    s0 = math.exp((-0.1 + 0.1) / 2)
+    expected = clipped_objective(0.7, s0, EPS_LOW, EPS_HIGH) / 2
+    loss, _ = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-15), \
+        f"variant={variant}: loss {loss.item()}, expected {expected} (empty row contributed {loss.item() - expected})"
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_smoke_run(tmp_path, variant):
+    rows, summary = run_smoke("gspo.py", tmp_path / "run", ["--variant", variant])
+    assert summary["algo"] == "gspo"
+    assert summary["args"]["variant"] == variant
+    assert summary["args"]["minibatches"] == 2 and summary["args"]["group_size"] == 4

@@ -1,0 +1,760 @@
+"""Tests for ppo.py: the pure tensor functions (token_rewards, gae, whiten, ppo_policy_loss,
+value_loss, explained_variance), the Critic, and end-to-end smoke runs of the script.
+
+Every value is checked against an independent computation: plain Python loops over floats
+(double precision), numpy, or numbers worked by hand in the comments. Gradients are checked
+against derivatives written out by hand, never against the code's own output.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import ppo  # noqa: E402
+
+SETTINGS = settings(max_examples=60, deadline=None)
+F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers (plain Python, independent of ppo.py)
+# --------------------------------------------------------------------------------------------
+
+
+def mask_rows(lengths, T):
+    """Right-padded 0/1 mask as nested Python lists."""
+    return [[1 if t < n else 0 for t in range(T)] for n in lengths]
+
+
+def as_mask(lengths, T, dtype=torch.float32):
+    return torch.tensor(mask_rows(lengths, T), dtype=torch.long).to(dtype)
+
+
+def gae_loop(rewards, values, lengths, gamma, lam):
+    """Written from the formula: delta_t = r_t + gamma V_{t+1} - V_t (V after the last real
+    token is 0), A_t = delta_t + gamma lam A_{t+1}; R_t = A_t + V_t; 0 on padding."""
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        n = lengths[i]
+        a_next = 0.0
+        for t in reversed(range(n)):
+            v_next = values[i][t + 1] if t + 1 < n else 0.0
+            delta = rewards[i][t] + gamma * v_next - values[i][t]
+            a_next = delta + gamma * lam * a_next
+            adv[i][t] = a_next
+            ret[i][t] = a_next + values[i][t]
+    return adv, ret
+
+
+def close(actual, expected, rtol=1e-9, atol=1e-9):
+    actual = torch.as_tensor(actual).double()
+    expected = torch.as_tensor(expected, dtype=F64)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+@st.composite
+def padded_batch(draw, max_b=4, max_t=7, lo=-5.0, hi=5.0):
+    """(lengths, T, grid_a, grid_b): right-padded batches with random lengths (0 and T included);
+    padded entries of the grids hold random values too (garbage the code must ignore)."""
+    B = draw(st.integers(1, max_b))
+    T = draw(st.integers(1, max_t))
+    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    fl = st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+    grid = st.lists(st.lists(fl, min_size=T, max_size=T), min_size=B, max_size=B)
+    return lengths, T, draw(grid), draw(grid)
+
+
+MASK_DTYPES = st.sampled_from([torch.float32, torch.long, torch.bool])
+UNIT = st.floats(0.0, 1.0, allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------------
+# GAE
+# --------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch=padded_batch(), gamma=UNIT, lam=UNIT, mask_dtype=MASK_DTYPES)
+@example(batch=([0, 3, 1], 3, [[1.0, 2, 3], [0.5, -1, 2], [4, 4, 4]], [[9.0, 9, 9], [1, 2, 3], [-2, 7, 7]]),
+         gamma=0.9, lam=0.95, mask_dtype=torch.float32)
+def test_gae_matches_python_double_loop(batch, gamma, lam, mask_dtype):
+    lengths, T, rewards, values = batch
+    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
+                       as_mask(lengths, T, mask_dtype), gamma, lam)
+    exp_adv, exp_ret = gae_loop(rewards, values, lengths, gamma, lam)
+    close(adv, exp_adv)
+    close(ret, exp_ret)
+
+
+def test_gae_hand_worked():
+    # r = [1, 0, 2], V = [0.5, 1, 1.5], one padded slot holding garbage; gamma 0.9, lam 0.5.
+    # delta_2 = 2 + 0 - 1.5 = 0.5                 A_2 = 0.5
+    # delta_1 = 0 + 0.9*1.5 - 1 = 0.35            A_1 = 0.35 + 0.45*0.5 = 0.575
+    # delta_0 = 1 + 0.9*1 - 0.5 = 1.4             A_0 = 1.4 + 0.45*0.575 = 1.65875
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 7.0]], dtype=F64)
+    values = torch.tensor([[0.5, 1.0, 1.5, -3.0]], dtype=F64)
+    adv, ret = ppo.gae(rewards, values, as_mask([3], 4), gamma=0.9, lam=0.5)
+    close(adv, [[1.65875, 0.575, 0.5, 0.0]], atol=1e-12)
+    close(ret, [[2.15875, 1.575, 2.0, 0.0]], atol=1e-12)
+
+
+def test_gae_float32_hand_worked():
+    # Same example in float32 (the training dtype): same answer to float32 precision.
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 7.0]])
+    values = torch.tensor([[0.5, 1.0, 1.5, -3.0]])
+    adv, ret = ppo.gae(rewards, values, as_mask([3], 4), gamma=0.9, lam=0.5)
+    assert adv.dtype == torch.float32
+    close(adv, [[1.65875, 0.575, 0.5, 0.0]], atol=1e-6)
+    close(ret, [[2.15875, 1.575, 2.0, 0.0]], atol=1e-6)
+
+
+@SETTINGS
+@given(batch=padded_batch(), gamma=UNIT)
+def test_gae_lambda_zero_is_one_step_td(batch, gamma):
+    lengths, T, rewards, values = batch
+    adv, _ = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
+                     as_mask(lengths, T), gamma, 0.0)
+    expected = [[0.0] * T for _ in lengths]
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            v_next = values[i][t + 1] if t + 1 < n else 0.0
+            expected[i][t] = rewards[i][t] + gamma * v_next - values[i][t]
+    close(adv, expected)
+
+
+@SETTINGS
+@given(batch=padded_batch())
+def test_gae_lambda_one_gamma_one_is_reward_to_go_minus_value(batch):
+    lengths, T, rewards, values = batch
+    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
+                       as_mask(lengths, T), 1.0, 1.0)
+    exp_adv = [[0.0] * T for _ in lengths]
+    exp_ret = [[0.0] * T for _ in lengths]
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            to_go = sum(rewards[i][k] for k in range(t, n))
+            exp_adv[i][t] = to_go - values[i][t]
+            exp_ret[i][t] = to_go  # returns = A + V = the plain reward-to-go
+    close(adv, exp_adv, atol=1e-8)
+    close(ret, exp_ret, atol=1e-8)
+
+
+@SETTINGS
+@given(batch=padded_batch(), gamma=UNIT, lam=UNIT)
+def test_gae_returns_are_adv_plus_values_and_padding_is_zero(batch, gamma, lam):
+    lengths, T, rewards, values = batch
+    v = torch.tensor(values, dtype=F64)
+    m = as_mask(lengths, T)
+    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), v, m, gamma, lam)
+    for i, n in enumerate(lengths):
+        for t in range(T):
+            if t < n:
+                assert ret[i, t].item() == pytest.approx(adv[i, t].item() + values[i][t], abs=1e-9)
+            else:
+                assert adv[i, t].item() == 0.0 and ret[i, t].item() == 0.0
+
+
+@SETTINGS
+@given(batch=padded_batch(), gamma=UNIT, lam=UNIT,
+       garbage=st.sampled_from([1e30, -1e30, 1e6, -123.0]))
+def test_gae_ignores_garbage_in_padding(batch, gamma, lam, garbage):
+    lengths, T, rewards, values = batch
+    m = as_mask(lengths, T)
+    r, v = torch.tensor(rewards), torch.tensor(values)
+    clean = ppo.gae(r * m, v * m, m, gamma, lam)
+    pad = m == 0
+    dirty = ppo.gae(r.masked_fill(pad, garbage), v.masked_fill(pad, -garbage), m, gamma, lam)
+    for c, d in zip(clean, dirty):
+        assert torch.equal(c, d)
+
+
+def test_gae_all_masked_rows():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
+    values = torch.tensor([[0.5, 0.5, 0.5], [2.0, 2.0, 2.0]])
+    adv, ret = ppo.gae(rewards, values, as_mask([2, 0], 3), 1.0, 1.0)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    close(adv, [[3 - 0.5, 2 - 0.5, 0], [0, 0, 0]], atol=1e-6)
+    close(ret, [[3, 2, 0], [0, 0, 0]], atol=1e-6)
+    adv, ret = ppo.gae(rewards, values, as_mask([0, 0], 3), 1.0, 0.95)
+    assert torch.equal(adv, torch.zeros(2, 3)) and torch.equal(ret, torch.zeros(2, 3))
+
+
+def test_gae_ignores_nonfinite_garbage_in_padding():
+    rewards = torch.tensor([[1.0, 0.0, float("nan")]])
+    values = torch.tensor([[0.5, 1.0, float("inf")]])
+    adv, ret = ppo.gae(rewards, values, as_mask([2], 3), 1.0, 1.0)
+    close(adv, [[0.5, -1.0, 0.0]], atol=1e-6)
+    close(ret, [[1.0, 0.0, 0.0]], atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# token_rewards
+# --------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch=padded_batch(), kl_coef=st.floats(0.0, 1.0), data=st.data())
+def test_token_rewards_matches_loop(batch, kl_coef, data):
+    lengths, T, old, ref = batch  # padded entries of old / ref are random garbage
+    scores = data.draw(st.lists(st.floats(-3, 3), min_size=len(lengths), max_size=len(lengths)))
+    out = ppo.token_rewards(torch.tensor(scores, dtype=F64), torch.tensor(old, dtype=F64),
+                            torch.tensor(ref, dtype=F64), as_mask(lengths, T), kl_coef)
+    expected = [[0.0] * T for _ in lengths]
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            expected[i][t] = -kl_coef * (old[i][t] - ref[i][t]) + (scores[i] if t == n - 1 else 0.0)
+    close(out, expected)
+
+
+@SETTINGS
+@given(batch=padded_batch(), data=st.data())
+def test_token_rewards_score_lands_on_last_real_token_when_old_equals_ref(batch, data):
+    lengths, T, old, _ = batch
+    scores = data.draw(st.lists(st.floats(0.1, 3), min_size=len(lengths), max_size=len(lengths)))
+    o = torch.tensor(old)
+    out = ppo.token_rewards(torch.tensor(scores), o, o.clone(), as_mask(lengths, T), kl_coef=0.3)
+    for i, n in enumerate(lengths):
+        for t in range(T):
+            want = scores[i] if t == n - 1 else 0.0  # KL part is exactly zero when old == ref
+            assert out[i, t].item() == pytest.approx(want, abs=1e-6), (i, t, n)
+
+
+def test_token_rewards_hand_worked():
+    # kl_coef 0.1; row 0 length 3, row 1 length 1, row 2 length 0 (nothing, no crash).
+    old = torch.tensor([[-1.0, -2.0, -0.5, 9.0], [-0.2, 4.0, 4.0, 4.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -9.0], [-0.7, 0.0, 0.0, 0.0], [-3.0, -3.0, -3.0, -3.0]])
+    scores = torch.tensor([1.0, -0.5, 7.0])
+    out = ppo.token_rewards(scores, old, ref, as_mask([3, 1, 0], 4), 0.1)
+    # row 0: -0.1*0.5 = -0.05, -0.1*(-1) = 0.1, 0 + score 1 -> 1.0
+    # row 1: -0.1*0.5 + (-0.5) = -0.55
+    close(out, [[-0.05, 0.1, 1.0, 0.0], [-0.55, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
+
+
+def test_token_rewards_all_rows_empty():
+    out = ppo.token_rewards(torch.tensor([1.0, 2.0]), torch.randn(2, 3), torch.randn(2, 3),
+                            torch.zeros(2, 3), 0.05)
+    assert torch.equal(out, torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# whiten
+# --------------------------------------------------------------------------------------------
+
+
+def whiten_loop(x, lengths, eps=1e-8):
+    real = [x[i][t] for i, n in enumerate(lengths) for t in range(n)]
+    out = [[0.0] * len(x[0]) for _ in x]
+    if len(real) < 2:
+        return out  # x - mean is 0 for a single entry; nothing to whiten for none
+    mean = sum(real) / len(real)
+    var = sum((v - mean) ** 2 for v in real) / (len(real) - 1)
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            out[i][t] = (x[i][t] - mean) / math.sqrt(var + eps)
+    return out
+
+
+@SETTINGS
+@given(batch=padded_batch(lo=-50, hi=50), mask_dtype=MASK_DTYPES)
+def test_whiten_matches_loop_and_is_standardised(batch, mask_dtype):
+    lengths, T, x, _ = batch
+    out = ppo.whiten(torch.tensor(x, dtype=F64), as_mask(lengths, T, mask_dtype))
+    close(out, whiten_loop(x, lengths), atol=1e-8)
+    real = np.array([x[i][t] for i, n in enumerate(lengths) for t in range(n)])
+    got = np.array([out[i, t].item() for i, n in enumerate(lengths) for t in range(n)])
+    if len(real) >= 2 and real.var(ddof=1) > 1e-2:
+        assert abs(got.mean()) < 1e-9
+        assert got.std(ddof=1) == pytest.approx(1.0, abs=1e-6)
+    for i, n in enumerate(lengths):
+        for t in range(n, T):
+            assert out[i, t].item() == 0.0
+
+
+def test_whiten_against_numpy_float32():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g) * 3 + 2
+    lengths = [6, 0, 3, 1]
+    m = as_mask(lengths, 6)
+    out = ppo.whiten(x, m)
+    real = np.concatenate([x[i, :n].double().numpy() for i, n in enumerate(lengths)])
+    want = (real - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8)
+    got = np.concatenate([out[i, :n].double().numpy() for i, n in enumerate(lengths)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out * (1 - m), torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("garbage", [1e6, -1e6, 1e15])
+def test_whiten_padding_values_do_not_matter(garbage):
+    x = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    m = as_mask([3, 1], 4)
+    clean = ppo.whiten(x, m)
+    dirty = ppo.whiten(x.masked_fill(m == 0, garbage), m)
+    torch.testing.assert_close(dirty, clean, rtol=1e-6, atol=1e-6)
+    assert (dirty[m == 0] == 0).all()
+    # values: [1, 2, 3, 4], mean 2.5, unbiased var 5/3
+    close(clean[m == 1], [(v - 2.5) / math.sqrt(5 / 3 + 1e-8) for v in (1, 2, 3, 4)], atol=1e-6)
+
+
+@pytest.mark.parametrize("garbage", [1e30, -1e30, float("inf")])
+def test_whiten_huge_padding_values_do_not_matter(garbage):
+    x = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    m = as_mask([3, 1], 4)
+    out = ppo.whiten(x.masked_fill(m == 0, garbage), m)
+    close(out[m == 1], [(v - 2.5) / math.sqrt(5 / 3 + 1e-8) for v in (1, 2, 3, 4)], atol=1e-6)
+    assert (out[m == 0] == 0).all()
+
+
+def test_whiten_all_masked():
+    x = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
+    out = ppo.whiten(x, as_mask([2, 0], 2))
+    assert torch.isfinite(out).all()
+    close(out, [[-1 / math.sqrt(2 + 1e-8), 1 / math.sqrt(2 + 1e-8)], [0, 0]], atol=1e-6)
+    out = ppo.whiten(x, torch.zeros(2, 2))
+    assert torch.equal(out, torch.zeros(2, 2))
+    out = ppo.whiten(x, as_mask([1, 0], 2))  # a single real entry: 0, not NaN
+    assert torch.equal(out, torch.zeros(2, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# ppo_policy_loss
+# --------------------------------------------------------------------------------------------
+
+
+def policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip, clamp=20.0):
+    """Per-token loss and d loss / d logp written out from the formula (token-mean)."""
+    n_tok = sum(lengths)
+    T = len(logp[0])
+    total, grad = 0.0, [[0.0] * T for _ in logp]
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a = adv[i][t]
+            lr = logp[i][t] - old[i][t]
+            lr_c = min(max(lr, -clamp), clamp)
+            r = math.exp(lr_c)
+            dr = r if -clamp < lr < clamp else 0.0  # d r / d logp
+            r_clip = min(max(r, 1 - eps_low), 1 + eps_high)
+            unclipped, clipped = -a * r, -a * r_clip
+            if unclipped >= clipped:
+                loss, g = unclipped, -a * dr
+            else:  # then r lies outside the clip range: the clipped branch is constant
+                loss, g = clipped, 0.0
+            if dual_clip is not None and a < 0 and loss > -dual_clip * a:
+                loss, g = -dual_clip * a, 0.0
+            total += loss
+            grad[i][t] = g / max(n_tok, 1)
+    return total / max(n_tok, 1), grad
+
+
+def run_policy_loss(logp, old, adv, mask, **kw):
+    logp = torch.as_tensor(logp, dtype=F64).clone().requires_grad_(True)
+    loss, stats = ppo.ppo_policy_loss(logp, torch.as_tensor(old, dtype=F64), torch.as_tensor(adv, dtype=F64),
+                                      mask, **kw)
+    loss.backward()
+    return loss, logp.grad, stats
+
+
+def test_policy_loss_reference_dual_clip_case():
+    # REFERENCE: A = -1, r = 5, eps 0.2. Plain clipped loss max(5, 1.2) = 5 with d/dlogp = -A r = 5;
+    # dual-clip c = 3 caps it at -c A = 3, a constant: zero gradient.
+    logp, old, adv, m = [[math.log(5.0)]], [[0.0]], [[-1.0]], torch.ones(1, 1)
+    loss, grad, stats = run_policy_loss(logp, old, adv, m, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0, abs=1e-12)
+    assert grad.item() == 0.0
+    assert stats["dual_clip_frac"] == pytest.approx(1.0)
+    loss, grad, stats = run_policy_loss(logp, old, adv, m, eps_low=0.2, eps_high=0.2, dual_clip=None)
+    assert loss.item() == pytest.approx(5.0, abs=1e-12)
+    assert grad.item() == pytest.approx(5.0, abs=1e-12)
+    assert stats["dual_clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("adv,ratio,want_loss", [
+    (1.0, 1.5, -1.2),    # A > 0, r > 1 + eps: clipped at 1.2, constant
+    (2.0, 3.0, -2.4),
+    (-1.0, 0.5, 0.8),    # A < 0, r < 1 - eps: clipped at 0.8, constant
+    (-0.5, 0.1, 0.4),
+])
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+def test_policy_loss_zero_gradient_in_clipped_regions(adv, ratio, want_loss, dual_clip):
+    loss, grad, stats = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
+                                        eps_low=0.2, eps_high=0.2, dual_clip=dual_clip)
+    assert loss.item() == pytest.approx(want_loss, abs=1e-12)
+    assert grad.item() == 0.0
+    assert stats["clip_frac"] == 1.0
+
+
+@pytest.mark.parametrize("adv,ratio", [
+    (1.0, 0.5),    # A > 0, r < 1 - eps: the unclipped term is the max, gradient flows
+    (-1.0, 1.5),   # A < 0, 1 + eps < r < c: unclipped term, gradient flows
+    (1.0, 1.1),
+    (-2.0, 0.9),
+])
+def test_policy_loss_gradient_outside_clipped_regions(adv, ratio):
+    loss, grad, stats = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
+                                        eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx(-adv * ratio, abs=1e-12)
+    assert grad.item() == pytest.approx(-adv * ratio, abs=1e-12)  # d(-A e^(logp-old))/dlogp
+    assert stats["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("adv,ratio,want_loss,want_grad", [
+    (1.0, 1.25, -1.25, -1.25),   # inside 1 + eps_high = 1.3: not clipped
+    (1.0, 1.35, -1.3, 0.0),      # beyond 1.3: clipped
+    (-1.0, 0.95, 0.95, 0.95),    # inside 1 - eps_low = 0.9: not clipped
+    (-1.0, 0.85, 0.9, 0.0),      # below 0.9: clipped
+])
+def test_policy_loss_asymmetric_eps(adv, ratio, want_loss, want_grad):
+    loss, grad, _ = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
+                                    eps_low=0.1, eps_high=0.3, dual_clip=3.0)
+    assert loss.item() == pytest.approx(want_loss, abs=1e-12)
+    assert grad.item() == pytest.approx(want_grad, abs=1e-12)
+
+
+def test_policy_loss_clip_frac_hand_worked():
+    # clipped: (A=1, r=1.5) and (A=-1, r=0.5); not clipped: (A=1, r=1), (A=-1, r=1.5);
+    # a padded token that would be clipped does not count: 2 / 4.
+    ratios = [[1.5, 0.5, 1.0, 1.5, 3.0]]
+    adv = [[1.0, -1.0, 1.0, -1.0, 1.0]]
+    _, _, stats = run_policy_loss([[math.log(r) for r in ratios[0]]], [[0.0] * 5], adv, as_mask([4], 5))
+    assert stats["clip_frac"] == pytest.approx(0.5)
+
+
+@SETTINGS
+@given(batch=padded_batch(lo=-3, hi=3), mask_dtype=MASK_DTYPES)
+def test_policy_loss_on_policy_gradient_is_reinforce_token_mean(batch, mask_dtype):
+    lengths, T, old, adv = batch
+    # logp == old: ratio 1, nothing clipped; loss = -sum m A / sum m, d/dlogp = -m A / sum m
+    loss, grad, stats = run_policy_loss(old, old, adv, as_mask(lengths, T, mask_dtype))
+    n = sum(lengths)
+    want_loss = -sum(adv[i][t] for i, L in enumerate(lengths) for t in range(L)) / max(n, 1)
+    want_grad = [[-adv[i][t] / n if t < L else 0.0 for t in range(T)] for i, L in enumerate(lengths)]
+    assert loss.item() == pytest.approx(want_loss, abs=1e-9)
+    close(grad, want_grad, atol=1e-12)
+    assert stats["clip_frac"] == 0.0
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-12)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 6), data=st.data(),
+       eps_low=st.floats(0.05, 0.5), eps_high=st.floats(0.05, 0.5),
+       dual_clip=st.one_of(st.none(), st.floats(1.5, 5.0)))
+def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high, dual_clip):
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    g = torch.Generator().manual_seed(seed)
+    old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
+    logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    loss, grad, _ = run_policy_loss(logp, old, adv, as_mask(lengths, T),
+                                    eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    want_loss, want_grad = policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-9, abs=1e-9)
+    close(grad, want_grad, atol=1e-9)
+
+
+@pytest.mark.parametrize("size", [50.0, 100.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+def test_policy_loss_finite_at_extreme_log_ratios(size, dtype, dual_clip):
+    # log-ratios +-50 and +-100 with both signs of A: exp(100) overflows float32 without a clamp.
+    logp = torch.tensor([[size, -size, size, -size]], dtype=dtype, requires_grad=True)
+    old = torch.zeros(1, 4, dtype=dtype)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=dtype)
+    loss, stats = ppo.ppo_policy_loss(logp, old, adv, torch.ones(1, 4), dual_clip=dual_clip)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(v) for v in stats.values())
+    if dual_clip is not None:
+        # A=+1 r huge: -1.2; A=+1 r ~ 0: -r ~ 0; A=-1 r huge: dual cap 3; A=-1 r ~ 0: 0.8
+        assert loss.item() == pytest.approx((-1.2 + 0.0 + 3.0 + 0.8) / 4, abs=1e-6)
+
+
+def test_policy_loss_all_masked_row_is_harmless():
+    # Row 1 is all padding with -inf log-probs and huge advantages: it must not change the
+    # loss of row 0 nor put NaN anywhere in the gradient.
+    logp = torch.tensor([[math.log(1.1) - 1.0, -1.0, 0.0], [-math.inf, -math.inf, -math.inf]],
+                        dtype=F64, requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, 0.0], [-math.inf, -math.inf, -math.inf]], dtype=F64)
+    adv = torch.tensor([[2.0, -1.0, 0.0], [1e6, -1e6, 1e6]], dtype=F64)
+    loss, stats = ppo.ppo_policy_loss(logp, old, adv, as_mask([2, 0], 3))
+    loss.backward()
+    # row 0: (-2 * 1.1 + 1 * 1) / 2 = -0.6; gradients -2*1.1/2 and 1/2
+    assert loss.item() == pytest.approx(-0.6, abs=1e-12)
+    close(logp.grad, [[-1.1, 0.5, 0.0], [0.0, 0.0, 0.0]], atol=1e-12)
+    # the whole batch masked: 0, not NaN
+    logp = torch.full((2, 3), -math.inf, dtype=F64, requires_grad=True)
+    loss, stats = ppo.ppo_policy_loss(logp, logp.detach().clone(), torch.ones(2, 3, dtype=F64), torch.zeros(2, 3))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros(2, 3, dtype=F64))
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+# --------------------------------------------------------------------------------------------
+# value_loss
+# --------------------------------------------------------------------------------------------
+
+
+def run_value_loss(values, old, returns, mask, clip):
+    v = torch.as_tensor(values, dtype=F64).clone().requires_grad_(True)
+    loss, stats = ppo.value_loss(v, torch.as_tensor(old, dtype=F64), torch.as_tensor(returns, dtype=F64), mask, clip)
+    loss.backward()
+    return loss, v.grad, stats
+
+
+def test_value_loss_hand_worked():
+    # clip 0.2; token d is padding with garbage.
+    #  a: V=1.0 Vo=0.5 R=0.0 -> plain 1,    clipped V 0.7 -> 0.49: plain wins (1), grad (V-R)/3 = 1/3
+    #  b: V=1.0 Vo=0.0 R=1.1 -> plain 0.01, clipped V 0.2 -> 0.81: clipped wins (0.81), V outside
+    #     [Vo - c, Vo + c] so the clipped branch is constant: grad 0
+    #  c: V=2.0 Vo=1.9 R=1.0 -> V inside the range: both 1.0, grad (V-R)/3 = 1/3
+    # loss = 0.5 * (1 + 0.81 + 1) / 3 = 0.4683333...; vf_clip_frac = 1/3
+    values = [[1.0, 1.0, 2.0, 50.0]]
+    old = [[0.5, 0.0, 1.9, -50.0]]
+    returns = [[0.0, 1.1, 1.0, 1e6]]
+    loss, grad, stats = run_value_loss(values, old, returns, as_mask([3], 4), 0.2)
+    assert loss.item() == pytest.approx(0.5 * 2.81 / 3, abs=1e-12)
+    close(grad, [[1 / 3, 0.0, 1 / 3, 0.0]], atol=1e-12)
+    assert stats["vf_clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_value_loss_half_factor():
+    # V = 3, V_old = 3 (inside the clip range), R = 1: 0.5 * (3 - 1)^2 = 2; d/dV = V - R = 2
+    loss, grad, _ = run_value_loss([[3.0]], [[3.0]], [[1.0]], torch.ones(1, 1), 0.5)
+    assert loss.item() == pytest.approx(2.0, abs=1e-12)
+    assert grad.item() == pytest.approx(2.0, abs=1e-12)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 6),
+       clip=st.floats(0.05, 1.0), data=st.data(), mask_dtype=MASK_DTYPES)
+def test_value_loss_matches_loop(seed, B, T, clip, data, mask_dtype):
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(B, T, generator=g, dtype=F64).tolist()
+    values = (torch.tensor(old, dtype=F64) + 0.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    returns = (torch.tensor(old, dtype=F64) + torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    loss, grad, stats = run_value_loss(values, old, returns, as_mask(lengths, T, mask_dtype), clip)
+    n = sum(lengths)
+    total, n_clip = 0.0, 0
+    want_grad = [[0.0] * T for _ in range(B)]
+    for i, L in enumerate(lengths):
+        for t in range(L):
+            v, vo, r = values[i][t], old[i][t], returns[i][t]
+            v_clip = min(max(v, vo - clip), vo + clip)
+            plain, clipped = (v - r) ** 2, (v_clip - r) ** 2
+            total += max(plain, clipped)
+            if clipped > plain:
+                n_clip += 1
+                assert not (vo - clip < v < vo + clip)  # clipped can only win outside the range
+                want_grad[i][t] = 0.0
+            else:
+                want_grad[i][t] = (v - r) / n
+    assert loss.item() == pytest.approx(0.5 * total / max(n, 1), rel=1e-9, abs=1e-12)
+    close(grad, want_grad, atol=1e-12)
+    assert stats["vf_clip_frac"] == pytest.approx(n_clip / max(n, 1))
+
+
+def test_value_loss_all_masked():
+    values = torch.tensor([[1.0, 2.0], [1e6, -1e6]], requires_grad=True)
+    old = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
+    returns = torch.tensor([[0.0, 0.0], [1e6, 1e6]])
+    loss, _ = ppo.value_loss(values, old, returns, as_mask([2, 0], 2), 0.2)
+    loss.backward()
+    # row 0: 0.5 * (1 + 4) / 2 = 1.25; gradients (V - R) / 2
+    assert loss.item() == pytest.approx(1.25, abs=1e-6)
+    close(values.grad, [[0.5, 1.0], [0.0, 0.0]], atol=1e-6)
+    values.grad = None
+    loss, stats = ppo.value_loss(values, old, returns, torch.zeros(2, 2), 0.2)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(values.grad, torch.zeros(2, 2))
+    assert math.isfinite(stats["vf_clip_frac"])
+
+
+# --------------------------------------------------------------------------------------------
+# explained_variance
+# --------------------------------------------------------------------------------------------
+
+
+def ev_numpy(values, returns, mask):
+    m = mask.bool().numpy()
+    v, r = values.double().numpy()[m], returns.double().numpy()[m]
+    return 1 - np.var(r - v) / np.var(r)
+
+
+def test_explained_variance_perfect_and_constant():
+    g = torch.Generator().manual_seed(1)
+    returns = torch.randn(3, 5, generator=g)
+    m = as_mask([5, 2, 0], 5)
+    garbage = returns.masked_fill(m == 0, 1e3)
+    assert ppo.explained_variance(garbage, returns, m) == pytest.approx(1.0, abs=1e-6)
+    real = returns[m.bool()].double()
+    const = torch.full_like(returns, real.mean().item())
+    assert ppo.explained_variance(const, returns, m) == pytest.approx(0.0, abs=1e-5)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(2, 6), data=st.data())
+def test_explained_variance_matches_numpy(seed, B, T, data):
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B).filter(lambda ls: sum(ls) >= 2))
+    g = torch.Generator().manual_seed(seed)
+    returns = torch.randn(B, T, generator=g, dtype=F64) * 2
+    values = returns + torch.randn(B, T, generator=g, dtype=F64)
+    m = as_mask(lengths, T)
+    want = ev_numpy(values, returns, m)
+    assert ppo.explained_variance(values, returns, m) == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_explained_variance_constant_returns_is_nan():
+    assert math.isnan(ppo.explained_variance(torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3)))
+
+
+# --------------------------------------------------------------------------------------------
+# Critic (the cached tiny checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def critic():
+    torch.manual_seed(0)
+    return ppo.Critic("tiny", torch.device("cpu"))
+
+
+def make_roll(completions):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]][: len(completions)]
+    return common.Rollout.from_lists(prompts, completions, pad_id=0)
+
+
+def test_critic_shape_and_zero_at_init(critic):
+    roll = make_roll([[14, 15, 16], [17], [18, 19, 20, 21, 22]])
+    with torch.no_grad():
+        v = critic(roll)
+    assert v.shape == (3, 5)
+    assert v.dtype == torch.float32
+    assert torch.equal(v, torch.zeros(3, 5))
+
+
+def test_critic_gradients_reach_head_and_trunk(critic):
+    roll = make_roll([[14, 15, 16], [17], [18, 19, 20, 21, 22]])
+    m = roll.completion_mask
+    critic.zero_grad(set_to_none=True)
+    ((critic(roll) - 1.0) ** 2 * m).sum().backward()
+    # d/dbias = sum 2 (0 - 1) m = -2 * 9 tokens
+    assert critic.head.bias.grad.item() == pytest.approx(-18.0, abs=1e-4)
+    assert critic.head.weight.grad.abs().sum() > 0
+    trunk = list(critic.trunk.named_parameters())
+    assert trunk and all(p.requires_grad for _, p in trunk)
+    assert all(p.grad is not None for _, p in trunk)  # connected (zero while the head is zero)
+    # one SGD step on the head (what the first update does), then the trunk gets signal too
+    with torch.no_grad():
+        critic.head.weight -= 0.1 * critic.head.weight.grad
+        critic.head.bias -= 0.1 * critic.head.bias.grad
+    critic.zero_grad(set_to_none=True)
+    ((critic(roll) - 1.0) ** 2 * m).sum().backward()
+    no_grad = [name for name, p in trunk if p.grad is None or not torch.isfinite(p.grad).all()
+               or p.grad.abs().sum() == 0]
+    assert not no_grad, f"trunk parameters without gradient: {no_grad}"
+
+
+def test_critic_value_t_depends_only_on_prefix(critic):
+    # V_t = V(x, y_<t): changing completion token y_2 changes V_3.. and leaves V_0..V_2 alone.
+    with torch.no_grad():
+        saved = critic.head.weight.clone(), critic.head.bias.clone()
+        torch.manual_seed(1)
+        critic.head.weight.normal_()
+        try:
+            a = critic(make_roll([[14, 15, 16, 17, 18]]))
+            b = critic(make_roll([[14, 15, 30, 17, 18]]))
+        finally:
+            critic.head.weight.copy_(saved[0])
+            critic.head.bias.copy_(saved[1])
+    torch.testing.assert_close(a[:, :3], b[:, :3], rtol=1e-5, atol=1e-5)
+    assert (a[:, 3:] - b[:, 3:]).abs().min() > 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# End-to-end smoke runs of the script
+# --------------------------------------------------------------------------------------------
+
+METRIC_KEYS = {"step", "reward", "accuracy", "loss", "clip_frac", "entropy", "response_len", "tokens_per_s",
+               "step_time_s", "value_loss", "explained_variance", "approx_kl", "eval_accuracy"}
+FINITE_KEYS = METRIC_KEYS - {"step", "explained_variance"}
+SUMMARY_KEYS = {"algo", "model", "task", "seed", "steps", "eval_accuracy_before", "eval_accuracy_after",
+                "wall_time_s", "peak_mem_mb", "mean_clip_frac", "args"}
+BASE = ["--steps", "2", "--minibatches", "2", "--eval-size", "16", "--eval-every", "1"]
+
+
+def run_script(out, extra):
+    cmd = [sys.executable, "ppo.py", *BASE, *extra, "--out", str(out)]
+    env = dict(os.environ)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((out / "summary.json").read_text())
+    return rows, summary
+
+
+def check_outputs(out, rows, summary):
+    from transformers import AutoModelForCausalLM
+
+    assert len(rows) == 2
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert METRIC_KEYS <= r.keys(), METRIC_KEYS - r.keys()
+        for k in FINITE_KEYS:
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
+        assert 0 <= r["clip_frac"] <= 1 and 0 <= r["accuracy"] <= 1 and 0 <= r["eval_accuracy"] <= 1
+        assert r["response_len"] > 0 and r["tokens_per_s"] > 0 and r["value_loss"] >= 0
+    assert SUMMARY_KEYS <= summary.keys(), SUMMARY_KEYS - summary.keys()
+    assert summary["algo"] == "ppo" and summary["model"] == "tiny" and summary["task"] == "arith"
+    assert summary["seed"] == 0 and summary["steps"] == 2
+    assert 0 <= summary["eval_accuracy_before"] <= 1 and 0 <= summary["eval_accuracy_after"] <= 1
+    assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
+    assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
+    assert summary["mean_clip_frac"] == pytest.approx(sum(r["clip_frac"] for r in rows) / 2, abs=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.model_type == "qwen3"
+    assert (out / "final" / "critic.pt").is_file()
+    state = torch.load(out / "final" / "critic.pt", map_location="cpu")
+    assert "head.weight" in state and "head.bias" in state
+
+
+def test_smoke_run(tmp_path):
+    out = tmp_path / "run"
+    rows, summary = run_script(out, ["--prompts-per-step", "16", "--group-size", "1"])
+    check_outputs(out, rows, summary)
+    assert summary["args"]["dual_clip"] == 3.0 and summary["args"]["group_size"] == 1
+
+
+SECOND_RUN = ["--group-size", "2", "--prompts-per-step", "8", "--missing-eos-penalty", "0.5"]
+
+
+def test_dual_clip_none_parses():
+    # `--dual-clip none` must turn the dual clip off (the Args field has to be annotated Optional:
+    # common.parse_args only accepts "none" for fields whose annotation mentions None).
+    assert common.parse_args(ppo.Args, ["--dual-clip", "none"]).dual_clip is None
+    assert common.parse_args(ppo.Args, ["--dual-clip", "2.5"]).dual_clip == 2.5
+
+
+def test_smoke_run_group2_eos_penalty_dual_clip_none(tmp_path):
+    out = tmp_path / "run"
+    rows, summary = run_script(out, [*SECOND_RUN, "--dual-clip", "none"])
+    check_outputs(out, rows, summary)
+    assert summary["args"]["dual_clip"] is None
+    assert summary["args"]["group_size"] == 2 and summary["args"]["missing_eos_penalty"] == 0.5
+    for r in rows:
+        assert r.get("dual_clip_frac", 0.0) == 0.0
