@@ -1,15 +1,17 @@
 """common.py: everything ppo.py, grpo.py and gspo.py share that is not the algorithm.
 
 Sections, in reading order:
-  1. CLI           Args dataclass -> argparse, one-line errors with exit status 2
+  1. CLI           Args dataclass -> argparse, input checks: one-line errors with exit status 2
   2. Data          the built-in `arith` task and a JSONL loader (prompt/answer or GSM8K)
   3. Rewards       strict final-answer extraction, exact-match reward, a separate format signal
-  4. Tiny model    `tiny_checkpoint()`: a Qwen3ForCausalLM + char tokenizer, warm-started, cached
+  4. Tiny model    `tiny_checkpoint(name)`: a Qwen3 (or Qwen3-MoE) + char tokenizer, warm-started, cached
   5. Loading       model/tokenizer loading, EOS ids, prompt formatting (chat template if any)
   6. Sampling      batched generation: left padding, KV cache, temperature, top-p, many EOS ids
   7. Log-probs     per-token log-probs and true entropy in float32, chunked over the vocabulary
+  7b. Routing     MoE routing record / replay (Routing Replay) and routing drift
   8. Evaluation    greedy held-out accuracy and format rate
   9. Logging       metrics.jsonl, summary.json, final/ checkpoint, seeding, peak memory
+ 10. Resume        checkpoints (atomic), --resume, SIGINT/SIGTERM, the non-finite guard, exit status
 
 The tiny checkpoint is cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
 of its recipe, so changing the recipe builds a new one and never reuses a stale one.
@@ -17,7 +19,9 @@ of its recipe, so changing the recipe builds a new one and never reuses a stale 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -26,6 +30,7 @@ import random
 import re
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -53,38 +58,76 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line on stderr, exit status 2."""
 
 
-def die(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+def die(message: str, status: int = 2):
+    print("error: " + re.sub(r"\s*\n\s*", " ", message.strip()), file=sys.stderr)  # always one line
+    sys.exit(status)
 
 
-def parse_args(args_cls, argv=None):
-    """Turn a dataclass whose fields carry `help` metadata into a CLI (underscores -> dashes)."""
+def _number(kind):
+    """An argparse type for int or float that refuses NaN (every range check would let it through)."""
+
+    def parse(s: str):
+        value = kind(s)
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(s)
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message: "invalid float value: 'x'"
+    return parse
+
+
+def _optional(kind):
+    def parse(s: str):
+        return None if s.lower() == "none" else kind(s)
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_args(args_cls, argv=None, algo: str | None = None):
+    """Turn a dataclass whose fields carry `help` metadata into a CLI (underscores -> dashes).
+    With --resume DIR (and `algo` given) the run's flags are the checkpoint's, overridden by those
+    given on this command line; see `resumed_args`."""
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # argparse's own errors: one line, exit 2, no usage dump
             die(message)
 
-    parser = Parser(description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0])
+    # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
+    parser = Parser(description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0],
+                    argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(args_cls):
-        flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "") + f" (default: {f.default})"
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            if "None" in str(f.type):  # Optional[...] fields: "none" on the command line means None
-                inner = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-                kind = lambda s, inner=inner: None if s.lower() == "none" else inner(s)  # noqa: E731
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
-    return args_cls(**vars(parser.parse_args(argv)))
+            type_name = str(f.type)  # "int", "float | None", ... (annotations are strings here)
+            kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
+            if "None" in type_name:  # Optional fields: "none" on the command line means None
+                kind = _optional(kind)
+            parser.add_argument(_flag(f.name), type=kind, help=help_text)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
+        flag, value = argv[i - 1], argv[i]
+        if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-[\d.]+[eE][-+]?\d+|-inf", value):
+            argv[i - 1: i + 1] = [f"{flag}={value}"]
+    given = vars(parser.parse_args(argv))
+    if given.get("resume") and algo is not None:
+        given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
+    return args_cls(**given)
 
 
 def check_common_args(args, needs_group: bool):
-    """Range checks shared by the three scripts; raises UsageError naming the flag."""
-    for name in ("steps", "prompts_per_step", "max_new_tokens", "minibatches", "epochs", "eval_size"):
+    """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
+    any model is loaded or any output is written."""
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "minibatches", "epochs", "eval_size",
+                 "max_consecutive_skips"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
     if args.group_size < (2 if needs_group else 1):
         need = "2 (group advantages need at least two samples per prompt)" if needs_group else "1"
         raise UsageError(f"--group-size must be >= {need}, got {args.group_size}")
@@ -92,28 +135,68 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.lr < 0:
-        raise UsageError(f"--lr must be >= 0, got {args.lr}")
+    for name in ("lr", "weight_decay", "eps_low", "eps_high"):
+        if not 0 <= getattr(args, name) < math.inf:
+            raise UsageError(f"{_flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
+    if args.eps_low >= 1:
+        raise UsageError(f"--eps-low must be < 1 (the ratio's lower clip is 1 - eps_low), got {args.eps_low}")
+    if not args.max_grad_norm > 0:
+        raise UsageError(f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
     if args.eval_every < 0:
         raise UsageError(f"--eval-every must be >= 0 (0 turns periodic evaluation off), got {args.eval_every}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     batch = args.prompts_per_step * args.group_size
     if batch % args.minibatches:
         raise UsageError(
             f"--minibatches {args.minibatches} does not divide the batch of {batch} completions "
             f"(--prompts-per-step x --group-size)"
         )
-    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+    if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
         raise UsageError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
-    if args.model not in TINY_MODELS and not Path(args.model).is_dir() and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
-        raise UsageError(f"--model {args.model!r}: not 'tiny', an existing directory, or a hub id like Qwen/Qwen2.5-0.5B")
-    if args.model not in TINY_MODELS and Path(args.model).is_dir() and not (Path(args.model) / "config.json").is_file():
-        raise UsageError(f"--model {args.model!r}: directory has no config.json (not a Hugging Face checkpoint)")
+    if args.device.startswith("cuda"):
+        index = int(args.device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    check_model_name(args.model)
+    out = Path(args.out)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        raise UsageError(f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)")
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"--out {args.out}: {existing} is not writable")
+
+
+def _describe(e: Exception) -> str:
+    """An exception as one short line for an error message: its first sentence."""
+    return f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0].split('. ')[0]}"
+
+
+def check_model_name(model: str):
+    """'tiny', an existing Hugging Face checkpoint directory, or something shaped like a hub id."""
+    if model in TINY_MODELS:
+        return
+    expected = "expected 'tiny', a checkpoint directory or a hub id like Qwen/Qwen2.5-0.5B"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {model}: directory has no config.json (not a Hugging Face checkpoint)")
+        return
+    if path.exists():
+        raise UsageError(f"--model {model}: is a file; {expected}")
+    # a local path that does not exist ('runs/x/final', './m', '/abs') must not be sent to the hub
+    local = model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir()
+    if local or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
+        raise UsageError(f"--model {model}: no such directory; {expected}")
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. Data
 # ---------------------------------------------------------------------------------------------
 
+MAX_SEED = 2**32 // 1000 - 1  # PromptStream seeds numpy with seed * 1000 + epoch: must fit 32 bits
 ARITH_EVAL_SEED = 1234  # fixed, so the held-out set is the same for every run seed
 ARITH_EVAL_SIZE = 500
 
@@ -129,11 +212,13 @@ def arith_split(max_operand: int = 99):
 def load_jsonl(path: str):
     """Records {"prompt", "answer"} or GSM8K's {"question", "answer": "... #### N"}."""
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--data {path}: is a directory, expected a JSONL file")
     if not p.is_file():
         raise UsageError(f"--data {path}: file not found")
     records = []
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--data {path}: cannot read ({e.__class__.__name__})")
     for lineno, line in enumerate(lines, 1):
@@ -156,7 +241,7 @@ def load_jsonl(path: str):
         if "question" in rec and "prompt" not in rec:  # GSM8K: the gold is what follows '####'
             if "####" not in answer:
                 raise UsageError(f"--data {path}:{lineno}: field 'answer' has no '#### N' final answer")
-            answer = answer.split("####")[-1].strip()
+            answer = answer.rsplit("####", 1)[-1].strip()
         records.append({"prompt": prompt, "answer": answer.strip()})
     if not records:
         raise UsageError(f"--data {path}: no records")
@@ -227,9 +312,11 @@ def normalize_number(s: str) -> str | None:
     if not _NUMBER.fullmatch(s):
         return None
     s = s.replace(",", "").lstrip("+")
+    if s.startswith(("." , "-.")):  # '.5' -> '0.5', '-.5' -> '-0.5'
+        s = s.replace(".", "0.", 1)
     if "." in s:
         s = s.rstrip("0").rstrip(".")
-    if s in ("-0", ""):
+    if s in ("-0", "-", ""):
         s = "0"
     return s
 
@@ -238,7 +325,7 @@ def extract_answer(completion: str) -> str | None:
     """The final answer, strictly: the text after the last '####' if present, else the whole
     completion, and it must be exactly one number. A completion that merely contains the right
     number somewhere ("46 or 47", "I think 46") has no answer. Empty text has no answer."""
-    text = completion.split("####")[-1] if "####" in completion else completion
+    text = completion.rsplit("####", 1)[-1] if "####" in completion else completion
     return normalize_number(text)
 
 
@@ -248,7 +335,7 @@ def score(completion: str, answer: str) -> tuple[float, float]:
     gold = normalize_number(answer)
     if gold is None:  # non-numeric gold answers: exact string match after stripping
         gold = answer.strip()
-        pred = completion.split("####")[-1].strip() or None
+        pred = completion.rsplit("####", 1)[-1].strip() or None
     return float(pred is not None and pred == gold), float(pred is not None)
 
 
@@ -256,7 +343,7 @@ def score(completion: str, answer: str) -> tuple[float, float]:
 # 4. The embedded tiny Qwen3 checkpoint
 # ---------------------------------------------------------------------------------------------
 
-TINY_MODELS = ("tiny",)
+TINY_MODELS = ("tiny", "tiny-moe")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
 TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: any JSONL text tokenizes
 TINY_CONFIG = dict(
@@ -266,6 +353,16 @@ TINY_CONFIG = dict(
 )
 TINY_WARMSTART = dict(seed=0, max_steps=1500, batch=64, lr=2e-3, target_accuracy=0.2, probe_every=25, probe_size=256)
 TINY_RECIPE_VERSION = 1
+# tiny-moe: the same attention stack with every MLP a sparse MoE block (GSPO paper section 5.3):
+# 8 experts, top-2, each expert half the dense MLP's width, so 2 active experts cost one dense MLP.
+TINY_MOE_CONFIG = dict(
+    TINY_CONFIG, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0, output_router_logits=False,
+)
+TINY_SPECS = {  # name -> (cache-directory prefix, transformers class prefix, config)
+    "tiny": ("tiny-qwen3", "Qwen3", TINY_CONFIG),
+    "tiny-moe": ("tiny-qwen3moe", "Qwen3Moe", TINY_MOE_CONFIG),
+}
 
 
 def cache_root() -> Path:
@@ -286,13 +383,15 @@ def build_char_tokenizer():
     )
 
 
-def tiny_checkpoint() -> str:
-    """Path of the embedded checkpoint: built (about a minute on 2 CPU cores) and cached on first
-    call, reused afterwards. A real Qwen3ForCausalLM with a small config, warm-started by SFT on
+def tiny_checkpoint(name: str = "tiny") -> str:
+    """Path of an embedded checkpoint: built (about a minute on 2 CPU cores) and cached on first
+    call, reused afterwards. "tiny": a real Qwen3ForCausalLM with a small config; "tiny-moe": a
+    Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started by SFT on
     `arith` training pairs until a probe of *training* prompts reaches the target accuracy, so
     the held-out accuracy starts in a band that leaves room for RL."""
-    recipe = json.dumps([TINY_CONFIG, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION], sort_keys=True)
-    path = cache_root() / f"tiny-qwen3-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    prefix, _, config = TINY_SPECS[name]
+    recipe = json.dumps([config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION], sort_keys=True)
+    path = cache_root() / f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,7 +399,7 @@ def tiny_checkpoint() -> str:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and immune to contention
-        model, tok = _warm_start_tiny()
+        model, tok = _warm_start_tiny(name)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -314,17 +413,19 @@ def tiny_checkpoint() -> str:
     return str(path)
 
 
-def _warm_start_tiny():
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def _warm_start_tiny(name: str = "tiny"):
+    import transformers
+    from transformers import GenerationConfig
 
+    _, cls, tiny_config = TINY_SPECS[name]
     ws = TINY_WARMSTART
     tok = build_char_tokenizer()
     torch.manual_seed(ws["seed"])
-    config = Qwen3Config(
+    config = getattr(transformers, f"{cls}Config")(
         vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=None, **TINY_CONFIG,
+        bos_token_id=None, **tiny_config,
     )
-    model = Qwen3ForCausalLM(config)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id, do_sample=False
     )
@@ -356,9 +457,9 @@ def _warm_start_tiny():
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
@@ -366,7 +467,7 @@ def load_model(name: str, device: torch.device, dtype=None):
     """(model, tokenizer) for 'tiny' or any local directory / hub id; bf16 weights on GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny_checkpoint() if name in TINY_MODELS else name
+    path = tiny_checkpoint(name) if name in TINY_MODELS else name
     if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
         # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
         # only add synchronisation (and collapse when another process shares the cores).
@@ -375,12 +476,17 @@ def load_model(name: str, device: torch.device, dtype=None):
         torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
+        if name in TINY_MODELS:
+            raise
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    return model, tok
+    return model.to(device), tok
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -457,46 +563,219 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-@torch.no_grad()
+def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
+    """One token for each row in `rows` from its logits [len(rows), V]. Sampling is torch.multinomial's
+    own method (argmax of probs / Exp(1) noise), with the noise drawn for the whole batch, so a row's
+    random stream does not depend on which other rows have already finished."""
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        logits = _top_p_filter(logits, top_p)
+    noise = torch.empty(batch_size, logits.shape[-1], device=logits.device).exponential_(generator=generator)
+    return (logits.softmax(-1) / noise[rows]).argmax(-1)
+
+
+def _rms_norm(x, norm):
+    """`norm` (an HF RMSNorm module) applied as HF does, in one fused call: float32 statistics,
+    cast back to x's dtype, then the weight."""
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
+
+
+class _StaticKVDecoder:
+    """Prefill and one-token decode steps of a Llama-family decoder (Qwen2, Qwen3, Llama), calling
+    the model's own modules layer by layer, over buffers allocated once per `sample` call:
+      k, v    [B, kv_heads, P + T, head_dim] per layer; slot s holds sequence position s
+      bias    [B, 1, 1, P + T] additive attention mask: -inf on left padding and on slots not
+              written yet; each step opens its own slot in place
+      cos/sin RoPE for every slot, positions counted from each row's first real token
+      slot    [1] the slot the next token goes to, advanced in place
+    A decode step has the same shapes every time (it attends over all P + T slots, masked) and
+    touches only these buffers, so on CUDA it can be recorded once as a graph and replayed.
+    The arithmetic is the HF forward's, with RMSNorm as one call and q and k normalised and
+    rotated together (both exact), and the attention done directly (float rounding differs)."""
+
+    MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+    @classmethod
+    def supports(cls, model) -> bool:
+        from transformers import PreTrainedModel
+
+        config = getattr(model, "config", None)
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        return (isinstance(model, PreTrainedModel) and getattr(config, "model_type", None) in cls.MODEL_TYPES
+                and layer_types == {"full_attention"})  # sliding-window layers: HF forward instead
+
+    def __init__(self, model, roll: Rollout, max_new_tokens: int):
+        config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
+        self.prompt_ids = roll.prompt_ids
+        (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
+        L, attn = P + max_new_tokens, self.base.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        kv_shape = (B, self.kv_heads, L, self.head_dim)
+        self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
+        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(~valid[:, None, None], -math.inf)
+        positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
+        self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
+        half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
+        self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
+        self.slot = torch.tensor([P], device=device)
+        # Qwen3 normalises each head's query and key (q_norm, k_norm): both weights as one [heads + kv_heads, D]
+        self.qk_norm = [None if not hasattr(layer.self_attn, "q_norm") else torch.cat([
+            layer.self_attn.q_norm.weight.expand(self.heads, -1), layer.self_attn.k_norm.weight.expand(self.kv_heads, -1)])
+            for layer in self.base.layers]
+
+    def prefill(self) -> torch.Tensor:
+        """Run the prompts into slots 0..P-1; next-token logits [B, V] (float32)."""
+        P, device = self.prompt_ids.shape[1], self.prompt_ids.device
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        # a padding query sees itself too, so that no softmax row is empty (its output is unused)
+        visible = causal & ((self.bias[..., :P] == 0) | torch.eye(P, dtype=torch.bool, device=device))
+        bias = torch.zeros(visible.shape, dtype=self.bias.dtype, device=device).masked_fill_(~visible, -math.inf)
+        # one row per (query head of a group, position), as _forward lays the queries out
+        return self._forward(self.prompt_ids, torch.arange(P, device=device), bias.repeat(1, 1, self.heads // self.kv_heads, 1))
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row [B]; next-token logits [B, V] (float32)."""
+        self.bias.index_fill_(-1, self.slot, 0.0)  # the new token's slot becomes visible
+        logits = self._forward(token[:, None], self.slot, self.bias)
+        self.slot += 1
+        return logits
+
+    def keep(self, rows: torch.Tensor):
+        """Drop finished rows from every buffer (the batch shrinks to `rows`)."""
+        self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
+        self.bias, self.cos, self.sin = self.bias[rows], self.cos[rows], self.sin[rows]
+
+    def _forward(self, ids, slots, bias):
+        """Tokens `ids` [B, S] into cache `slots` [S], attending to slots 0..N-1 with `bias`
+        [B, 1, G * S or 1, N]; returns the logits after the last of them."""
+        h = self.base.embed_tokens(ids)
+        (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos.index_select(1, slots)[:, :, None], self.sin.index_select(1, slots)[:, :, None]
+        N = bias.shape[-1]
+        for layer, qk_norm, k_cache, v_cache in zip(self.base.layers, self.qk_norm, self.k, self.v):
+            attn = layer.self_attn
+            x = _rms_norm(h, layer.input_layernorm)
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            qk = torch.cat([q, k], -1).view(B, S, H + Hkv, D)  # queries and keys: one norm, one rotation
+            if qk_norm is not None:
+                qk = qk_norm * F.rms_norm(qk.float(), (D,), eps=attn.q_norm.variance_epsilon).to(qk.dtype)
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
+            k_cache.index_copy_(2, slots, qk[:, :, H:].transpose(1, 2))
+            v_cache.index_copy_(2, slots, v.view(B, S, Hkv, D).transpose(1, 2))
+            # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
+            q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
+            out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
+            h = h + attn.o_proj(out.view(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
+            h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm))
+        return self.lm_head(self.base.norm(h[:, -1])).float()
+
+
+def _attention(q, k, v, bias, scale: float):
+    """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias
+    broadcastable to [B, Hkv, M, N]. On CUDA the fused kernel (float32 scores for a bf16 model,
+    graph-safe); on CPU plain matmuls, which beat it for one-token queries."""
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale + bias
+    return scores.softmax(-1, dtype=torch.float32).to(v.dtype) @ v
+
+
+class _HFDecoder:
+    """Any other causal LM: its own forward with a DynamicCache (no row dropping)."""
+
+    def __init__(self, model, roll: Rollout, max_new_tokens: int):
+        from transformers import DynamicCache
+
+        self.model, self.roll = model, roll
+        self.attn = torch.cat([roll.prompt_mask, torch.ones_like(roll.prompt_mask[:, :1]).expand(-1, max_new_tokens)], 1)
+        self.positions = (self.attn.cumsum(1) - 1).clamp(min=0)  # RoPE positions that skip left padding
+        self.cache = DynamicCache(config=model.config)
+        self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
+
+    def _forward(self, ids, start):
+        return self.model(
+            input_ids=ids, attention_mask=self.attn[:, : self.n], position_ids=self.positions[:, start: self.n],
+            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1].float()
+
+    def prefill(self):
+        return self._forward(self.roll.prompt_ids, 0)
+
+    def step(self, token):
+        self.n += 1
+        return self._forward(token[:, None], self.n - 1)
+
+
+class _GraphedStep:
+    """A decoder's `step` replayed as one CUDA graph: decoding a small batch on a GPU is bound by
+    kernel launches (a few dozen per layer), the graph launches them all at once. The first call
+    runs eagerly on a side stream (the warm-up capture requires) and then records the step; every
+    later call copies its input into the recorded one and replays."""
+
+    def __init__(self, step):
+        self.step, self.graph = step, None
+
+    def __call__(self, token):
+        if self.graph is not None:
+            self.token.copy_(token)
+            self.graph.replay()
+            return self.logits
+        self.token = token.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self.step(self.token)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # records, does not run: the decoder's state is unchanged
+            self.logits = self.step(self.token)
+        return logits
+
+
 def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
-           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None) -> Rollout:
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
+           cuda_graph: bool = True) -> Rollout:
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
-    and every position after it is padding."""
-    from transformers import DynamicCache
+    and every position after it is padding. Greedy output equals `model.generate`'s.
 
+    Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
+    once); on CPU, rows that have finished are dropped from the batch whenever half of it is done;
+    on CUDA each decode step is a replayed CUDA graph (cuda_graph=False: eager). Any other model
+    runs through its own HF forward."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     roll = Rollout.from_lists(prompts, [[]] * len(prompts), pad_id, device)
-    B, P = roll.prompt_ids.shape
-    attn = torch.cat([roll.prompt_mask, torch.ones(B, max_new_tokens, dtype=torch.long, device=device)], 1)
-    positions = (attn.cumsum(1) - 1).clamp(min=0)  # [B, P+T] RoPE positions that skip left padding
-    eos = torch.tensor(eos_ids, device=device)
+    B = len(prompts)
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(B, max_new_tokens, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    cache = DynamicCache(config=model.config)
-    next_input = roll.prompt_ids
-    for t in range(max_new_tokens):
-        start = 0 if t == 0 else P + t - 1
-        logits = model(
-            input_ids=next_input, attention_mask=attn[:, : P + t], position_ids=positions[:, start: P + t],
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1].float()
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            logits = logits / temperature
-            if top_p < 1.0:
-                logits = _top_p_filter(logits, top_p)
-            token = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
-        token = torch.where(alive, token, torch.full_like(token, pad_id))
-        out[:, t], mask[:, t] = token, alive.float()
-        alive &= ~torch.isin(token, eos)
-        if not alive.any():
-            out, mask = out[:, : t + 1], mask[:, : t + 1]
-            break
-        next_input = token[:, None]
-    return Rollout(roll.prompt_ids, roll.prompt_mask, out, mask)
+    with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
+        fast = _StaticKVDecoder.supports(model)
+        decoder = (_StaticKVDecoder if fast else _HFDecoder)(model, roll, max_new_tokens)
+        graphed = fast and cuda_graph and device.type == "cuda"
+        step = _GraphedStep(decoder.step) if graphed else decoder.step
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
+        alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
+        logits = decoder.prefill()
+        for t in range(max_new_tokens):
+            token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
+            token = torch.where(alive, token, pad_id)
+            out[rows, t], mask[rows, t] = token, alive.float()
+            alive &= ~torch.isin(token, eos)
+            if t == max_new_tokens - 1 or not alive.any():
+                break
+            if fast and not graphed and 2 * int(alive.sum()) <= len(rows):  # half done: drop finished rows
+                keep = alive.nonzero().squeeze(1)
+                decoder.keep(keep)
+                rows, alive, token = rows[keep], alive[keep], token[keep]
+            logits = step(token)
+    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +841,99 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# 7b. Routing replay (Mixture-of-Experts models; GSPO paper, arXiv 2507.18071, section 5.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def is_moe(model) -> bool:
+    return bool(getattr(model.config, "num_experts", 0))
+
+
+class RoutingReplay:
+    """Record and replay the experts an MoE model routes each position to (Routing Replay).
+
+    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
+    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
+    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
+    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
+    are no-ops.
+
+    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
+    holds the expert ids each router chose at every position (prompt and completion) of the last
+    forward pass inside the block.
+
+    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
+    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
+    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
+    current router's softmax over all E experts, gathered at the recorded ids and renormalised
+    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
+    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
+    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
+    normaliser cancels and only the recorded experts' router rows get gradient; without it every
+    row does, through the normaliser. An expert not recorded for a position gets none from it.
+    With unchanged weights a replayed pass equals a plain one."""
+
+    def __init__(self, model):
+        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.indices, self._shape, self._layers = None, None, None
+
+    @contextlib.contextmanager
+    def _hooked(self, router_hook):
+        handles = []
+        for layer, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(self._note_shape))
+            handles.append(block.gate.register_forward_hook(functools.partial(router_hook, layer)))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _note_shape(self, block, inputs):
+        self._shape = inputs[0].shape[:-1]  # (B, S): the router sees them flattened
+
+    @contextlib.contextmanager
+    def record(self):
+        self._layers = [None] * len(self.blocks)
+        with self._hooked(self._record_hook):
+            yield self
+        self.indices = torch.stack(self._layers) if self.blocks else None
+
+    def _record_hook(self, layer, router, inputs, output):
+        self._layers[layer] = output[2].detach().view(*self._shape, -1)
+
+    @contextlib.contextmanager
+    def replay(self, indices, rows=None):  # indices None: a plain forward (replay off)
+        if indices is None:
+            yield self
+            return
+        self._layers = indices if rows is None else indices[:, rows]
+        with self._hooked(self._replay_hook):
+            yield self
+
+    def _replay_hook(self, layer, router, inputs, output):
+        logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
+        if ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")
+        weights = logits.float().softmax(-1).gather(-1, ids)  # the router's own arithmetic, recorded ids
+        if getattr(router, "norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+
+def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
+    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
+    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
+    differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
+    if mask is None:
+        return differ.mean().item()
+    differ = differ[..., -mask.shape[-1]:]
+    m = mask.to(differ.dtype)[None].expand_as(differ)
+    return ((differ * m).sum() / m.sum().clamp(min=1)).item()
+
+
+# ---------------------------------------------------------------------------------------------
 # 8. Evaluation
 # ---------------------------------------------------------------------------------------------
 
@@ -575,10 +947,14 @@ def score_rollout(tok, roll: Rollout, answers: list[str]):
 
 @torch.no_grad()
 def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -> dict:
-    """Greedy held-out accuracy and format rate."""
+    """Greedy held-out accuracy and format rate. Under torchrun each rank evaluates every
+    world-th example and the means are taken over all ranks."""
     was_training = model.training
     model.eval()
-    rewards, formats = [], []
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        examples = examples[dist.get_rank():: dist.get_world_size()]
+    rewards, formats = [torch.zeros(0)], [torch.zeros(0)]
     eos = eos_token_ids(model, tok)
     for s in range(0, len(examples), batch_size):
         batch = examples[s: s + batch_size]
@@ -587,7 +963,7 @@ def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -
         rewards.append(r)
         formats.append(f)
     model.train(was_training)
-    return {"accuracy": torch.cat(rewards).mean().item(), "format_rate": torch.cat(formats).mean().item()}
+    return {"accuracy": global_mean(torch.cat(rewards)), "format_rate": global_mean(torch.cat(formats))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,12 +986,22 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class RunLogger:
-    """Writes metrics.jsonl (one object per step), summary.json and final/ into `out`."""
+    """Writes metrics.jsonl (one object per step), summary.json and final/ into `out`. Resuming from
+    a checkpoint, metrics.jsonl starts with the checkpoint's rows (any later rows are dropped)."""
 
-    def __init__(self, out: str):
-        self.out = Path(out)
+    def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True):
+        self.out, self.enabled = Path(out), enabled
+        if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
+            self.metrics_file = open(os.devnull, "w")
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.out / "metrics.jsonl", "w")
+        if resume_from is not None:
+            last_step = json.loads((resume_from / "meta.json").read_text())["step"]
+            for line in (resume_from / "metrics.jsonl").read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= last_step:
+                    self.metrics_file.write(line + "\n")
+            self.metrics_file.flush()
 
     def log(self, metrics: dict):
         clean = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
@@ -623,11 +1009,13 @@ class RunLogger:
         self.metrics_file.flush()
 
     def summary(self, summary: dict):
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.enabled:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     def save_model(self, model, tok, name: str = "final"):
-        model.save_pretrained(self.out / name)
-        tok.save_pretrained(self.out / name)
+        if self.enabled:
+            model.save_pretrained(self.out / name)
+            tok.save_pretrained(self.out / name)
 
     def close(self):
         self.metrics_file.close()
@@ -643,3 +1031,314 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 
 def elapsed(t0: float) -> float:
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Checkpoints, resume, interrupts, exit status
+# ---------------------------------------------------------------------------------------------
+
+EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130) or SIGTERM (143)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# flags a resumed run may change: none of them alters the training trajectory
+RESUME_MAY_CHANGE = ("steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume")
+
+
+class NonFiniteError(Exception):
+    """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the run after a checkpoint was saved: exit status 128 + signal."""
+
+    def __init__(self, step: int, out: Path):
+        super().__init__(f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; "
+                         f"continue with --resume {out}")
+
+
+class NonFiniteGuard:
+    """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
+    update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
+    exactly as they were; `limit` skips in a row stop the run (NonFiniteError)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def ok(self, step: int, *values: torch.Tensor) -> bool:
+        if all(torch.isfinite(v).all() for v in values):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step {step}); "
+                f"stopping with the weights of the last finite update: lower --lr or check the data"
+            )
+        return False
+
+    def state_dict(self):
+        return {"in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state):
+        self.in_a_row = state["in_a_row"]
+
+
+@dataclass
+class Progress:
+    """What a training loop carries from step to step; checkpoints save it."""
+
+    step: int = 0
+    eval_before: dict | None = None
+    last_eval: dict | None = None
+    clip_fracs: list = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    def state_dict(self):
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state):
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+_stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
+
+
+def _request_stop(signum, frame):
+    if _stop["signum"] is not None:  # the second signal: stop at once, without a checkpoint
+        raise KeyboardInterrupt
+    _stop["signum"] = signum
+    print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+          "(send it again to stop at once)", file=sys.stderr)
+
+
+def stop_requested() -> bool:
+    return _stop["signum"] is not None
+
+
+def checkpoint_due(args, step: int) -> bool:
+    """Every --save-every steps and after the last step (when on), and whenever a stop signal came."""
+    return stop_requested() or (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps))
+
+
+def model_signature(config) -> dict:
+    """The config values a checkpoint's weights depend on; resuming onto another model is refused."""
+    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+    return {k: getattr(config, k, None) for k in keys}
+
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _state_of(obj):
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def _restore(obj, state):
+    obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
+
+
+def save_checkpoint(out, algo: str, args, model, tok, state: dict):
+    """Write out/checkpoint/ atomically: into checkpoint.tmp/ first, which then replaces the
+    previous checkpoint by rename, so a crash while writing leaves the previous one intact.
+      policy/        the policy in Hugging Face format (loads like final/)
+      trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
+                     sampling generator, progress, ...) and the python / numpy / torch RNG states
+      metrics.jsonl  the metrics rows up to this step
+      meta.json      algorithm, step, model name and config essentials, args"""
+    out = Path(out)
+    final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+    model.save_pretrained(tmp / "policy")
+    tok.save_pretrained(tmp / "policy")
+    torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()},
+               tmp / "trainer.pt")
+    shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
+    meta = {"algo": algo, "step": state["progress"].step, "model": args.model,
+            "config": model_signature(model.config), "args": dataclasses.asdict(args)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)  # only now does --resume see the new checkpoint
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
+    """(checkpoint directory, its meta.json) for --resume PATH: a checkpoint or a run's --out."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
+                         f"expected a run's --out directory or its checkpoint/")
+    # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint's renames
+    found = next((d for d in (p, p / "checkpoint", p / "checkpoint.old") if (d / "meta.json").is_file()), None)
+    if found is None:
+        raise UsageError(f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
+                         f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM")
+    try:
+        meta = json.loads((found / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume {path}: unreadable {found / 'meta.json'} ({_describe(e)})") from e
+    if not isinstance(meta, dict) or {"algo", "step", "model", "config", "args"} - meta.keys():
+        raise UsageError(f"--resume {path}: {found / 'meta.json'} lacks algo, step, model, config or args")
+    if meta["algo"] != algo:
+        raise UsageError(f"--resume {path}: the checkpoint was written by {meta['algo']}.py, not {algo}.py")
+    missing = [n for n in ("policy", "trainer.pt", "metrics.jsonl") if not (found / n).exists()]
+    if missing:
+        raise UsageError(f"--resume {path}: incomplete checkpoint, {found} has no {', '.join(missing)}")
+    return found, meta
+
+
+def resumed_args(given: dict, algo: str, fields: set) -> dict:
+    """The flags of a resumed run: the checkpoint's, overridden by those given on the command line,
+    which may differ from the checkpoint's only for RESUME_MAY_CHANGE. The run continues in the
+    checkpoint's run directory unless --out says otherwise."""
+    found, meta = find_checkpoint(given["resume"], algo)
+    saved = {k: v for k, v in meta["args"].items() if k in fields}
+    saved["out"] = str(found.parent)
+    for name, value in given.items():
+        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
+            raise UsageError(
+                f"{_flag(name)} {value} differs from the checkpoint's {saved[name]}: a resumed run keeps its "
+                f"settings (only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE if n != 'resume')} may change)"
+            )
+    return {**saved, **given}
+
+
+def open_checkpoint(args, algo: str) -> Path:
+    """--resume, checked before any model is loaded: a checkpoint of `algo`, trained from this
+    --model (by name and by config), short of --steps. Returns its directory."""
+    from transformers import AutoConfig
+
+    found, meta = find_checkpoint(args.resume, algo)
+    if meta["model"] != args.model:
+        raise UsageError(f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, "
+                         f"not {args.model}")
+    try:
+        config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
+    except Exception as e:
+        raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
+    diff = [f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v]
+    if diff:
+        raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
+    if meta["step"] >= args.steps:
+        raise UsageError(f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
+                         f"{args.steps} does not exceed; pass a larger --steps to train further")
+    return found
+
+
+def load_checkpoint(found: Path, model, state: dict):
+    """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
+    that open_checkpoint accepted (the inverse of save_checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype).state_dict())
+        saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True)
+        for name, obj in state.items():
+            _restore(obj, saved["state"][name])
+    except Exception as e:  # a damaged checkpoint: one line, exit 2
+        raise UsageError(f"--resume {found}: cannot restore it ({_describe(e)})") from e
+    set_rng_state(saved["rng"])
+
+
+def main(train, args_cls, algo: str, argv=None):
+    """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
+    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 stopped by SIGINT / SIGTERM
+    after finishing the step and saving a checkpoint (continue it with --resume)."""
+    previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
+    _stop["signum"] = None
+    try:
+        train(parse_args(args_cls, argv, algo))
+    except UsageError as e:
+        die(str(e), EXIT_USAGE)
+    except NonFiniteError as e:
+        die(str(e), EXIT_NON_FINITE)
+    except Interrupted as e:
+        print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
+        sys.exit(128 + _stop["signum"])
+    except KeyboardInterrupt:  # the second SIGINT / SIGTERM
+        print("interrupted: stopped at once, without a checkpoint", file=sys.stderr)
+        sys.exit(128 + (_stop["signum"] or signal.SIGINT))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE
+# ---------------------------------------------------------------------------------------------
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, int]:
+    """(rank, world, local_rank). Under torchrun: joins the process group (NCCL on CUDA, gloo on
+    CPU) and makes cuda:local_rank this process's GPU. Without torchrun: (0, 1, 0), no group."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1, 0
+    import torch.distributed as dist
+
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available() and device != "cpu"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return rank, world, local_rank
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over all ranks (a new tensor); `x` itself without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    device = x.device
+    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # NCCL: GPU tensors only
+    dist.all_reduce(x)
+    return x.to(device)
+
+
+def global_mean(x: torch.Tensor) -> float:
+    """Mean of `x` over every element on every rank (ranks may hold different numbers of elements)."""
+    total = all_reduce_sum(torch.stack([x.float().sum(), torch.tensor(float(x.numel()), device=x.device)]))
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
+    """The denominator for a rank's sum over its items (tokens, say) such that, once DDP averages
+    the gradients of the W ranks, the step equals one process dividing the whole batch's sum by
+    the whole batch's count: (sum of local_count over ranks) / W. Without torchrun: local_count."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
+
+
+class CompletionLogprobs(torch.nn.Module):
+    """`completion_logprobs(model, roll, temperature)` as a module's forward. DistributedDataParallel
+    averages the gradients of what runs through its wrapped module's forward, and the training
+    forward calls the decoder and the output projection directly, so the scripts wrap this."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, roll: Rollout, temperature: float = 1.0):
+        return completion_logprobs(self.model, roll, temperature)

@@ -14,6 +14,7 @@ counts once), "token-mean" (DAPO: every token counts once), "seq-mean-token-sum-
 a constant normaliser, no length bias). Defaults and why: see the Args help and the README.
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes):   python grpo.py
+Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
 A real Qwen on a GPU:   python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
 """
@@ -25,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import common
@@ -36,19 +38,19 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use) or a local dir / hub id")
+    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(60, "number of rollout + update steps")
-    prompts_per_step: int = arg(32, "prompts sampled per step")
-    group_size: int = arg(8, "completions per prompt (G); the group is the advantage baseline")
+    prompts_per_step: int = arg(64, "prompts sampled per step")
+    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
     lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
+    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (2 learned faster than 4 here, see README)")
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
@@ -60,6 +62,11 @@ class Args:
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     out: str = arg("runs/grpo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
+    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
+    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
+    routing_replay: bool = arg(False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +138,7 @@ def grpo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, ref_l
         "clip_frac_high": masked_mean(clip_high.float(), mask).item(),
         "ratio_mean": masked_mean(ratio.detach(), mask).item(),
         "ratio_max_dev": ((ratio.detach() - 1).abs() * mask).max().item() if mask.any() else 0.0,
+        "ratio_std": masked_mean((ratio.detach() - masked_mean(ratio.detach(), mask)) ** 2, mask).sqrt().item(),
         "kl": masked_mean(kl.detach(), mask).item(),
     }
     return loss, stats
@@ -143,40 +151,58 @@ def grpo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, ref_l
 
 def train(args: Args):
     common.check_common_args(args, needs_group=True)
+    rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
+    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
+        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+                                f"shares whose completions --minibatches {args.minibatches} divides")
     if args.loss_agg not in AGGREGATIONS:
         raise common.UsageError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {args.loss_agg!r}")
     if args.scale_rewards not in ("std", "none"):
         raise common.UsageError(f"--scale-rewards must be std or none, got {args.scale_rewards!r}")
     if args.kl_coef < 0:
         raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
-    if args.eps_low < 0 or args.eps_high < 0 or args.eps_low >= 1:
-        raise common.UsageError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {args.eps_low}, {args.eps_high}")
     train_set, eval_set = common.load_task(args.task, args.data)
     eval_set = eval_set[: args.eval_size]
+    resume_from = common.open_checkpoint(args, "grpo") if args.resume else None
 
     common.seed_everything(args.seed)
-    device = common.resolve_device(args.device)
-    common.tiny_checkpoint() if args.model in common.TINY_MODELS else None  # first build is not timed
+    device = common.resolve_device(args.device, local_rank)
+    common.tiny_checkpoint(args.model) if args.model in common.TINY_MODELS else None  # first build is not timed
     t_start = time.perf_counter()
     model, tok = common.load_model(args.model, device)
     eos_ids = common.eos_token_ids(model, tok)
+    routing = common.RoutingReplay(model)  # records / replays MoE expert choices; no-op on a dense model
+    if args.routing_replay and not routing.blocks:
+        raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
     ref_model = None
     if args.kl_coef > 0:  # a frozen copy of the initial policy; none in memory when beta = 0
         ref_model, _ = common.load_model(args.model, device)
         ref_model.eval().requires_grad_(False)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the training forward; under torchrun through DDP, which averages the gradients over the ranks
+    train_model = common.CompletionLogprobs(model)
+    if world > 1:
+        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     stream = common.PromptStream(train_set, args.seed)
-    sampling_gen = torch.Generator(device=device).manual_seed(args.seed)
-    logger = common.RunLogger(args.out)
-
-    before = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-    tqdm.write(f"step 0: eval accuracy {before['accuracy']:.3f}  format {before['format_rate']:.3f}")
-    clip_fracs, last_eval, skipped_in_a_row = [], before, 0
-    bar = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
+    guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
+    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress}
+    if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+        common.load_checkpoint(resume_from, model, state)
+        t_start -= progress.wall_time_s
+    else:
+        progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+                   f"format {progress.eval_before['format_rate']:.3f}")
+    logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
+    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
+               desc="grpo", dynamic_ncols=True, disable=rank > 0)
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout: G completions per prompt, grouped contiguously.
-        examples = stream.next(args.prompts_per_step)
+        examples = stream.next(args.prompts_per_step)[rank::world]  # every rank draws the same batch, keeps its share
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
@@ -188,7 +214,7 @@ def train(args: Args):
         mask = roll.completion_mask  # [B, T]
 
         # 2. Log-probs of the sampling policy (pi_old) and of the reference, once per rollout.
-        with torch.no_grad():
+        with torch.no_grad(), routing.record():  # on an MoE model, also the experts it routes to
             old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if ref_model else None
 
@@ -198,23 +224,31 @@ def train(args: Args):
         for _ in range(args.epochs):
             order = torch.randperm(len(roll), device=device)
             for idx in order.chunk(args.minibatches):
-                logp, _ = common.completion_logprobs(model, roll[idx], args.temperature)
-                loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                        args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
-                                        args.loss_agg, max_len=args.max_new_tokens)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                    skipped_in_a_row += 1  # non-finite guard: weights and optimizer untouched
+                # --routing-replay: the old-logp pass's experts, also in any recompute during backward
+                with routing.replay(routing.indices if args.routing_replay else None, idx):
+                    logp, _ = train_model(roll[idx], args.temperature)
+                    # torchrun: token-mean divides by all ranks' tokens / world (each rank's B is already B / world)
+                    token_denominator = common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean" else None
+                    loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                            args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
+                                            args.loss_agg, max_len=args.max_new_tokens,
+                                            denominator=token_denominator)
                     optimizer.zero_grad(set_to_none=True)
-                    if skipped_in_a_row >= 3:
-                        common.die(f"loss or gradient norm non-finite in {skipped_in_a_row} consecutive updates (step {step}); lower --lr")
-                    continue
-                skipped_in_a_row = 0
+                    loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not guard.ok(step, loss, grad_norm):
+                    continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched
                 optimizer.step()
                 n_updates += 1
                 step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+
+        # Routing drift (MoE): the experts of this step's completions before vs after its updates.
+        drift = {}
+        if routing.blocks:
+            before = routing.indices
+            with torch.no_grad(), routing.record():
+                common.completion_logprobs(model, roll, args.temperature)
+            drift = {"routing_drift": common.routing_drift(before, routing.indices, mask)}
 
         # 4. Logging.
         step_time = time.perf_counter() - t0
@@ -222,9 +256,9 @@ def train(args: Args):
         mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
         row = {
             "step": step,
-            "reward": rewards.mean().item(),
-            "accuracy": rewards.mean().item(),
-            "format_rate": formats.mean().item(),
+            "reward": common.global_mean(rewards),  # over all ranks' completions
+            "accuracy": common.global_mean(rewards),
+            "format_rate": common.global_mean(formats),
             "loss": mean("loss"),
             "clip_frac": mean("clip_frac"),
             "clip_frac_low": mean("clip_frac_low"),
@@ -232,6 +266,8 @@ def train(args: Args):
             "kl": mean("kl"),
             "ratio_mean": mean("ratio_mean"),
             "ratio_max_dev": max((s["ratio_max_dev"] for s in step_stats), default=0.0),
+            "ratio_std": mean("ratio_std"),
+            **drift,
             "entropy": masked_mean(entropy, mask).item(),
             "response_len": mask.sum(1).mean().item(),
             "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
@@ -240,30 +276,39 @@ def train(args: Args):
             "tokens_per_s": n_tokens / t_sample,
             "step_time_s": step_time,
         }
-        clip_fracs.append(row["clip_frac"])
+        progress.clip_fracs.append(row["clip_frac"])
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+            last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
                        f"clip_frac {row['clip_frac']:.3f}")
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{last_eval['accuracy']:.3f}")
+        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}",
+                        acc=f"{progress.last_eval['accuracy']:.3f}")
 
-    logger.save_model(model, tok)
+        # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
+        progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
+        if common.checkpoint_due(args, step) and rank == 0:
+            common.save_checkpoint(logger.out, "grpo", args, model, tok, state)
+        if common.stop_requested():
+            break
+
+    interrupted = progress.step < args.steps
+    if not interrupted:
+        logger.save_model(model, tok)
     logger.summary({
         "algo": "grpo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps,
-        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": last_eval["accuracy"],
-        "eval_format_rate_after": last_eval["format_rate"],
+        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
+        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
+        "eval_format_rate_after": progress.last_eval["format_rate"],
         "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(clip_fracs) / len(clip_fracs), "args": asdict(args),
+        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
     })
     logger.close()
-    return last_eval
+    if interrupted:
+        raise common.Interrupted(progress.step, logger.out)
+    return progress.last_eval
 
 
 if __name__ == "__main__":
-    try:
-        train(common.parse_args(Args))
-    except common.UsageError as e:
-        common.die(str(e))
+    common.main(train, Args, "grpo")

@@ -12,6 +12,7 @@ ratio value, log s_it = sg[log s_i] + logp_t - sg[logp_t], so that per-token adv
 used; with one advantage per sequence its loss and gradient equal GSPO's.
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes):   python gspo.py
+Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
 A real Qwen on a GPU:   python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6
 """
@@ -23,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import common
@@ -33,19 +35,19 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # sequence log-ratio bounds before exp (GSPO: <
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use) or a local dir / hub id")
+    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(60, "number of rollout + update steps")
-    prompts_per_step: int = arg(32, "prompts sampled per step")
-    group_size: int = arg(8, "completions per prompt (G); the group is the advantage baseline")
+    prompts_per_step: int = arg(64, "prompts sampled per step")
+    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
     lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    minibatches: int = arg(4, "minibatch updates per epoch over each rollout (paper: 4)")
+    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (the paper uses 4; 2 learned faster here, see README)")
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
     eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
@@ -55,6 +57,11 @@ class Args:
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     out: str = arg("runs/gspo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
+    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
+    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
+    routing_replay: bool = arg(False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,12 +94,15 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, var
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
     aggregated as the mean over sequences of the mean over each sequence's tokens."""
     mask = mask.bool()
-    log_s = seq_log_ratio(logp, old_logp, mask).clamp(*LOG_RATIO_CLAMP)  # [B]
+    raw_log_s = seq_log_ratio(logp, old_logp, mask)  # [B]
+    log_s = raw_log_s.clamp(*LOG_RATIO_CLAMP)
     if variant == "sequence":
         ratio, adv = log_s.exp(), advantages  # [B]
     elif variant == "token":
-        # value of each token's ratio = s_i; gradient flows through its own logp_t only
-        log_s_tok = log_s.detach()[:, None] + logp - logp.detach()  # [B, T]
+        # value of each token's ratio = s_i; gradient flows through its own logp_t only. The clamp
+        # acts on the unclamped value, so beyond it both variants have zero gradient alike.
+        own = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))  # 0-valued, carries grad
+        log_s_tok = raw_log_s.detach()[:, None] + own  # [B, T]
         ratio = log_s_tok.clamp(*LOG_RATIO_CLAMP).exp()
         adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(ratio)
     else:
@@ -102,7 +112,7 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, var
     # the clip is active (and the gradient zero) exactly where the clipped branch is the larger
     is_clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
     if variant == "sequence":
-        loss = per_item.mean()
+        loss = (per_item * mask.any(1)).mean()  # an empty row contributes 0, as in GSPO-token
         clip_frac = is_clipped.float().mean()
     else:
         loss = masked_mean(per_item, mask, dim=1).mean()
@@ -112,6 +122,7 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, var
         "clip_frac": clip_frac.item(),
         "ratio_mean": seq_ratio.mean().item(),
         "ratio_max_dev": (seq_ratio - 1).abs().max().item(),
+        "ratio_std": seq_ratio.std(unbiased=False).item(),  # spread of the sequence ratios
     }
     return loss, stats
 
@@ -123,32 +134,50 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, var
 
 def train(args: Args):
     common.check_common_args(args, needs_group=True)
+    rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
+    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
+        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+                                f"shares whose completions --minibatches {args.minibatches} divides")
     if args.variant not in ("sequence", "token"):
         raise common.UsageError(f"--variant must be sequence or token, got {args.variant!r}")
-    if args.eps_low < 0 or args.eps_high < 0 or args.eps_low >= 1:
-        raise common.UsageError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {args.eps_low}, {args.eps_high}")
     train_set, eval_set = common.load_task(args.task, args.data)
     eval_set = eval_set[: args.eval_size]
+    resume_from = common.open_checkpoint(args, "gspo") if args.resume else None
 
     common.seed_everything(args.seed)
-    device = common.resolve_device(args.device)
-    common.tiny_checkpoint() if args.model in common.TINY_MODELS else None  # first build is not timed
+    device = common.resolve_device(args.device, local_rank)
+    common.tiny_checkpoint(args.model) if args.model in common.TINY_MODELS else None  # first build is not timed
     t_start = time.perf_counter()
     model, tok = common.load_model(args.model, device)
     eos_ids = common.eos_token_ids(model, tok)
+    routing = common.RoutingReplay(model)  # records / replays MoE expert choices; no-op on a dense model
+    if args.routing_replay and not routing.blocks:
+        raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the training forward; under torchrun through DDP, which averages the gradients over the ranks
+    train_model = common.CompletionLogprobs(model)
+    if world > 1:
+        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     stream = common.PromptStream(train_set, args.seed)
-    sampling_gen = torch.Generator(device=device).manual_seed(args.seed)
-    logger = common.RunLogger(args.out)
-
-    before = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-    tqdm.write(f"step 0: eval accuracy {before['accuracy']:.3f}  format {before['format_rate']:.3f}")
-    clip_fracs, last_eval, skipped_in_a_row = [], before, 0
-    bar = tqdm(range(1, args.steps + 1), desc="gspo", dynamic_ncols=True)
+    sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
+    guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
+    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress}
+    if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+        common.load_checkpoint(resume_from, model, state)
+        t_start -= progress.wall_time_s
+    else:
+        progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+                   f"format {progress.eval_before['format_rate']:.3f}")
+    logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
+    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
+               desc="gspo", dynamic_ncols=True, disable=rank > 0)
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout: G completions per prompt, grouped contiguously.
-        examples = stream.next(args.prompts_per_step)
+        examples = stream.next(args.prompts_per_step)[rank::world]  # every rank draws the same batch, keeps its share
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
@@ -160,7 +189,7 @@ def train(args: Args):
         mask = roll.completion_mask  # [B, T]
 
         # 2. Log-probs of the sampling policy, once per rollout (pi_old).
-        with torch.no_grad():
+        with torch.no_grad(), routing.record():  # on an MoE model, also the experts it routes to
             old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
 
         # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
@@ -169,22 +198,27 @@ def train(args: Args):
         for _ in range(args.epochs):
             order = torch.randperm(len(roll), device=device)
             for idx in order.chunk(args.minibatches):
-                logp, _ = common.completion_logprobs(model, roll[idx], args.temperature)
-                loss, stats = gspo_loss(logp, old_logp[idx], advantages[idx], mask[idx],
-                                        args.eps_low, args.eps_high, args.variant)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                    skipped_in_a_row += 1  # non-finite guard: weights and optimizer untouched
+                # --routing-replay: the old-logp pass's experts, also in any recompute during backward
+                with routing.replay(routing.indices if args.routing_replay else None, idx):
+                    logp, _ = train_model(roll[idx], args.temperature)
+                    loss, stats = gspo_loss(logp, old_logp[idx], advantages[idx], mask[idx],
+                                            args.eps_low, args.eps_high, args.variant)
                     optimizer.zero_grad(set_to_none=True)
-                    if skipped_in_a_row >= 3:
-                        common.die(f"loss or gradient norm non-finite in {skipped_in_a_row} consecutive updates (step {step}); lower --lr")
-                    continue
-                skipped_in_a_row = 0
+                    loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not guard.ok(step, loss, grad_norm):
+                    continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched
                 optimizer.step()
                 n_updates += 1
                 step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+
+        # Routing drift (MoE): the experts of this step's completions before vs after its updates.
+        drift = {}
+        if routing.blocks:
+            before = routing.indices
+            with torch.no_grad(), routing.record():
+                common.completion_logprobs(model, roll, args.temperature)
+            drift = {"routing_drift": common.routing_drift(before, routing.indices, mask)}
 
         # 4. Logging.
         step_time = time.perf_counter() - t0
@@ -192,13 +226,15 @@ def train(args: Args):
         mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
         row = {
             "step": step,
-            "reward": rewards.mean().item(),
-            "accuracy": rewards.mean().item(),
-            "format_rate": formats.mean().item(),
+            "reward": common.global_mean(rewards),  # over all ranks' completions
+            "accuracy": common.global_mean(rewards),
+            "format_rate": common.global_mean(formats),
             "loss": mean("loss"),
             "clip_frac": mean("clip_frac"),
             "ratio_mean": mean("ratio_mean"),
             "ratio_max_dev": max((s["ratio_max_dev"] for s in step_stats), default=0.0),
+            "ratio_std": mean("ratio_std"),
+            **drift,
             "entropy": masked_mean(entropy, mask).item(),
             "response_len": mask.sum(1).mean().item(),
             "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
@@ -207,30 +243,39 @@ def train(args: Args):
             "tokens_per_s": n_tokens / t_sample,
             "step_time_s": step_time,
         }
-        clip_fracs.append(row["clip_frac"])
+        progress.clip_fracs.append(row["clip_frac"])
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+            last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
                        f"clip_frac {row['clip_frac']:.3f}")
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{last_eval['accuracy']:.3f}")
+        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}",
+                        acc=f"{progress.last_eval['accuracy']:.3f}")
 
-    logger.save_model(model, tok)
+        # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
+        progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
+        if common.checkpoint_due(args, step) and rank == 0:
+            common.save_checkpoint(logger.out, "gspo", args, model, tok, state)
+        if common.stop_requested():
+            break
+
+    interrupted = progress.step < args.steps
+    if not interrupted:
+        logger.save_model(model, tok)
     logger.summary({
         "algo": "gspo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps,
-        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": last_eval["accuracy"],
-        "eval_format_rate_after": last_eval["format_rate"],
+        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
+        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
+        "eval_format_rate_after": progress.last_eval["format_rate"],
         "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(clip_fracs) / len(clip_fracs), "args": asdict(args),
+        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
     })
     logger.close()
-    return last_eval
+    if interrupted:
+        raise common.Interrupted(progress.step, logger.out)
+    return progress.last_eval
 
 
 if __name__ == "__main__":
-    try:
-        train(common.parse_args(Args))
-    except common.UsageError as e:
-        common.die(str(e))
+    common.main(train, Args, "gspo")

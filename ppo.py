@@ -19,6 +19,7 @@ activations; the frozen reference adds one more copy of the weights. That memory
 and GSPO save by using the group as the baseline (see the README's table).
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes):   python ppo.py
+Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
 A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
 """
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import common
@@ -39,7 +41,7 @@ LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as ve
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use) or a local dir / hub id")
+    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(60, "number of rollout + update steps")
@@ -56,7 +58,7 @@ class Args:
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
-    dual_clip: float = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
+    dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
     kl_coef: float = arg(0.01, "beta of the per-token KL penalty in the reward (k1, to a frozen reference)")
     gamma: float = arg(1.0, "discount")
     lam: float = arg(0.95, "GAE lambda")
@@ -68,6 +70,10 @@ class Args:
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     out: str = arg("runs/ppo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
+    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
+    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +96,8 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     """Generalised advantage estimation over right-padded [B, T] tensors:
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last real token is 0),
     A_t = delta_t + gamma lam A_{t+1};  returns R_t = A_t + V_t. Zero on padding; not whitened."""
+    rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))  # padding never enters
+    values = torch.where(mask.bool(), values, torch.zeros_like(values))
     mask = mask.float()
     T = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
@@ -107,10 +115,13 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
 
 
 def whiten(x, mask, eps=1e-8):
-    """[B, T]: (x - mean) / sqrt(var + eps) over mask == 1 (unbiased var); 0 on padding."""
+    """[B, T]: (x - mean) / sqrt(var + eps) over mask == 1 (unbiased var); 0 on padding. Under
+    torchrun the mean and variance are those of all ranks' tokens: a batch-level statistic."""
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))  # padding values never enter the sums
     mask = mask.float()
-    mean = masked_mean(x, mask)
-    var = ((x - mean) ** 2 * mask).sum() / (mask.sum() - 1).clamp(min=1)
+    total, count = common.all_reduce_sum(torch.stack([x.sum(), mask.sum()]))  # local sums without torchrun
+    mean = total / count.clamp(min=1)
+    var = common.all_reduce_sum(((x - mean) ** 2 * mask).sum()) / (count - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -177,8 +188,10 @@ class Critic(nn.Module):
 
 def train(args: Args):
     common.check_common_args(args, needs_group=False)
-    if args.eps_low < 0 or args.eps_high < 0 or args.eps_low >= 1:
-        raise common.UsageError(f"--eps-low must be in [0, 1) and --eps-high >= 0, got {args.eps_low}, {args.eps_high}")
+    rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
+    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
+        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+                                f"shares whose completions --minibatches {args.minibatches} divides")
     for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
         if getattr(args, name) < 0:
             raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -188,30 +201,48 @@ def train(args: Args):
         raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
     train_set, eval_set = common.load_task(args.task, args.data)
     eval_set = eval_set[: args.eval_size]
+    resume_from = common.open_checkpoint(args, "ppo") if args.resume else None
 
     common.seed_everything(args.seed)
-    device = common.resolve_device(args.device)
-    common.tiny_checkpoint() if args.model in common.TINY_MODELS else None  # first build is not timed
+    device = common.resolve_device(args.device, local_rank)
+    common.tiny_checkpoint(args.model) if args.model in common.TINY_MODELS else None  # first build is not timed
     t_start = time.perf_counter()
     model, tok = common.load_model(args.model, device)
     eos_ids = common.eos_token_ids(model, tok)
     ref_model, _ = common.load_model(args.model, device)  # frozen copy of the initial policy
     ref_model.eval().requires_grad_(False)
     critic = Critic(args.model, device)
+    if args.grad_checkpointing:
+        critic.trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train_critic = critic if world == 1 else DistributedDataParallel(
+        critic, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the training forward; under torchrun through DDP, which averages the gradients over the ranks
+    train_model = common.CompletionLogprobs(model)
+    if world > 1:
+        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
     stream = common.PromptStream(train_set, args.seed)
-    sampling_gen = torch.Generator(device=device).manual_seed(args.seed)
-    logger = common.RunLogger(args.out)
-
-    before = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-    tqdm.write(f"step 0: eval accuracy {before['accuracy']:.3f}  format {before['format_rate']:.3f}")
-    clip_fracs, last_eval, skipped_in_a_row = [], before, 0
-    bar = tqdm(range(1, args.steps + 1), desc="ppo", dynamic_ncols=True)
+    sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
+    guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
+    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress,
+             "critic": critic, "critic_optimizer": critic_optimizer}  # not ref_model: it is the initial policy
+    if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+        common.load_checkpoint(resume_from, model, state)
+        t_start -= progress.wall_time_s
+    else:
+        progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+                   f"format {progress.eval_before['format_rate']:.3f}")
+    logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
+    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
+               desc="ppo", dynamic_ncols=True, disable=rank > 0)
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout.
-        examples = stream.next(args.prompts_per_step)
+        examples = stream.next(args.prompts_per_step)[rank::world]  # every rank draws the same batch, keeps its share
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
@@ -234,27 +265,27 @@ def train(args: Args):
 
         # 3. Updates of policy and critic: epochs x minibatches.
         model.train()
+        critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
         step_stats, n_updates = [], 0
         for _ in range(args.epochs):
             order = torch.randperm(len(roll), device=device)
             for idx in order.chunk(args.minibatches):
-                logp, _ = common.completion_logprobs(model, roll[idx], args.temperature)
+                logp, _ = train_model(roll[idx], args.temperature)
                 pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx],
                                                  args.eps_low, args.eps_high, args.dual_clip)
-                v_loss, v_stats = value_loss(critic(roll[idx]), old_values[idx], returns[idx], mask[idx],
+                v_loss, v_stats = value_loss(train_critic(roll[idx]), old_values[idx], returns[idx], mask[idx],
                                              args.cliprange_value)
                 loss = pg_loss + args.vf_coef * v_loss
+                # torchrun: both losses are token means; rescale each rank's mean to its share of all
+                # ranks' tokens, so that DDP's average of the gradients is the whole batch's token mean
+                loss_scale = mask[idx].sum().clamp(min=1) / common.mean_denominator(mask[idx].sum())
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss * loss_scale).backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm) and torch.isfinite(critic_grad_norm)):
-                    skipped_in_a_row += 1  # non-finite guard: weights and optimizer untouched
-                    if skipped_in_a_row >= 3:
-                        common.die(f"loss or gradient norm non-finite in {skipped_in_a_row} consecutive updates (step {step}); lower --lr")
-                    continue
-                skipped_in_a_row = 0
+                if not guard.ok(step, loss, grad_norm, critic_grad_norm):
+                    continue  # skipped: no optimizer.step(), so weights and AdamW states are untouched
                 optimizer.step()
                 critic_optimizer.step()
                 n_updates += 1
@@ -267,9 +298,9 @@ def train(args: Args):
         raw_scores = scores + args.missing_eos_penalty * (~has_eos).float()
         row = {
             "step": step,
-            "reward": raw_scores.mean().item(),
-            "accuracy": raw_scores.mean().item(),
-            "format_rate": formats.mean().item(),
+            "reward": common.global_mean(raw_scores),  # over all ranks' completions
+            "accuracy": common.global_mean(raw_scores),
+            "format_rate": common.global_mean(formats),
             "loss": mean("loss"),
             "value_loss": mean("value_loss"),
             "clip_frac": mean("clip_frac"),
@@ -288,31 +319,40 @@ def train(args: Args):
             "tokens_per_s": mask.sum().item() / t_sample,
             "step_time_s": step_time,
         }
-        clip_fracs.append(row["clip_frac"])
+        progress.clip_fracs.append(row["clip_frac"])
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
+            last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
                        f"clip_frac {row['clip_frac']:.3f}  explained_var {row['explained_variance']:.3f}")
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", ev=f"{row['explained_variance']:.2f}", acc=f"{last_eval['accuracy']:.3f}")
+        bar.set_postfix(reward=f"{row['reward']:.3f}", ev=f"{row['explained_variance']:.2f}",
+                        acc=f"{progress.last_eval['accuracy']:.3f}")
 
-    logger.save_model(model, tok)
-    torch.save(critic.state_dict(), logger.out / "final" / "critic.pt")
+        # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
+        progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
+        if common.checkpoint_due(args, step) and rank == 0:
+            common.save_checkpoint(logger.out, "ppo", args, model, tok, state)
+        if common.stop_requested():
+            break
+
+    interrupted = progress.step < args.steps
+    if not interrupted and rank == 0:
+        logger.save_model(model, tok)
+        torch.save(critic.state_dict(), logger.out / "final" / "critic.pt")
     logger.summary({
         "algo": "ppo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps,
-        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": last_eval["accuracy"],
-        "eval_format_rate_after": last_eval["format_rate"],
+        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
+        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
+        "eval_format_rate_after": progress.last_eval["format_rate"],
         "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(clip_fracs) / len(clip_fracs), "args": asdict(args),
+        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
     })
     logger.close()
-    return last_eval
+    if interrupted:
+        raise common.Interrupted(progress.step, logger.out)
+    return progress.last_eval
 
 
 if __name__ == "__main__":
-    try:
-        train(common.parse_args(Args))
-    except common.UsageError as e:
-        common.die(str(e))
+    common.main(train, Args, "ppo")

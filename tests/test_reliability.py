@@ -1,0 +1,380 @@
+"""Reliability of ppo.py, grpo.py and gspo.py as programs, driven through subprocesses:
+
+  - bad input exits with status 2 and one line on stderr naming the flag or file, no traceback,
+    no output directory left behind;
+  - --save-every / --resume: a 6-step run stopped after step 3 and resumed equals the uninterrupted
+    run (metrics apart from timings, final weights bit for bit); a checkpoint of another algorithm
+    or model is refused;
+  - SIGINT / SIGTERM: the step finishes, a checkpoint and summary.json ("interrupted": true) are
+    written, exit 130 / 143, and --resume completes the run as if nothing had happened;
+  - the non-finite guard (in-process, the loss function monkeypatched to return NaN): a skipped
+    update leaves weights and optimizer state untouched; too many in a row exit with status 3;
+  - the same seed gives the same metrics.jsonl in two processes.
+
+Every run is tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, a few steps); on a 2-core
+machine each subprocess costs a few seconds, most of it importing torch.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
+SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
+         "--minibatches", "2", "--eval-every", "3"]
+SCRIPTS = ("gspo", "grpo", "ppo")
+
+
+def env():
+    e = dict(os.environ, RLREF_THREADS="1", HF_HUB_OFFLINE="1")  # one core each; never reach the network
+    e.pop("PYTHONWARNINGS", None)
+    return e
+
+
+def run(script, *argv, timeout=300):
+    cmd = [sys.executable, f"{script}.py", *map(str, argv)]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def is_timing(key):
+    return key == "tokens_per_s" or key.endswith("_s") or "time" in key
+
+
+def metrics(out):
+    """metrics.jsonl rows without the timing keys."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not is_timing(k)} for r in rows]
+
+
+def weights(model_dir):
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: exit 2, one line naming the flag or file, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def bad_inputs(tmp):
+    """(script, argv, what stderr must contain). Scripts rotate so that each one's wiring is seen."""
+    no_config = tmp / "no-config"
+    no_config.mkdir()
+    broken = tmp / "broken-model"
+    broken.mkdir()
+    write(broken / "config.json", "{ not json")
+    a_file = write(tmp / "a-file.txt", "x")
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    no_ckpt = tmp / "empty-run"
+    no_ckpt.mkdir()
+    return [
+        ("gspo", ["--model", tmp / "missing-model"], "--model"),
+        ("grpo", ["--model", "./missing-model"], "no such directory"),
+        ("ppo", ["--model", no_config], "config.json"),
+        ("gspo", ["--model", broken], "cannot load"),
+        ("grpo", ["--model", a_file], "is a file"),
+        ("gspo", ["--data", tmp / "missing.jsonl"], "file not found"),
+        ("ppo", ["--data", write(tmp / "empty.jsonl", "\n\n")], "empty.jsonl: no records"),
+        ("grpo", ["--data", write(tmp / "badjson.jsonl", good + "\n{oops\n")], "badjson.jsonl:2: invalid JSON"),
+        ("gspo", ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
+         "noanswer.jsonl:3: missing field 'answer'"),
+        ("ppo", ["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')], "noprompt.jsonl:1: missing field 'prompt'"),
+        ("grpo", ["--data", tmp], "is a directory"),
+        ("gspo", ["--task", "poetry"], "--task 'poetry' is unknown"),
+        ("gspo", ["--steps", "0"], "--steps must be >= 1"),
+        ("ppo", ["--steps", "2.5"], "argument --steps: invalid int value: '2.5'"),
+        ("grpo", ["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+        ("gspo", ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        ("ppo", ["--minibatches", "0"], "--minibatches must be >= 1"),
+        ("grpo", ["--epochs", "0"], "--epochs must be >= 1"),
+        ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
+        ("grpo", ["--group-size", "1"], "--group-size must be >= 2"),
+        ("ppo", ["--eps-low", "-0.1"], "--eps-low must be"),
+        ("gspo", ["--eps-high", "-1e-4"], "--eps-high must be"),
+        ("grpo", ["--lr", "-1e-3"], "--lr must be"),
+        ("ppo", ["--critic-lr", "-1"], "--critic-lr must be >= 0"),
+        ("gspo", ["--lr", "nan"], "argument --lr: invalid float value: 'nan'"),
+        ("gspo", ["--prompts-per-step", "3", "--minibatches", "4"], "--minibatches 4 does not divide the batch of 6"),
+        ("ppo", ["--temperature", "0"], "--temperature must be > 0"),
+        ("grpo", ["--temperature", "-1"], "--temperature must be > 0"),
+        ("gspo", ["--out", a_file], "is a file"),
+        ("ppo", ["--out", a_file / "sub"], "is a file"),
+        ("gspo", ["--resume", tmp / "missing-run"], "--resume"),
+        ("grpo", ["--resume", no_ckpt], "no checkpoint"),
+        ("gspo", ["--save-every", "-1"], "--save-every must be >= 0"),
+        ("ppo", ["--seed", "-1"], "--seed must be in"),
+        ("gspo", ["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    ]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    failures = []
+    for i, (script, argv, expected) in enumerate(bad_inputs(tmp_path)):
+        out = tmp_path / f"out{i}"
+        if "--out" not in argv:
+            argv = [*argv, "--out", out]
+        proc = run(script, *SMALL, "--steps", "2", *argv, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        problem = None
+        if proc.returncode != 2:
+            problem = f"exit {proc.returncode}"
+        elif len(lines) != 1 or not lines[0].startswith("error: "):
+            problem = "stderr is not one 'error: ...' line"
+        elif expected not in lines[0]:
+            problem = f"stderr lacks {expected!r}"
+        elif out.exists():
+            problem = "left an output directory"
+        if problem:
+            failures.append(f"{script} {' '.join(map(str, argv))}: {problem}\n{proc.stderr[-1500:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs shared by the resume, refusal, interrupt and determinism tests (each made once)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(script, kind) -> out dir. kind "full": 6 steps uninterrupted; "part": the same run with
+    --steps 3 --save-every 3, so it stops after step 3 with a checkpoint there."""
+    base, cache = tmp_path_factory.mktemp("runs"), {}
+
+    def get(script, kind):
+        if (script, kind) not in cache:
+            out = base / f"{script}-{kind}"
+            extra = ["--steps", "6"] if kind == "full" else ["--steps", "3", "--save-every", "3"]
+            ok(run(script, *SMALL, *extra, "--out", out))
+            cache[script, kind] = out
+        return cache[script, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_equals_uninterrupted_run(runs, tmp_path, script):
+    full, part = runs(script, "full"), runs(script, "part")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(part, resumed)  # the stored run stays at step 3 for the other tests
+    assert json.loads((resumed / "checkpoint" / "meta.json").read_text())["step"] == 3
+    # resuming needs only the directory: the other flags come from the checkpoint; --steps extends
+    proc = ok(run(script, "--resume", resumed, "--steps", "6"))
+    assert "Traceback" not in proc.stderr
+
+    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert metrics(resumed) == metrics(full)  # rows 1-3: another process, same seed; rows 4-6: resumed
+    assert_same_weights(weights(resumed / "final"), weights(full / "final"))
+    if script == "ppo":
+        critic_full, critic_resumed = torch.load(full / "final" / "critic.pt"), torch.load(resumed / "final" / "critic.pt")
+        assert_same_weights(critic_resumed, critic_full)
+    summary, summary_full = (json.loads((d / "summary.json").read_text()) for d in (resumed, full))
+    assert summary["eval_accuracy_before"] == summary_full["eval_accuracy_before"]
+    assert summary["eval_accuracy_after"] == summary_full["eval_accuracy_after"]
+    assert summary["step"] == 6 and summary["interrupted"] is False
+    assert json.loads((resumed / "checkpoint" / "meta.json").read_text())["step"] == 6  # saved at the end
+
+
+def test_resume_truncates_metrics_after_the_checkpoint(runs, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs("gspo", "part"), resumed)
+    with open(resumed / "metrics.jsonl", "a") as f:  # rows a crash left after the checkpoint's step
+        f.write(json.dumps({"step": 4, "reward": -1.0}) + "\n" + json.dumps({"step": 5, "reward": -1.0}) + "\n")
+    ok(run("gspo", "--resume", resumed / "checkpoint", "--steps", "4"))  # DIR may be the checkpoint itself
+    rows = metrics(resumed)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["reward"] >= 0
+    full = metrics(runs("gspo", "full"))
+    assert rows[:3] == full[:3]
+    assert {k: v for k, v in rows[3].items() if not k.startswith("eval_")} == full[3]  # step 4 is now the last
+
+
+def refusal(proc, *expected):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def test_checkpoint_of_another_algorithm_is_refused(runs):
+    part = runs("gspo", "part")
+    before = (part / "metrics.jsonl").read_text()
+    refusal(run("grpo", "--resume", part, "--steps", "6"), "written by gspo.py, not grpo.py")
+    refusal(run("ppo", "--resume", part / "checkpoint", "--steps", "6"), "written by gspo.py, not ppo.py")
+    assert (part / "metrics.jsonl").read_text() == before
+
+
+def test_checkpoint_of_another_model_is_refused(runs, tmp_path, tiny_path):
+    part = runs("gspo", "part")
+    # another --model than the run's, even one with the same weights: refused before loading
+    refusal(run("gspo", "--resume", part, "--steps", "6", "--model", tiny_path), "--model", "differs from the checkpoint's")
+    # same name, different architecture (as if the model directory had been replaced): refused
+    tampered = tmp_path / "tampered"
+    shutil.copytree(part, tampered)
+    meta = json.loads((tampered / "checkpoint" / "meta.json").read_text())
+    meta["config"]["hidden_size"] = 2 * meta["config"]["hidden_size"]
+    (tampered / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    refusal(run("gspo", "--resume", tampered, "--steps", "6"), "incompatible model", "hidden_size")
+    assert (tampered / "metrics.jsonl").read_text() == (part / "metrics.jsonl").read_text()
+
+
+def test_resume_refuses_changed_settings_and_no_work(runs):
+    part = runs("gspo", "part")
+    refusal(run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0003")
+    refusal(run("gspo", "--resume", part), "at step 3", "--steps 3", "larger --steps")
+
+
+def test_same_seed_same_metrics(runs, tmp_path):
+    again = tmp_path / "again"
+    ok(run("gspo", *SMALL, "--steps", "3", "--save-every", "3", "--out", again))
+    first = runs("gspo", "part")
+    assert metrics(again) == metrics(first) and len(metrics(again)) == 3
+    assert_same_weights(weights(again / "final"), weights(first / "final"))
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGINT / SIGTERM
+# ---------------------------------------------------------------------------------------------
+
+
+def start_and_signal(out, signum, steps=40):
+    """Start gspo for `steps` steps, send `signum` once metrics.jsonl has a row, wait for the exit."""
+    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", str(steps), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no metrics row within 240 s"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=240)
+    return proc.returncode, stderr
+
+
+def test_sigint_saves_a_checkpoint_and_resume_completes_the_run(runs, tmp_path):
+    out = tmp_path / "run"
+    status, stderr = start_and_signal(out, signal.SIGINT)
+    assert status == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and f"--resume {out}" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    k = summary["step"]
+    assert summary["interrupted"] is True and 1 <= k < 40
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == k
+    assert [r["step"] for r in metrics(out)] == list(range(1, k + 1))
+    assert not (out / "final").exists()
+
+    # the interrupted run had --steps 40; the reference has 6: same trajectory, so finish at 6
+    steps = max(6, k + 1)
+    ok(run("gspo", "--resume", out, "--steps", steps))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is False and summary["step"] == steps
+    assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1))
+    if steps == 6:  # (k >= 6 only if the machine stalled the test between two polls)
+        assert metrics(out) == metrics(runs("gspo", "full"))
+        assert_same_weights(weights(out / "final"), weights(runs("gspo", "full") / "final"))
+
+
+def test_sigterm_exits_143_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    status, stderr = start_and_signal(out, signal.SIGTERM)
+    assert status == 143, stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == summary["step"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN)
+# ---------------------------------------------------------------------------------------------
+
+LOSS_FN = {"gspo": "gspo_loss", "grpo": "grpo_loss", "ppo": "ppo_policy_loss"}
+
+
+def poison_loss(monkeypatch, module, from_call):
+    """From the `from_call`-th call on (1-based), the script's loss function returns NaN."""
+    original, calls = getattr(module, LOSS_FN[module.__name__]), [0]
+
+    def poisoned(*a, **kw):
+        calls[0] += 1
+        loss, stats = original(*a, **kw)
+        return (loss * float("nan") if calls[0] >= from_call else loss), stats
+
+    monkeypatch.setattr(module, LOSS_FN[module.__name__], poisoned)
+
+
+def train_in_process(module, *argv):
+    common.main(module.train, module.Args, module.__name__, [*SMALL, *map(str, argv)])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_nonfinite_updates_are_skipped_leaving_weights_and_optimizer_untouched(tmp_path, monkeypatch, script,
+                                                                               tiny_path):
+    module = pytest.importorskip(script)
+    one = tmp_path / "one-step"
+    train_in_process(module, "--steps", "1", "--save-every", "1", "--out", one)
+    initial = weights(tiny_path)
+    assert any(not torch.equal(initial[k], w) for k, w in weights(one / "final").items())  # step 1 did train
+    # the same run for two steps, where both updates of step 2 (--minibatches 2) have a NaN loss
+    two = tmp_path / "two-steps"
+    poison_loss(monkeypatch, module, from_call=3)
+    train_in_process(module, "--steps", "2", "--save-every", "2", "--out", two)
+
+    row = metrics(two)[1]
+    assert row["step"] == 2 and row["skipped_updates"] == 2
+    assert_same_weights(weights(two / "final"), weights(one / "final"))
+    state = {d: torch.load(d / "checkpoint" / "trainer.pt", weights_only=True)["state"] for d in (one, two)}
+    for name in ("optimizer", "critic", "critic_optimizer"):
+        if name in state[one]:
+            assert_nested_equal(state[two][name], state[one][name], name)
+
+
+def assert_nested_equal(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_nested_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_consecutive_nonfinite_updates_stop_with_status_3(tmp_path, monkeypatch, capsys, script):
+    module = pytest.importorskip(script)
+    poison_loss(monkeypatch, module, from_call=1)
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(module, "--steps", "4", "--max-consecutive-skips", "3", "--out", tmp_path / "run")
+    assert stop.value.code == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: loss or gradient norm not finite in 3 consecutive updates (step 2)")
+    rows = metrics(tmp_path / "run")
+    assert [r["skipped_updates"] for r in rows] == [2]  # step 1 logged; step 2 stopped at its first update
