@@ -398,7 +398,7 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and immune to contention
+        torch.set_num_threads(min(2, os.cpu_count() or 1))  # SFT batches: 2 threads ~1.7x faster on a quiet machine
         model, tok = _warm_start_tiny(name)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -606,18 +606,18 @@ class _StaticKVDecoder:
         return (isinstance(model, PreTrainedModel) and getattr(config, "model_type", None) in cls.MODEL_TYPES
                 and layer_types == {"full_attention"})  # sliding-window layers: HF forward instead
 
-    def __init__(self, model, roll: Rollout, max_new_tokens: int):
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
-        self.prompt_ids = roll.prompt_ids
-        (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
+        self.prompt_ids = prompt_ids  # [B, P] left-padded, prompt_mask 1 on real tokens
+        (B, P), device = prompt_ids.shape, prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         kv_shape = (B, self.kv_heads, L, self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
-        valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
+        valid = F.pad(prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
         self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(~valid[:, None, None], -math.inf)
-        positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
+        positions = (F.pad(prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
@@ -687,14 +687,14 @@ def _attention(q, k, v, bias, scale: float):
 class _HFDecoder:
     """Any other causal LM: its own forward with a DynamicCache (no row dropping)."""
 
-    def __init__(self, model, roll: Rollout, max_new_tokens: int):
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
         from transformers import DynamicCache
 
-        self.model, self.roll = model, roll
-        self.attn = torch.cat([roll.prompt_mask, torch.ones_like(roll.prompt_mask[:, :1]).expand(-1, max_new_tokens)], 1)
+        self.model, self.prompt_ids = model, prompt_ids
+        self.attn = F.pad(prompt_mask, (0, max_new_tokens), value=1)
         self.positions = (self.attn.cumsum(1) - 1).clamp(min=0)  # RoPE positions that skip left padding
         self.cache = DynamicCache(config=model.config)
-        self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
+        self.n = prompt_ids.shape[1]  # tokens in the cache after prefill
 
     def _forward(self, ids, start):
         return self.model(
@@ -703,7 +703,7 @@ class _HFDecoder:
         ).logits[:, -1].float()
 
     def prefill(self):
-        return self._forward(self.roll.prompt_ids, 0)
+        return self._forward(self.prompt_ids, 0)
 
     def step(self, token):
         self.n += 1
@@ -738,15 +738,15 @@ class _GraphedStep:
 
 def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
-           cuda_graph: bool = True) -> Rollout:
+           cuda_graph: bool = False) -> Rollout:
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
     and every position after it is padding. Greedy output equals `model.generate`'s.
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once); on CPU, rows that have finished are dropped from the batch whenever half of it is done;
-    on CUDA each decode step is a replayed CUDA graph (cuda_graph=False: eager). Any other model
-    runs through its own HF forward."""
+    once), dropping the rows that have finished whenever half of the batch is done; with
+    cuda_graph=True on CUDA, each decode step is instead a replayed CUDA graph (fixed batch; see
+    tests/gpu_bench.sh for what it gains). Any other model runs through its own HF forward."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
@@ -756,13 +756,20 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
     mask = torch.zeros(B, max_new_tokens, device=device)
     with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
         fast = _StaticKVDecoder.supports(model)
-        decoder = (_StaticKVDecoder if fast else _HFDecoder)(model, roll, max_new_tokens)
+        if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
+            P = roll.prompt_ids.shape[1]
+            distinct, copies = torch.unique(torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True)
+            decoder = _StaticKVDecoder(model, distinct[:, :P], distinct[:, P:], max_new_tokens)
+            logits = decoder.prefill()[copies]
+            decoder.keep(copies)
+        else:
+            decoder = _HFDecoder(model, roll.prompt_ids, roll.prompt_mask, max_new_tokens)
+            logits = decoder.prefill()
         graphed = fast and cuda_graph and device.type == "cuda"
         step = _GraphedStep(decoder.step) if graphed else decoder.step
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
-        logits = decoder.prefill()
         for t in range(max_new_tokens):
             token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
             token = torch.where(alive, token, pad_id)
@@ -845,10 +852,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def is_moe(model) -> bool:
-    return bool(getattr(model.config, "num_experts", 0))
-
-
 class RoutingReplay:
     """Record and replay the experts an MoE model routes each position to (Routing Replay).
 
@@ -899,7 +902,14 @@ class RoutingReplay:
             yield self
         self.indices = torch.stack(self._layers) if self.blocks else None
 
+    @staticmethod
+    def _check(router, output):
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                            "as Qwen3-MoE's router does")
+
     def _record_hook(self, layer, router, inputs, output):
+        self._check(router, output)
         self._layers[layer] = output[2].detach().view(*self._shape, -1)
 
     @contextlib.contextmanager
@@ -912,6 +922,7 @@ class RoutingReplay:
             yield self
 
     def _replay_hook(self, layer, router, inputs, output):
+        self._check(router, output)
         logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
         if ids.shape[0] != logits.shape[0]:
             raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")

@@ -26,7 +26,7 @@ Flags:
   --help          this text
 
 Environment (default in brackets):
-  STEPS [300]  SEEDS ["0 1 2"]  PROMPTS_PER_STEP [32]  GROUP_SIZE [8]  MAX_NEW_TOKENS [8]
+  STEPS [200]  SEEDS ["0 1 2"]  PROMPTS_PER_STEP [64]  GROUP_SIZE [4]  MAX_NEW_TOKENS [8]
   EVAL_EVERY [25]  MODEL [tiny]  TASK [the scripts' default, arith]  OUT [runs/compare]
   PYTHON [python]          interpreter used for the scripts and the report
   EXTRA_ARGS               extra flags passed to all three scripts (after the shared ones, so they win)
@@ -53,10 +53,10 @@ done
 if [[ $QUICK == 1 ]]; then
     : "${SEEDS:=0}" "${STEPS:=40}" "${PROMPTS_PER_STEP:=16}" "${EVAL_EVERY:=10}" "${OUT:=runs/compare-quick}"
 fi
-STEPS="${STEPS:-300}"   # step budget per run (to be tuned)
+STEPS="${STEPS:-200}"   # step budget per run: the scripts' own default
 SEEDS="${SEEDS:-0 1 2}"
-PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-32}"
-GROUP_SIZE="${GROUP_SIZE:-8}"
+PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-64}"
+GROUP_SIZE="${GROUP_SIZE:-4}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-8}"
 EVAL_EVERY="${EVAL_EVERY:-25}"
 MODEL="${MODEL:-tiny}"

@@ -1,0 +1,131 @@
+"""Data parallel on CPU with gloo: one gradient step on 2 ranks equals one process on the same batch
+(the loss normalisers and PPO's whitening are global), and a 2-process torchrun run of each script
+completes with rank 0 alone writing the outputs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, Path(__file__).parent):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import common  # noqa: E402
+import grpo  # noqa: E402
+import gspo  # noqa: E402
+import ppo  # noqa: E402
+from test_real_checkpoints import GSM8K, build_tiny_qwen2  # noqa: E402
+
+WORLD = 2
+CASES = ["grpo-token-mean", "grpo-seq-mean-token-mean", "gspo", "ppo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fixed_batch(tok, B=8, T=6, seed=0):
+    """A rollout with completions of different lengths (so token counts differ between ranks),
+    pi_old log-probs off from the current policy's, advantages and scores."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (B,), generator=g)]
+    lengths = [1, 6, 2, 5, 6, 1, 3, 6]  # rank 0 takes rows 0, 2, 4, 6 (12 tokens), rank 1 the rest (18)
+    completions = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
+    roll = common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
+    return {"roll": roll, "old_shift": 0.3 * torch.randn(B, T, generator=g), "adv": torch.randn(B, generator=g),
+            "token_adv": torch.randn(B, T, generator=g)}
+
+
+def loss_for(case, train_model, batch, rows):
+    """The loss of `rows` of the batch as the scripts' update computes it (with their torchrun delta)."""
+    roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
+    logp, _ = train_model(roll, 1.0)
+    old = (logp.detach() + batch["old_shift"][rows]) * mask
+    if case.startswith("grpo"):
+        agg = case[len("grpo-"):]
+        denominator = common.mean_denominator(mask.sum()) if agg == "token-mean" else None
+        return grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
+    if case == "gspo":
+        return gspo.gspo_loss(logp, old, batch["adv"][rows], mask, 0.05, 0.05)[0]
+    adv = ppo.whiten(batch["token_adv"][rows], mask)  # whitened over all ranks' tokens
+    loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0]
+    return loss * mask.sum().clamp(min=1) / common.mean_denominator(mask.sum())
+
+
+def one_step(case, model_dir, batch, rows, ddp: bool):
+    """One SGD step on `rows` (SGD, not AdamW, and no clipping: both would hide a wrong gradient
+    scale, AdamW's first step being about lr * sign(g)); returns the updated weights."""
+    model, tok = common.load_model(model_dir, torch.device("cpu"))
+    model.train()
+    train_model = common.CompletionLogprobs(model)
+    if ddp:
+        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss_for(case, train_model, batch, rows).backward()
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank, port, model_dir, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        tok = common.load_model(model_dir, torch.device("cpu"))[1]
+        batch = fixed_batch(tok)
+        results = {case: one_step(case, model_dir, batch, slice(rank, None, WORLD), ddp=True) for case in CASES}
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "model"))
+
+
+def test_two_ranks_update_equals_one_process(model_dir, tmp_path):
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_worker, args=(_free_port(), model_dir, str(out)), nprocs=WORLD, join=True)
+    ddp = torch.load(out)
+    tok = common.load_model(model_dir, torch.device("cpu"))[1]
+    batch = fixed_batch(tok)
+    before = common.load_model(model_dir, torch.device("cpu"))[0].state_dict()
+    for case in CASES:
+        single = one_step(case, model_dir, batch, slice(None), ddp=False)
+        assert any(not torch.equal(single[k], before[k]) for k in single), case  # the step moved the weights
+        for k in single:
+            torch.testing.assert_close(ddp[case][k], single[k], rtol=1e-5, atol=1e-6, msg=f"{case}: {k}")
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo"])
+def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    out = tmp_path / algo
+    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / f"{algo}.py"),
+           "--model", model_dir, "--task", "gsm8k", "--data", str(data), "--steps", "2", "--prompts-per-step", "4",
+           "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "8", "--eval-size", "1",
+           "--device", "cpu", "--save-every", "2", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # one writer: rank 0
+    assert (out / "final" / "config.json").is_file() and (out / "checkpoint" / "meta.json").is_file()
+    assert "eval_accuracy_after" in json.loads((out / "summary.json").read_text())
