@@ -606,18 +606,18 @@ class _StaticKVDecoder:
         return (isinstance(model, PreTrainedModel) and getattr(config, "model_type", None) in cls.MODEL_TYPES
                 and layer_types == {"full_attention"})  # sliding-window layers: HF forward instead
 
-    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
+    def __init__(self, model, roll: Rollout, max_new_tokens: int):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
-        self.prompt_ids = prompt_ids  # [B, P] left-padded, prompt_mask 1 on real tokens
-        (B, P), device = prompt_ids.shape, prompt_ids.device
+        self.prompt_ids = roll.prompt_ids  # only the prompts of `roll` are used
+        (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         kv_shape = (B, self.kv_heads, L, self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
-        valid = F.pad(prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
+        valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
         self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(~valid[:, None, None], -math.inf)
-        positions = (F.pad(prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
+        positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
@@ -645,7 +645,8 @@ class _StaticKVDecoder:
         return logits
 
     def keep(self, rows: torch.Tensor):
-        """Drop finished rows from every buffer (the batch shrinks to `rows`)."""
+        """Keep the rows `rows` of every buffer, in that order: drops finished rows, or repeats
+        each prefilled prompt for its samples."""
         self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
         self.bias, self.cos, self.sin = self.bias[rows], self.cos[rows], self.sin[rows]
 
@@ -687,14 +688,14 @@ def _attention(q, k, v, bias, scale: float):
 class _HFDecoder:
     """Any other causal LM: its own forward with a DynamicCache (no row dropping)."""
 
-    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
+    def __init__(self, model, roll: Rollout, max_new_tokens: int):
         from transformers import DynamicCache
 
-        self.model, self.prompt_ids = model, prompt_ids
-        self.attn = F.pad(prompt_mask, (0, max_new_tokens), value=1)
+        self.model, self.prompt_ids = model, roll.prompt_ids
+        self.attn = F.pad(roll.prompt_mask, (0, max_new_tokens), value=1)
         self.positions = (self.attn.cumsum(1) - 1).clamp(min=0)  # RoPE positions that skip left padding
         self.cache = DynamicCache(config=model.config)
-        self.n = prompt_ids.shape[1]  # tokens in the cache after prefill
+        self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
 
     def _forward(self, ids, start):
         return self.model(
@@ -741,7 +742,8 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
            cuda_graph: bool = False) -> Rollout:
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
-    and every position after it is padding. Greedy output equals `model.generate`'s.
+    and every position after it is padding. Greedy output equals `model.generate`'s (tests:
+    test_common.py, test_speed.py; bench: tests/bench_sampler.py).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
     once), dropping the rows that have finished whenever half of the batch is done; with
@@ -755,20 +757,23 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(B, max_new_tokens, device=device)
     with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
+        rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         fast = _StaticKVDecoder.supports(model)
         if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
-            P = roll.prompt_ids.shape[1]
             distinct, copies = torch.unique(torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True)
-            decoder = _StaticKVDecoder(model, distinct[:, :P], distinct[:, P:], max_new_tokens)
-            logits = decoder.prefill()[copies]
-            decoder.keep(copies)
+            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(0, copies, rows)  # a row of each
+            shared = len(distinct) < B
+            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens)
+            logits = decoder.prefill()
+            if shared:
+                logits = logits[copies]
+                decoder.keep(copies)
         else:
-            decoder = _HFDecoder(model, roll.prompt_ids, roll.prompt_mask, max_new_tokens)
+            decoder = _HFDecoder(model, roll, max_new_tokens)
             logits = decoder.prefill()
         graphed = fast and cuda_graph and device.type == "cuda"
         step = _GraphedStep(decoder.step) if graphed else decoder.step
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-        rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
         for t in range(max_new_tokens):
             token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
