@@ -464,7 +464,9 @@ def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def load_model(name: str, device: torch.device, dtype=None):
-    """(model, tokenizer) for 'tiny' or any local directory / hub id; bf16 weights on GPU."""
+    """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
+    master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
+    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_checkpoint(name) if name in TINY_MODELS else name
@@ -475,7 +477,9 @@ def load_model(name: str, device: torch.device, dtype=None):
     if "RLREF_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = torch.float32
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -574,6 +578,14 @@ def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float,
         logits = _top_p_filter(logits, top_p)
     noise = torch.empty(batch_size, logits.shape[-1], device=logits.device).exponential_(generator=generator)
     return (logits.softmax(-1) / noise[rows]).argmax(-1)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device):
+    """([B, P] ids left-padded with pad_id, [B, P] mask of the real tokens), one tensor call each."""
+    P = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids, mask
 
 
 def _rms_norm(x, norm):
@@ -752,10 +764,10 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
-    roll = Rollout.from_lists(prompts, [[]] * len(prompts), pad_id, device)
     B = len(prompts)
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(B, max_new_tokens, device=device)
+    roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
     with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         fast = _StaticKVDecoder.supports(model)
@@ -800,9 +812,10 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
     positions = (attn.cumsum(1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):  # bf16 compute, fp32 weights
+        hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
     P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
-    return hidden[:, P - 1: P + T - 1]
+    return hidden[:, P - 1: P + T - 1].float()  # the log-probs and the loss are float32
 
 
 def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
