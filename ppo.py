@@ -46,7 +46,7 @@ class Args:
     model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
-    steps: int = arg(200, "number of rollout + update steps (about 2-4 minutes on a 2-core CPU)")
+    steps: int = arg(150, "number of rollout + update steps (about 3-4 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(256, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
