@@ -827,13 +827,19 @@ def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
     return logp, entropy
 
 
-def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | None = 1024):
+LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits per chunk: 256 MB, ~440 tokens of Qwen's 151,936 vocabulary
+
+
+def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
     """Per-token log p(target) and the distribution's entropy from hidden states [..., H] and the
     output projection `weight` [V, H], in float32 from logits / temperature. The vocabulary-sized
     logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
-    [B, T, V] tensor ever exists; chunk_tokens=None is the plain (memory-hungry) computation."""
+    [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
+    vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
     shape = targets.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if chunk_tokens == "auto":
+        chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
     if chunk_tokens is None or h.shape[0] <= chunk_tokens:
         logp, ent = _logp_entropy_chunk(h, weight, y, temperature)
         return logp.view(shape), ent.view(shape)
@@ -849,7 +855,7 @@ def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chun
     return torch.cat(logps).view(shape), torch.cat(ents).view(shape)
 
 
-def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | None = 1024):
+def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
     """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
     Padding positions hold finite values; multiply by `roll.completion_mask` before use."""
     hidden = completion_hidden_states(model.get_decoder(), roll)

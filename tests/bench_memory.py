@@ -10,7 +10,7 @@ A randomly initialised Qwen3 with Qwen's 151,936-token vocabulary but a tiny tru
   then one minibatch (--batch / --minibatches completions): log-probs with grad, the script's loss
   (gspo.gspo_loss, grpo.grpo_loss, ppo.ppo_policy_loss + ppo.value_loss through a ppo.Critic),
   backward, gradient clipping and an AdamW step (the other minibatches would only repeat it).
-Log-probs go through common.completion_logprobs with chunk_tokens=1024 ("chunked") or None
+Log-probs go through common.completion_logprobs with chunk_tokens="auto" ("chunked": ~440 tokens per chunk at this vocabulary) or None
 ("naive": the whole [tokens, vocabulary] float32 logits at once). The naive pass over all 64
 completions at once would need about 30 GB, so its old log-probs are taken minibatch by minibatch
 (the update's own size); the chunked path takes them all at once, as the scripts do.
@@ -183,7 +183,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--chunk-tokens", type=int, default=1024, help="chunk size of the chunked path (common's default)")
+    ap.add_argument("--chunk-tokens", type=lambda s: s if s == "auto" else int(s), default="auto",
+                    help="chunk size of the chunked path (default: common's auto sizing)")
     ap.add_argument("--limit-gb", type=float, default=20.0, help="address-space limit of each child")
     args = ap.parse_args()
     if args.child:

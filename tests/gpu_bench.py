@@ -16,7 +16,7 @@ warm-up each; and how many greedy rows are identical to generate's (bf16 kernels
 near-ties differently, so a few differing rows are not a bug).
 Training: one step of each script's loss (gspo, grpo, ppo with its critic and reference model),
 as tests/bench_memory.py defines it: old log-probs of the rollout, then --minibatches updates of
-(backward, AdamW step); float32 log-probs through the output projection in chunks of 1024 tokens
+(backward, AdamW step); float32 log-probs through the output projection in chunks of ~440 tokens
 ("chunked") or all at once ("naive"); tokens/s = rollout tokens / step time (median of 2 after one
 warm-up); peak = torch.cuda.max_memory_allocated during the step (weights, grads, optimizer state
 included). Everything prints as one table at the end.
@@ -176,7 +176,7 @@ def main():
             optimizer = torch.optim.AdamW(params, lr=1e-6)
 
             def step():
-                return training_step(algo, model, roll, rewards, chunk_tokens=1024 if mode == "chunked" else None,
+                return training_step(algo, model, roll, rewards, chunk_tokens="auto" if mode == "chunked" else None,
                                      minibatches=args.minibatches, updates=args.minibatches, optimizer=optimizer,
                                      ref_model=ref_model, critic=critic)
 
