@@ -33,7 +33,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1056,16 +1055,8 @@ class RunLogger:
         self.metrics_file.close()
 
 
-def tensor_stats(x: torch.Tensor) -> dict:
-    return {"mean": x.float().mean().item(), "std": x.float().std().item() if x.numel() > 1 else 0.0}
-
-
 def finite_or(x: float, default: float = float("nan")) -> float:
     return x if math.isfinite(x) else default
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
