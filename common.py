@@ -588,8 +588,10 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 
 
 def _rms_norm(x, norm):
-    """`norm` (an HF RMSNorm module) applied as HF does, in one fused call: float32 statistics,
-    cast back to x's dtype, then the weight."""
+    """`norm` (an HF RMSNorm module) applied as HF does: float32 statistics, cast back to x's
+    dtype, then the weight (for float32 x, inside the same call: bit for bit the same)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
 
 
@@ -600,9 +602,11 @@ class _StaticKVDecoder:
       bias    [B, 1, 1, P + T] additive attention mask: -inf on left padding and on slots not
               written yet; each step opens its own slot in place
       cos/sin RoPE for every slot, positions counted from each row's first real token
-      slot    [1] the slot the next token goes to, advanced in place
-    A decode step has the same shapes every time (it attends over all P + T slots, masked) and
-    touches only these buffers, so on CUDA it can be recorded once as a graph and replayed.
+      slot    the slot the next token goes to: a Python int, or with fixed_shapes a [1] tensor
+              advanced in place
+    A decode step attends over all P + T slots (masked: on CPU this beats slicing the written
+    slots, whose strided batches run slower in batched matmul). With fixed_shapes the slot is a
+    tensor and every step touches only these buffers: on CUDA it can be recorded once as a graph.
     The arithmetic is the HF forward's, with RMSNorm as one call and q and k normalised and
     rotated together (both exact), and the attention done directly (float rounding differs)."""
 
@@ -617,7 +621,7 @@ class _StaticKVDecoder:
         return (isinstance(model, PreTrainedModel) and getattr(config, "model_type", None) in cls.MODEL_TYPES
                 and layer_types == {"full_attention"})  # sliding-window layers: HF forward instead
 
-    def __init__(self, model, roll: Rollout, max_new_tokens: int):
+    def __init__(self, model, roll: Rollout, max_new_tokens: int, fixed_shapes: bool = False):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
         self.prompt_ids = roll.prompt_ids  # only the prompts of `roll` are used
         (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
@@ -632,11 +636,20 @@ class _StaticKVDecoder:
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
-        self.slot = torch.tensor([P], device=device)
+        self.slot = torch.tensor([P], device=device) if fixed_shapes else P
         # Qwen3 normalises each head's query and key (q_norm, k_norm): both weights as one [heads + kv_heads, D]
         self.qk_norm = [None if not hasattr(layer.self_attn, "q_norm") else torch.cat([
             layer.self_attn.q_norm.weight.expand(self.heads, -1), layer.self_attn.k_norm.weight.expand(self.kv_heads, -1)])
             for layer in self.base.layers]
+        # On CPU a small model's decode step is bound by per-call costs: the q, k, v projections as
+        # one matmul, and the MLP's gate and up projections as one, over weights concatenated here
+        # (a copy of those weights, made per sample() call as they change between training steps;
+        # on CUDA the copy would cost memory, and a graph removes the per-call costs instead)
+        fuse = device.type == "cpu"
+        self.qkv = [_concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
+                    for a in (layer.self_attn for layer in self.base.layers)]
+        self.gate_up = [_concat_linears(m.gate_proj, m.up_proj) if fuse and _is_gated_mlp(m) else None
+                        for m in (layer.mlp for layer in self.base.layers)]
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts into slots 0..P-1; next-token logits [B, V] (float32)."""
@@ -646,11 +659,14 @@ class _StaticKVDecoder:
         visible = causal & ((self.bias[..., :P] == 0) | torch.eye(P, dtype=torch.bool, device=device))
         bias = torch.zeros(visible.shape, dtype=self.bias.dtype, device=device).masked_fill_(~visible, -math.inf)
         # one row per (query head of a group, position), as _forward lays the queries out
-        return self._forward(self.prompt_ids, torch.arange(P, device=device), bias.repeat(1, 1, self.heads // self.kv_heads, 1))
+        return self._forward(self.prompt_ids, 0, bias.repeat(1, 1, self.heads // self.kv_heads, 1))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
-        self.bias.index_fill_(-1, self.slot, 0.0)  # the new token's slot becomes visible
+        if isinstance(self.slot, int):
+            self.bias[..., self.slot] = 0.0  # the new token's slot becomes visible
+        else:
+            self.bias.index_fill_(-1, self.slot, 0.0)
         logits = self._forward(token[:, None], self.slot, self.bias)
         self.slot += 1
         return logits
@@ -661,29 +677,55 @@ class _StaticKVDecoder:
         self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
         self.bias, self.cos, self.sin = self.bias[rows], self.cos[rows], self.sin[rows]
 
-    def _forward(self, ids, slots, bias):
-        """Tokens `ids` [B, S] into cache `slots` [S], attending to slots 0..N-1 with `bias`
-        [B, 1, G * S or 1, N]; returns the logits after the last of them."""
+    def _forward(self, ids, first, bias):
+        """Tokens `ids` [B, S] into cache slots first..first+S-1 (`first` an int, or a [1] tensor),
+        attending to slots 0..N-1 with `bias` [B, 1, G * S or 1, N]; returns the logits after the
+        last of them."""
         h = self.base.embed_tokens(ids)
         (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.cos.index_select(1, slots)[:, :, None], self.sin.index_select(1, slots)[:, :, None]
+        if isinstance(first, int):  # slices and in-place copies: cheaper than index_select/index_copy_
+            cos, sin = self.cos[:, first: first + S, None], self.sin[:, first: first + S, None]
+            write = lambda cache, x: cache[:, :, first: first + S].copy_(x)  # noqa: E731
+        else:
+            cos, sin = self.cos.index_select(1, first)[:, :, None], self.sin.index_select(1, first)[:, :, None]
+            write = lambda cache, x: cache.index_copy_(2, first, x)  # noqa: E731
         N = bias.shape[-1]
-        for layer, qk_norm, k_cache, v_cache in zip(self.base.layers, self.qk_norm, self.k, self.v):
+        for layer, qkv, gate_up, qk_norm, k_cache, v_cache in zip(
+                self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            qk = torch.cat([q, k], -1).view(B, S, H + Hkv, D)  # queries and keys: one norm, one rotation
+            if qkv is None:
+                qk, v = torch.cat([attn.q_proj(x), attn.k_proj(x)], -1), attn.v_proj(x)
+            else:
+                qk, v = F.linear(x, *qkv).split([(H + Hkv) * D, Hkv * D], -1)
+            qk = qk.unflatten(-1, (H + Hkv, D))  # queries and keys [B, S, H + Hkv, D]: one norm, one rotation
             if qk_norm is not None:
                 qk = qk_norm * F.rms_norm(qk.float(), (D,), eps=attn.q_norm.variance_epsilon).to(qk.dtype)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
-            k_cache.index_copy_(2, slots, qk[:, :, H:].transpose(1, 2))
-            v_cache.index_copy_(2, slots, v.view(B, S, Hkv, D).transpose(1, 2))
+            write(k_cache, qk[:, :, H:].transpose(1, 2))
+            write(v_cache, v.unflatten(-1, (Hkv, D)).transpose(1, 2))
             # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
             q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
             out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
             h = h + attn.o_proj(out.view(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
-            h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm))
-        return self.lm_head(self.base.norm(h[:, -1])).float()
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            if gate_up is None:
+                h = h + layer.mlp(x)
+            else:  # down(act(gate(x)) * up(x)), as the MLP's forward
+                gate, up = F.linear(x, *gate_up).chunk(2, -1)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.lm_head(_rms_norm(h[:, -1], self.base.norm)).float()
+
+
+def _concat_linears(*linears) -> tuple:
+    """(weight, bias) of one nn.Linear equal to `linears` applied side by side (outputs concatenated)."""
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return torch.cat([m.weight for m in linears]), bias
+
+
+def _is_gated_mlp(mlp) -> bool:
+    """A Llama-style MLP whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+    return type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")
 
 
 def _attention(q, k, v, bias, scale: float):
@@ -770,11 +812,12 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
     with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         fast = _StaticKVDecoder.supports(model)
+        graphed = fast and cuda_graph and device.type == "cuda"
         if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
             distinct, copies = torch.unique(torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True)
             first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(0, copies, rows)  # a row of each
             shared = len(distinct) < B
-            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens)
+            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens, fixed_shapes=graphed)
             logits = decoder.prefill()
             if shared:
                 logits = logits[copies]
@@ -782,7 +825,6 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
         else:
             decoder = _HFDecoder(model, roll, max_new_tokens)
             logits = decoder.prefill()
-        graphed = fast and cuda_graph and device.type == "cuda"
         step = _GraphedStep(decoder.step) if graphed else decoder.step
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
