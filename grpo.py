@@ -193,7 +193,8 @@ def train(args: Args):
     train_model = common.CompletionLogprobs(model)
     if world > 1:
         train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused=True: each update is one kernel over all parameters, not a loop of per-tensor ops
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(train_set, args.seed)
     sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
     guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
@@ -222,34 +223,45 @@ def train(args: Args):
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)  # [B]
         mask = roll.completion_mask  # [B, T]
 
-        # 2. Log-probs of the sampling policy (pi_old) and of the reference, once per rollout.
-        with torch.no_grad(), routing.record():  # on an MoE model, also the experts it routes to
-            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
+        # 2. Log-probs of the sampling policy (pi_old) and of the reference, once per rollout. Until
+        #    the first update the policy is pi_old itself, so the first minibatch takes its pi_old
+        #    from its own forward pass in step 3 (detached: its ratio is exactly 1) and this pass
+        #    covers the other rows. An MoE model runs it on every row: it also records the experts
+        #    each token is routed to.
+        minibatches = [idx for _ in range(args.epochs) for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        first_on_policy = not routing.blocks
+        old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
+        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)
+        needs_pass[minibatches[0]] = not first_on_policy
+        rows = needs_pass.nonzero().squeeze(1)
+        with torch.no_grad(), routing.record():
+            if len(rows):
+                old_logp[rows], entropy[rows] = common.completion_logprobs(model, roll[rows], args.temperature)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if ref_model else None
 
         # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
         model.train()
         step_stats, n_updates = [], 0
-        for _ in range(args.epochs):
-            order = torch.randperm(len(roll), device=device)
-            for idx in order.chunk(args.minibatches):
-                # --routing-replay: the old-logp pass's experts, also in any recompute during backward
-                with routing.replay(routing.indices if args.routing_replay else None, idx):
-                    logp, _ = train_model(roll[idx], args.temperature)
-                    # torchrun: token-mean divides by all ranks' tokens / world (each rank's B is already B / world)
-                    token_denominator = common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean" else None
-                    loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                            args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
-                                            args.loss_agg, max_len=args.max_new_tokens,
-                                            denominator=token_denominator)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if not guard.ok(step, loss, grad_norm):
-                    continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched
-                optimizer.step()
-                n_updates += 1
-                step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+        for k, idx in enumerate(minibatches):
+            # --routing-replay: the old-logp pass's experts, also in any recompute during backward
+            with routing.replay(routing.indices if args.routing_replay else None, idx):
+                logp, token_entropy = train_model(roll[idx], args.temperature)
+                if k == 0 and first_on_policy:
+                    old_logp[idx], entropy[idx] = logp.detach(), token_entropy
+                # torchrun: token-mean divides by all ranks' tokens / world (each rank's B is already B / world)
+                token_denominator = common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean" else None
+                loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                        args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
+                                        args.loss_agg, max_len=args.max_new_tokens,
+                                        denominator=token_denominator)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if not guard.ok(step, loss, grad_norm):
+                continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched
+            optimizer.step()
+            n_updates += 1
+            step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
         # Routing drift (MoE): the experts of this step's completions before vs after its updates.
         drift = {}

@@ -224,8 +224,9 @@ def train(args: Args):
     train_model = common.CompletionLogprobs(model)
     if world > 1:
         train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    # fused=True: each update is one kernel over all parameters, not a loop of per-tensor ops
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(train_set, args.seed)
     sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
     guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()

@@ -515,3 +515,12 @@ def test_smoke_run_token_mean_no_scaling(tmp_path):
     assert summary["algo"] == "grpo"
     assert summary["args"]["loss_agg"] == "token-mean" and summary["args"]["scale_rewards"] == "none"
     assert all(r["kl"] == 0.0 for r in rows)  # no reference model without --kl-coef
+
+
+@pytest.mark.parametrize("minibatches, lr, max_dev", [(1, 3e-4, 0.0), (4, 1e-12, 1e-5)])
+def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr, max_dev):
+    """As in test_gspo.py: the first minibatch's pi_old is its own forward pass, the others' one
+    no-grad pass; before any real update every token ratio is 1 (exactly, with one minibatch)."""
+    rows, _ = run_smoke("grpo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
+    for r in rows:
+        assert r["ratio_max_dev"] <= max_dev and r["clip_frac"] == 0.0, r

@@ -469,3 +469,14 @@ def test_smoke_run(tmp_path, variant):
     assert summary["algo"] == "gspo"
     assert summary["args"]["variant"] == variant
     assert summary["args"]["minibatches"] == 2 and summary["args"]["group_size"] == 4
+
+
+@pytest.mark.parametrize("minibatches, lr, max_dev", [(1, 3e-4, 0.0), (4, 1e-12, 1e-5)])
+def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr, max_dev):
+    """The first minibatch takes pi_old from its own forward pass and the others from one no-grad
+    pass. One minibatch: every ratio is exactly 1. Four minibatches with an lr too small to move a
+    float32 weight: every minibatch is still on-policy, so all ratios are 1 to rounding (a row whose
+    pi_old came from the wrong place, or was never filled, would be far off)."""
+    rows, _ = run_smoke("gspo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
+    for r in rows:
+        assert r["ratio_max_dev"] <= max_dev and r["clip_frac"] == 0.0, r
