@@ -674,8 +674,9 @@ class _StaticKVDecoder:
     def keep(self, rows: torch.Tensor):
         """Keep the rows `rows` of every buffer, in that order: drops finished rows, or repeats
         each prefilled prompt for its samples."""
-        self.k, self.v = [k[rows] for k in self.k], [v[rows] for v in self.v]
-        self.bias, self.cos, self.sin = self.bias[rows], self.cos[rows], self.sin[rows]
+        take = lambda x: x.index_select(0, rows)  # noqa: E731 (several times faster than x[rows] on CPU)
+        self.k, self.v = [take(k) for k in self.k], [take(v) for v in self.v]
+        self.bias, self.cos, self.sin = take(self.bias), take(self.cos), take(self.sin)
 
     def _forward(self, ids, first, bias):
         """Tokens `ids` [B, S] into cache slots first..first+S-1 (`first` an int, or a [1] tensor),
@@ -820,7 +821,7 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
             decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens, fixed_shapes=graphed)
             logits = decoder.prefill()
             if shared:
-                logits = logits[copies]
+                logits = logits.index_select(0, copies)
                 decoder.keep(copies)
         else:
             decoder = _HFDecoder(model, roll, max_new_tokens)
