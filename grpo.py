@@ -20,7 +20,7 @@ confirmed over seeds, so the defaults stay the paper's aggregation and beta = 0 
 model in memory). Completions here are 3-4 tokens long, so the aggregations differ little; they
 matter on long, variable-length completions.
 
-Run (CPU, embedded tiny Qwen3, about 5 minutes):   python grpo.py
+Run (CPU, embedded tiny Qwen3, about 3 minutes):   python grpo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
 A real Qwen on a GPU:   python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
@@ -50,7 +50,7 @@ class Args:
     model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
-    steps: int = arg(200, "number of rollout + update steps (about 2-4 minutes on a 2-core CPU)")
+    steps: int = arg(400, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")

@@ -11,7 +11,7 @@ sequences, where GRPO clips token by token. GSPO-token (section 4.3) gives every
 ratio value, log s_it = sg[log s_i] + logp_t - sg[logp_t], so that per-token advantages can be
 used; with one advantage per sequence its loss and gradient equal GSPO's.
 
-Run (CPU, embedded tiny Qwen3, about 5 minutes):   python gspo.py
+Run (CPU, embedded tiny Qwen3, about 3 minutes):   python gspo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
 A real Qwen on a GPU:   python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6
@@ -40,7 +40,7 @@ class Args:
     model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
-    steps: int = arg(200, "number of rollout + update steps (about 2-4 minutes on a 2-core CPU)")
+    steps: int = arg(400, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
