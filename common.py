@@ -715,7 +715,7 @@ class _StaticKVDecoder:
             else:  # down(act(gate(x)) * up(x)), as the MLP's forward
                 gate, up = F.linear(x, *gate_up).chunk(2, -1)
                 h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return self.lm_head(_rms_norm(h[:, -1], self.base.norm)).float()
+        return self.lm_head(self.base.norm(h[:, -1])).float()  # the module itself: its hooks run
 
 
 def _concat_linears(*linears) -> tuple:
