@@ -229,7 +229,8 @@ def train(args: Args):
         #    from its own forward pass in step 3 (detached: its ratio is exactly 1) and this pass
         #    covers the other rows. An MoE model runs it on every row: it also records the experts
         #    each token is routed to.
-        minibatches = [idx for _ in range(args.epochs) for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        minibatches = [idx for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
+                       for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
         first_on_policy = not routing.blocks
         old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
         needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)
