@@ -20,7 +20,7 @@ samples per prompt, max new tokens, steps), one run after another, then writes
   $OUT/curves.png           eval accuracy and reward against step and against wall-clock
 
 Flags:
-  --quick         a first look in a few minutes: SEEDS=0 STEPS=40 PROMPTS_PER_STEP=16 EVAL_EVERY=10,
+  --quick         a first look in about 3 minutes: SEEDS=0 STEPS=100 EVAL_EVERY=20,
                   OUT=runs/compare-quick (variables set explicitly still win)
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
   --help          this text
@@ -51,7 +51,7 @@ for a in "$@"; do
 done
 
 if [[ $QUICK == 1 ]]; then
-    : "${SEEDS:=0}" "${STEPS:=40}" "${PROMPTS_PER_STEP:=16}" "${EVAL_EVERY:=10}" "${OUT:=runs/compare-quick}"
+    : "${SEEDS:=0}" "${STEPS:=100}" "${EVAL_EVERY:=20}" "${OUT:=runs/compare-quick}"
 fi
 STEPS="${STEPS:-200}"   # step budget per run, the same for all three (alone, grpo/gspo default to 400, ppo to 150)
 SEEDS="${SEEDS:-0 1 2}"
