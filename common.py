@@ -681,7 +681,7 @@ class _StaticKVDecoder:
     def _forward(self, ids, first, bias):
         """Tokens `ids` [B, S] into cache slots first..first+S-1 (`first` an int, or a [1] tensor),
         attending to slots 0..N-1 with `bias` [B, 1, G * S or 1, N]; returns the logits after the
-        last of them."""
+        last of them (the last layer, once its keys and values are cached, runs for that token only)."""
         h = self.base.embed_tokens(ids)
         (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
         if isinstance(first, int):  # slices and in-place copies: cheaper than index_select/index_copy_
@@ -690,7 +690,7 @@ class _StaticKVDecoder:
         else:
             cos, sin = self.cos.index_select(1, first)[:, :, None], self.sin.index_select(1, first)[:, :, None]
             write = lambda cache, x: cache.index_copy_(2, first, x)  # noqa: E731
-        N = bias.shape[-1]
+        N, last = bias.shape[-1], self.base.layers[-1]
         for layer, qkv, gate_up, qk_norm, k_cache, v_cache in zip(
                 self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v):
             attn = layer.self_attn
@@ -707,6 +707,8 @@ class _StaticKVDecoder:
             write(v_cache, v.unflatten(-1, (Hkv, D)).transpose(1, 2))
             # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
             q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
+            if S > 1 and layer is last:  # its keys and values are cached: the rest matters for the last token only
+                q, bias, h, S = q.unflatten(2, (H // Hkv, S))[:, :, :, -1:].flatten(2, 3), bias[..., S - 1::S, :], h[:, -1:], 1
             out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
             h = h + attn.o_proj(out.view(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
             x = _rms_norm(h, layer.post_attention_layernorm)
