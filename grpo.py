@@ -229,12 +229,18 @@ def train(args: Args):
         #    from its own forward pass in step 3 (detached: its ratio is exactly 1) and this pass
         #    covers the other rows. An MoE model runs it on every row: it also records the experts
         #    each token is routed to.
+        #    A row whose advantage is 0 (its group's rewards all equal) adds exactly 0 to the loss
+        #    and its gradient unless there is a KL term, so the updates forward only each
+        #    minibatch's other rows (`kept`; at least one, so that every update and every torchrun
+        #    rank still runs) and divide by the whole minibatch: the same gradient for less work.
         minibatches = [idx for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
                        for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        has_grad = advantages != 0 if ref_model is None else torch.ones(len(roll), dtype=torch.bool, device=device)
+        kept = [idx[has_grad[idx]] if has_grad[idx].any() else idx[:1] for idx in minibatches]
         first_on_policy = not routing.blocks
         old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
-        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)
-        needs_pass[minibatches[0]] = not first_on_policy
+        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)  # every row, for the entropy
+        needs_pass[kept[0]] = not first_on_policy
         rows = needs_pass.nonzero().squeeze(1)
         with torch.no_grad(), routing.record():
             if len(rows):
@@ -244,20 +250,24 @@ def train(args: Args):
         # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
         model.train()
         step_stats, n_updates = [], 0
-        for k, idx in enumerate(minibatches):
+        for k, (idx, rows) in enumerate(zip(minibatches, kept)):
             # --routing-replay: the old-logp pass's experts, also in any recompute during backward
-            with routing.replay(routing.indices if args.routing_replay else None, idx):
-                logp, token_entropy = train_model(roll[idx], args.temperature)
+            with routing.replay(routing.indices if args.routing_replay else None, rows):
+                logp, token_entropy = train_model(roll[rows], args.temperature)
                 if k == 0 and first_on_policy:
-                    old_logp[idx], entropy[idx] = logp.detach(), token_entropy
-                # torchrun: token-mean divides by all ranks' tokens / world (each rank's B is already B / world)
-                token_denominator = common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean" else None
-                loss, stats = grpo_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                        args.eps_high, ref_logp[idx] if ref_model else None, args.kl_coef,
-                                        args.loss_agg, max_len=args.max_new_tokens,
-                                        denominator=token_denominator)
+                    old_logp[rows], entropy[rows] = logp.detach(), token_entropy
+                # the whole minibatch's denominator; torchrun: token-mean divides by all ranks'
+                # tokens / world (each rank's B is already B / world)
+                denominator = (common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean"
+                               else len(idx) * (args.max_new_tokens if args.loss_agg == "seq-mean-token-sum-norm" else 1))
+                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], mask[rows], args.eps_low,
+                                        args.eps_high, ref_logp[rows] if ref_model else None, args.kl_coef,
+                                        args.loss_agg, max_len=args.max_new_tokens, denominator=denominator)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+            # skipped rows are never clipped: the clip fractions are over the whole minibatch's tokens
+            kept_share = (mask[rows].sum() / mask[idx].sum().clamp(min=1)).item()
+            stats.update({key: stats[key] * kept_share for key in ("clip_frac", "clip_frac_low", "clip_frac_high")})
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if not guard.ok(step, loss, grad_norm):
                 continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched

@@ -89,8 +89,11 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
     return diff.sum(1) / mask.sum(1).clamp(min=1)
 
 
-def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence"):
-    """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T].
+def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence",
+              denominator: int | None = None):
+    """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
+    mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
+    `logp` covers only some of its rows (the others contributing 0).
 
     variant="sequence": paper Eq. 5, one clipped ratio per sequence, advantages [B].
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
@@ -113,11 +116,12 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, var
     per_item = torch.maximum(-adv * ratio, -adv * clipped_ratio)  # pessimistic bound, negated
     # the clip is active (and the gradient zero) exactly where the clipped branch is the larger
     is_clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+    n_seqs = denominator if denominator is not None else logp.shape[0]
     if variant == "sequence":
-        loss = (per_item * mask.any(1)).mean()  # an empty row contributes 0, as in GSPO-token
+        loss = (per_item * mask.any(1)).sum() / n_seqs  # an empty row contributes 0, as in GSPO-token
         clip_frac = is_clipped.float().mean()
     else:
-        loss = masked_mean(per_item, mask, dim=1).mean()
+        loss = masked_mean(per_item, mask, dim=1).sum() / n_seqs
         clip_frac = masked_mean(is_clipped.float(), mask)
     seq_ratio = log_s.detach().exp()
     stats = {
@@ -195,12 +199,17 @@ def train(args: Args):
         #    policy is pi_old itself, so the first minibatch takes them from its own forward pass in
         #    step 3 (detached: its ratio is exactly 1) and this pass covers the other rows. An MoE
         #    model runs it on every row: it also records the experts each token is routed to.
+        #    A row whose advantage is 0 (its group's rewards all equal) adds exactly 0 to the loss
+        #    and its gradient, so the updates forward only each minibatch's other rows (`kept`; at
+        #    least one, so that every update and every torchrun rank still runs) and divide by the
+        #    whole minibatch: the same gradient for less work.
         minibatches = [idx for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
                        for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        kept = [idx[advantages[idx] != 0] if (advantages[idx] != 0).any() else idx[:1] for idx in minibatches]
         first_on_policy = not routing.blocks
         old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
-        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)
-        needs_pass[minibatches[0]] = not first_on_policy
+        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)  # every row, for the entropy
+        needs_pass[kept[0]] = not first_on_policy
         rows = needs_pass.nonzero().squeeze(1)
         with torch.no_grad(), routing.record():
             if len(rows):
@@ -209,16 +218,21 @@ def train(args: Args):
         # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
         model.train()
         step_stats, n_updates = [], 0
-        for k, idx in enumerate(minibatches):
+        for k, (idx, rows) in enumerate(zip(minibatches, kept)):
             # --routing-replay: the old-logp pass's experts, also in any recompute during backward
-            with routing.replay(routing.indices if args.routing_replay else None, idx):
-                logp, token_entropy = train_model(roll[idx], args.temperature)
+            with routing.replay(routing.indices if args.routing_replay else None, rows):
+                logp, token_entropy = train_model(roll[rows], args.temperature)
                 if k == 0 and first_on_policy:
-                    old_logp[idx], entropy[idx] = logp.detach(), token_entropy
-                loss, stats = gspo_loss(logp, old_logp[idx], advantages[idx], mask[idx],
-                                        args.eps_low, args.eps_high, args.variant)
+                    old_logp[rows], entropy[rows] = logp.detach(), token_entropy
+                loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], mask[rows],
+                                        args.eps_low, args.eps_high, args.variant, denominator=len(idx))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+            # skipped rows are never clipped: the clip fraction is over the whole minibatch's
+            # sequences (GSPO) or tokens (GSPO-token)
+            n_kept, n_all = ((len(rows), len(idx)) if args.variant == "sequence"
+                             else (mask[rows].sum().item(), mask[idx].sum().item()))
+            stats["clip_frac"] *= n_kept / max(1, n_all)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if not guard.ok(step, loss, grad_norm):
                 continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched

@@ -316,6 +316,58 @@ def test_micro_batches_without_denominator_are_wrong(agg):
     assert (bad - full).abs().max().item() > 1e-3
 
 
+def _rows(b, keep, adv):
+    """The rows `keep` of a `batches()` draw, with advantages `adv` (of every row)."""
+    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+    return dict(b, B=len(keep), logp=pick(b["logp"]), old=pick(b["old"]), mask=pick(b["mask"]), adv=pick(adv))
+
+
+@LIGHT
+@given(batches(min_b=2, max_b=6), st.sampled_from(AGGS), st.data())
+def test_zero_advantage_rows_can_be_left_out(b, agg, data):
+    """What train() relies on to skip rows: without a KL term, the loss over only the rows whose
+    advantage is non-zero, divided by the whole minibatch's denominator, equals the float64 loop's
+    loss over every row, and so do the kept rows' gradients; the loop gives the left-out rows 0."""
+    zero = data.draw(st.lists(st.booleans(), min_size=b["B"], max_size=b["B"]))
+    keep = [i for i, z in enumerate(zero) if not z]
+    assume(keep and _away_from_clip_edges(b, 0.2, 0.28))
+    adv = [0.0 if z else a for a, z in zip(b["adv"], zero)]
+    max_len = b["T"] + 2
+    denominator = {"seq-mean-token-mean": b["B"], "token-mean": sum(map(sum, b["mask"])),
+                   "seq-mean-token-sum-norm": b["B"] * max_len}[agg]
+    loss, grad, _ = _run(_rows(b, keep, adv), agg, (0.2, 0.28), max_len=max_len, denominator=denominator)
+    loop_loss, loop_grad = loop_grpo(b, 0.2, 0.28, agg, max_len, adv=adv)
+    assert loss.item() == pytest.approx(loop_loss, rel=1e-10, abs=1e-13)
+    torch.testing.assert_close(grad, t64([loop_grad[i] for i in keep]), rtol=1e-9, atol=1e-13)
+    assert all(g == 0.0 for i, z in enumerate(zero) if z for g in loop_grad[i])
+
+
+def test_zero_advantage_rows_carry_the_kl_gradient():
+    """Why train() skips no row when there is a reference: with a KL term a zero-advantage row's
+    gradient is not 0 (hand case: one token, logp = -1, ref = -1.5, beta = 0.1: the k3 gradient
+    beta * (1 - e^(ref - logp)) = 0.1 * (1 - e^-0.5) = 0.0393)."""
+    b = dict(B=1, T=1, logp=[[-1.0]], old=[[-1.0]], mask=[[1]], adv=[0.0])
+    _, grad, _ = _run(b, "seq-mean-token-mean", ref=[[-1.5]], kl_coef=0.1)
+    assert grad.item() == pytest.approx(0.1 * (1 - math.exp(-0.5)), rel=1e-12)
+
+
+def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
+    """train() forwards only the rows with a non-zero advantage when there is no KL term, and every
+    row when there is one. --kl-coef 1e-12 (a KL gradient ~1e-12 of the rest) runs the same two
+    steps without skipping: the weights and the logged metrics agree."""
+    from safetensors.torch import load_file
+
+    skip, _ = run_smoke("grpo.py", tmp_path / "skip")
+    every, _ = run_smoke("grpo.py", tmp_path / "every", ["--kl-coef", "1e-12"])
+    assert all(0 < r["zero_std_frac"] < 1 for r in skip)  # some rows, not all, were left out
+    for a, b in zip(skip, every):
+        for key in ("reward", "eval_accuracy", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "grad_norm", "loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
+    for name, w in weights[0].items():
+        torch.testing.assert_close(w, weights[1][name], rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # The k3 KL estimator
 # ----------------------------------------------------------------------------------------------

@@ -180,6 +180,26 @@ def test_loss_and_gradient_match_hand_computation(b, eps, variant):
     torch.testing.assert_close(g, _hand_grad(b, s, eps_low, eps_high), rtol=1e-9, atol=1e-13)
 
 
+@LIGHT
+@given(batches(min_b=2, max_b=6), st.sampled_from(VARIANTS), st.data())
+def test_zero_advantage_rows_can_be_left_out(b, variant, data):
+    """What train() relies on to skip rows: the loss over only the rows whose advantage is
+    non-zero, divided by the whole minibatch's B (`denominator`), equals the hand computation over
+    every row, and so do the kept rows' gradients (the hand gradient of a zero-advantage row is 0)."""
+    zero = data.draw(st.lists(st.booleans(), min_size=b["B"], max_size=b["B"]))
+    keep = [i for i, z in enumerate(zero) if not z]
+    s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    assume(keep and _away_from_clip_edges(s, EPS_LOW, EPS_HIGH))
+    adv = [0.0 if z else a for a, z in zip(b["adv"], zero)]
+    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+    loss, g, _ = _loss_and_grad(pick(b["logp"]), pick(b["old"]), t64(pick(adv)), pick(b["mask"]), variant,
+                                denominator=b["B"])
+    expected_loss = sum(clipped_objective(a, si, EPS_LOW, EPS_HIGH) for a, si in zip(adv, s)) / b["B"]
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-10, abs=1e-13)
+    hand = _hand_grad(dict(b, adv=adv), s, EPS_LOW, EPS_HIGH)
+    torch.testing.assert_close(g, hand[keep], rtol=1e-9, atol=1e-13)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reference_example(variant):
     """REFERENCE: token log-ratios [0.01, -0.02, 0.04] -> s = 1.0100502; with eps 3e-4 / 4e-4 it is
@@ -480,3 +500,28 @@ def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, l
     rows, _ = run_smoke("gspo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
     for r in rows:
         assert r["ratio_max_dev"] <= max_dev and r["clip_frac"] == 0.0, r
+
+
+def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
+    """train() forwards only the rows with a non-zero advantage. A copy of gspo.py whose advantages
+    are shifted by 1e-30 (so none is exactly 0, and no row is skipped; 1e-30 is lost next to any
+    real advantage) runs the same two steps: the weights and the logged metrics agree."""
+    from safetensors.torch import load_file
+
+    from helpers import ROOT
+
+    no_skip = tmp_path / "gspo_no_skip.py"
+    no_skip.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n"
+        "exact = gspo.group_advantages\n"
+        "gspo.group_advantages = lambda rewards, group_size: exact(rewards, group_size) + 1e-30\n"
+        "common.main(gspo.train, gspo.Args, 'gspo')\n")
+    skip, _ = run_smoke("gspo.py", tmp_path / "skip", ["--variant", "token"])
+    every, _ = run_smoke(str(no_skip), tmp_path / "every", ["--variant", "token"])
+    assert all(0 < r["zero_std_frac"] < 1 for r in skip)  # some rows, not all, were left out
+    for a, b in zip(skip, every):
+        for key in ("reward", "eval_accuracy", "entropy", "clip_frac", "grad_norm", "loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
+    for name, w in weights[0].items():
+        torch.testing.assert_close(w, weights[1][name], rtol=1e-5, atol=1e-6)
