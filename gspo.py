@@ -40,7 +40,7 @@ class Args:
     model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
-    steps: int = arg(400, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
+    steps: int = arg(600, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")

@@ -53,7 +53,7 @@ done
 if [[ $QUICK == 1 ]]; then
     : "${SEEDS:=0}" "${STEPS:=100}" "${EVAL_EVERY:=20}" "${OUT:=runs/compare-quick}"
 fi
-STEPS="${STEPS:-200}"   # step budget per run, the same for all three (alone, grpo/gspo default to 400, ppo to 150)
+STEPS="${STEPS:-200}"   # step budget per run, the same for all three (alone, grpo/gspo default to 600, ppo to 150)
 SEEDS="${SEEDS:-0 1 2}"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-64}"
 GROUP_SIZE="${GROUP_SIZE:-4}"
