@@ -598,17 +598,22 @@ def _rms_norm(x, norm):
 class _StaticKVDecoder:
     """Prefill and one-token decode steps of a Llama-family decoder (Qwen2, Qwen3, Llama), calling
     the model's own modules layer by layer, over buffers allocated once per `sample` call:
-      k, v    [B, kv_heads, P + T, head_dim] per layer; slot s holds sequence position s
+      k, v    [B, kv_heads, C, head_dim] per layer; slot s holds sequence position s. C slots:
+              room for the prompt and GROW more tokens, grown by GROW slots when full (one copy
+              per GROW steps), so that a step attends over about as many slots as are written,
+              not over P + T mostly empty ones; with fixed_shapes all P + T from the start
       bias    [B, 1, 1, P + T] additive attention mask: -inf on left padding and on slots not
               written yet; each step opens its own slot in place
       cos/sin RoPE for every slot, positions counted from each row's first real token
       slot    the slot the next token goes to: a Python int, or with fixed_shapes a [1] tensor
               advanced in place
-    A decode step attends over all P + T slots (masked: on CPU this beats slicing the written
-    slots, whose strided batches run slower in batched matmul). With fixed_shapes the slot is a
-    tensor and every step touches only these buffers: on CUDA it can be recorded once as a graph.
+    A decode step attends over all C slots (masked: on CPU this beats slicing the written slots,
+    whose strided batches run slower in batched matmul). With fixed_shapes the slot is a tensor
+    and every step touches only these buffers: on CUDA it can be recorded once as a graph.
     The arithmetic is the HF forward's, with RMSNorm as one call and q and k normalised and
     rotated together (both exact), and the attention done directly (float rounding differs)."""
+
+    GROW = 16  # cache slots added at a time (64 x 64 greedy on CPU: 5% faster than all P + T at once, 16% with EOS at ~4 tokens)
 
     MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -627,7 +632,8 @@ class _StaticKVDecoder:
         (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-        kv_shape = (B, self.kv_heads, L, self.head_dim)
+        self.max_slots = L
+        kv_shape = (B, self.kv_heads, L if fixed_shapes else min(L, P + self.GROW), self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
@@ -664,10 +670,15 @@ class _StaticKVDecoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
         if isinstance(self.slot, int):
+            if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots, a layer at a time
+                more = min(self.GROW, self.max_slots - self.slot)
+                for cache in (self.k, self.v):
+                    for i, c in enumerate(cache):
+                        cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
             self.bias[..., self.slot] = 0.0  # the new token's slot becomes visible
         else:
             self.bias.index_fill_(-1, self.slot, 0.0)
-        logits = self._forward(token[:, None], self.slot, self.bias)
+        logits = self._forward(token[:, None], self.slot, self.bias[..., : self.k[0].shape[2]])
         self.slot += 1
         return logits
 

@@ -93,10 +93,15 @@ def generate_lists(model, prompts, T, eos, pad):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_fast_decoder_greedy_equals_generate(char_tok, arch):
+@pytest.mark.parametrize("T, grow", [(12, None), (40, None), (12, 3)])
+def test_fast_decoder_greedy_equals_generate(char_tok, monkeypatch, arch, T, grow):
+    """Also across cache growth: 40 new tokens grow the default cache twice (16 slots at a time),
+    GROW = 3 grows it every third step, rows being dropped in between."""
+    if grow:
+        monkeypatch.setattr(common._StaticKVDecoder, "GROW", grow)
     model = random_model(arch, char_tok)
     assert common._StaticKVDecoder.supports(model)
-    prompts, pad, T = encode(char_tok), char_tok.pad_token_id, 12
+    prompts, pad = encode(char_tok), char_tok.pad_token_id
     free = common.sample(model, prompts, T, [], pad, greedy=True)
     assert free.completion_lists() == generate_lists(model, prompts, T, [], pad)
     # EOS ids taken from the free run, so that rows stop at different steps (and get dropped)
@@ -115,9 +120,13 @@ def test_unsupported_models_use_the_hf_forward(char_tok):
 
 
 @pytest.mark.parametrize("greedy, top_p", [(True, 1.0), (False, 1.0), (False, 0.8)])
-def test_dropping_finished_rows_changes_nothing(char_tok, monkeypatch, greedy, top_p):
+@pytest.mark.parametrize("grow", [None, 2])
+def test_dropping_finished_rows_changes_nothing(char_tok, monkeypatch, greedy, top_p, grow):
     """The fast decoder drops rows once half the batch has finished; the HF-forward path never
-    does. Same seed: same tokens, row by row (the sampling noise is drawn for the whole batch)."""
+    does. Same seed: same tokens, row by row (the sampling noise is drawn for the whole batch).
+    GROW = 2: the cache also grows every other step, before and after rows are dropped."""
+    if grow:
+        monkeypatch.setattr(common._StaticKVDecoder, "GROW", grow)
     model = random_model("qwen3", char_tok, seed=1)
     prompts, pad, T = encode(char_tok) * 3, char_tok.pad_token_id, 10
     kw = dict(greedy=greedy, temperature=1.3, top_p=top_p)
