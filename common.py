@@ -632,7 +632,6 @@ class _StaticKVDecoder:
         (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-        self.max_slots = L
         kv_shape = (B, self.kv_heads, L if fixed_shapes else min(L, P + self.GROW), self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
@@ -671,7 +670,7 @@ class _StaticKVDecoder:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
         if isinstance(self.slot, int):
             if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots, a layer at a time
-                more = min(self.GROW, self.max_slots - self.slot)
+                more = min(self.GROW, self.bias.shape[-1] - self.slot)  # up to P + T slots
                 for cache in (self.k, self.v):
                     for i, c in enumerate(cache):
                         cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
