@@ -16,6 +16,7 @@ Sections, in reading order:
 The tiny checkpoint is cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
 of its recipe, so changing the recipe builds a new one and never reuses a stale one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,8 +98,9 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
             die(message)
 
     # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
-    parser = Parser(description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0],
-                    argument_default=argparse.SUPPRESS)
+    parser = Parser(
+        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0], argument_default=argparse.SUPPRESS
+    )
     for f in dataclasses.fields(args_cls):
         help_text = f.metadata.get("help", "") + f" (default: {f.default})"
         if f.type in (bool, "bool"):
@@ -113,7 +115,7 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
         flag, value = argv[i - 1], argv[i]
         if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-[\d.]+[eE][-+]?\d+|-inf", value):
-            argv[i - 1: i + 1] = [f"{flag}={value}"]
+            argv[i - 1 : i + 1] = [f"{flag}={value}"]
     given = vars(parser.parse_args(argv))
     if given.get("resume") and algo is not None:
         given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
@@ -123,8 +125,15 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
 def check_common_args(args, needs_group: bool):
     """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
     any model is loaded or any output is written."""
-    for name in ("steps", "prompts_per_step", "max_new_tokens", "minibatches", "epochs", "eval_size",
-                 "max_consecutive_skips"):
+    for name in (
+        "steps",
+        "prompts_per_step",
+        "max_new_tokens",
+        "minibatches",
+        "epochs",
+        "eval_size",
+        "max_consecutive_skips",
+    ):
         if getattr(args, name) < 1:
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
     if args.group_size < (2 if needs_group else 1):
@@ -311,7 +320,7 @@ def normalize_number(s: str) -> str | None:
     if not _NUMBER.fullmatch(s):
         return None
     s = s.replace(",", "").lstrip("+")
-    if s.startswith(("." , "-.")):  # '.5' -> '0.5', '-.5' -> '-0.5'
+    if s.startswith((".", "-.")):  # '.5' -> '0.5', '-.5' -> '-0.5'
         s = s.replace(".", "0.", 1)
     if "." in s:
         s = s.rstrip("0").rstrip(".")
@@ -346,17 +355,31 @@ TINY_MODELS = ("tiny", "tiny-moe")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
 TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: any JSONL text tokenizes
 TINY_CONFIG = dict(
-    hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
 )
 TINY_WARMSTART = dict(seed=0, max_steps=1500, batch=64, lr=2e-3, target_accuracy=0.2, probe_every=25, probe_size=256)
 TINY_RECIPE_VERSION = 1
 # tiny-moe: the same attention stack with every MLP a sparse MoE block (GSPO paper section 5.3):
 # 8 experts, top-2, each expert half the dense MLP's width, so 2 active experts cost one dense MLP.
 TINY_MOE_CONFIG = dict(
-    TINY_CONFIG, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, decoder_sparse_step=1,
-    mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0, output_router_logits=False,
+    TINY_CONFIG,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=192,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.0,
+    output_router_logits=False,
 )
 TINY_SPECS = {  # name -> (cache-directory prefix, transformers class prefix, config)
     "tiny": ("tiny-qwen3", "Qwen3", TINY_CONFIG),
@@ -421,8 +444,11 @@ def _warm_start_tiny(name: str = "tiny"):
     tok = build_char_tokenizer()
     torch.manual_seed(ws["seed"])
     config = getattr(transformers, f"{cls}Config")(
-        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=None, **tiny_config,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        **tiny_config,
     )
     model = getattr(transformers, f"{cls}ForCausalLM")(config)
     model.generation_config = GenerationConfig(
@@ -511,7 +537,9 @@ def encode_prompts(tok, examples) -> list[list[int]]:
         return [
             tok.apply_chat_template(
                 [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex["prompt"]}],
-                add_generation_prompt=True, tokenize=True, return_dict=False,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
             for ex in examples
         ]
@@ -548,7 +576,7 @@ class Rollout:
         cmask = torch.zeros(len(prompts), T)
         assert len(prompts) == len(completions)
         for i, (p, c) in enumerate(zip(prompts, completions)):
-            pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
+            pids[i, P - len(p) :], pmask[i, P - len(p) :] = torch.tensor(p), 1
             cids[i, : len(c)], cmask[i, : len(c)] = torch.tensor(c, dtype=torch.long), 1
         return Rollout(pids.to(device), pmask.to(device), cids.to(device), cmask.to(device))
 
@@ -623,8 +651,11 @@ class _StaticKVDecoder:
 
         config = getattr(model, "config", None)
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        return (isinstance(model, PreTrainedModel) and getattr(config, "model_type", None) in cls.MODEL_TYPES
-                and layer_types == {"full_attention"})  # sliding-window layers: HF forward instead
+        return (
+            isinstance(model, PreTrainedModel)
+            and getattr(config, "model_type", None) in cls.MODEL_TYPES
+            and layer_types == {"full_attention"}
+        )  # sliding-window layers: HF forward instead
 
     def __init__(self, model, roll: Rollout, max_new_tokens: int, fixed_shapes: bool = False):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
@@ -636,25 +667,39 @@ class _StaticKVDecoder:
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
-        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(~valid[:, None, None], -math.inf)
+        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(
+            ~valid[:, None, None], -math.inf
+        )
         positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
         self.slot = torch.tensor([P], device=device) if fixed_shapes else P
         # Qwen3 normalises each head's query and key (q_norm, k_norm): both weights as one [heads + kv_heads, D]
-        self.qk_norm = [None if not hasattr(layer.self_attn, "q_norm") else torch.cat([
-            layer.self_attn.q_norm.weight.expand(self.heads, -1), layer.self_attn.k_norm.weight.expand(self.kv_heads, -1)])
-            for layer in self.base.layers]
+        self.qk_norm = [
+            None
+            if not hasattr(layer.self_attn, "q_norm")
+            else torch.cat(
+                [
+                    layer.self_attn.q_norm.weight.expand(self.heads, -1),
+                    layer.self_attn.k_norm.weight.expand(self.kv_heads, -1),
+                ]
+            )
+            for layer in self.base.layers
+        ]
         # On CPU, the q, k, v projections as one matmul and the MLP's gate and up projections as
         # one, over weights concatenated here, save a few percent of a small model's decode step
         # (a copy of those weights, made per sample() call as they change between training steps;
         # on CUDA the copy would cost memory, and a CUDA graph removes per-call costs instead)
         fuse = device.type == "cpu"
-        self.qkv = [_concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
-                    for a in (layer.self_attn for layer in self.base.layers)]
-        self.gate_up = [_concat_linears(m.gate_proj, m.up_proj) if fuse and _is_gated_mlp(m) else None
-                        for m in (layer.mlp for layer in self.base.layers)]
+        self.qkv = [
+            _concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
+            for a in (layer.self_attn for layer in self.base.layers)
+        ]
+        self.gate_up = [
+            _concat_linears(m.gate_proj, m.up_proj) if fuse and _is_gated_mlp(m) else None
+            for m in (layer.mlp for layer in self.base.layers)
+        ]
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts into slots 0..P-1; next-token logits [B, V] (float32)."""
@@ -695,14 +740,15 @@ class _StaticKVDecoder:
         h = self.base.embed_tokens(ids)
         (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
         if isinstance(first, int):  # slices and in-place copies: cheaper than index_select/index_copy_
-            cos, sin = self.cos[:, first: first + S, None], self.sin[:, first: first + S, None]
-            write = lambda cache, x: cache[:, :, first: first + S].copy_(x)  # noqa: E731
+            cos, sin = self.cos[:, first : first + S, None], self.sin[:, first : first + S, None]
+            write = lambda cache, x: cache[:, :, first : first + S].copy_(x)  # noqa: E731
         else:
             cos, sin = self.cos.index_select(1, first)[:, :, None], self.sin.index_select(1, first)[:, :, None]
             write = lambda cache, x: cache.index_copy_(2, first, x)  # noqa: E731
         N, last = bias.shape[-1], self.base.layers[-1]
         for layer, qkv, gate_up, qk_norm, k_cache, v_cache in zip(
-                self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v):
+            self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v
+        ):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm)
             if qkv is None:
@@ -718,7 +764,12 @@ class _StaticKVDecoder:
             # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
             q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
             if S > 1 and layer is last:  # its keys and values are cached: the rest matters for the last token only
-                q, bias, h, S = q.unflatten(2, (H // Hkv, S))[:, :, :, -1:].flatten(2, 3), bias[..., S - 1::S, :], h[:, -1:], 1
+                q, bias, h, S = (
+                    q.unflatten(2, (H // Hkv, S))[:, :, :, -1:].flatten(2, 3),
+                    bias[..., S - 1 :: S, :],
+                    h[:, -1:],
+                    1,
+                )
             out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
             h = h + attn.o_proj(out.view(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
             x = _rms_norm(h, layer.post_attention_layernorm)
@@ -764,10 +815,18 @@ class _HFDecoder:
         self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
 
     def _forward(self, ids, start):
-        return self.model(
-            input_ids=ids, attention_mask=self.attn[:, : self.n], position_ids=self.positions[:, start: self.n],
-            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1].float()
+        return (
+            self.model(
+                input_ids=ids,
+                attention_mask=self.attn[:, : self.n],
+                position_ids=self.positions[:, start : self.n],
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )
 
     def prefill(self):
         return self._forward(self.prompt_ids, 0)
@@ -803,9 +862,18 @@ class _GraphedStep:
         return logits
 
 
-def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
-           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
-           cuda_graph: bool = False) -> Rollout:
+def sample(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator=None,
+    cuda_graph: bool = False,
+) -> Rollout:
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
     and every position after it is padding. Greedy output equals `model.generate`'s (tests:
@@ -827,8 +895,12 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
         fast = _StaticKVDecoder.supports(model)
         graphed = fast and cuda_graph and device.type == "cuda"
         if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
-            distinct, copies = torch.unique(torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True)
-            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(0, copies, rows)  # a row of each
+            distinct, copies = torch.unique(
+                torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True
+            )
+            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(
+                0, copies, rows
+            )  # a row of each
             shared = len(distinct) < B
             decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens, fixed_shapes=graphed)
             logits = decoder.prefill()
@@ -869,7 +941,7 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):  # bf16 compute, fp32 weights
         hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
     P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
-    return hidden[:, P - 1: P + T - 1].float()  # the log-probs and the loss are float32
+    return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
 def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
@@ -899,7 +971,7 @@ def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chun
         return logp.view(shape), ent.view(shape)
     logps, ents = [], []
     for s in range(0, h.shape[0], chunk_tokens):
-        args = (h[s: s + chunk_tokens], weight, y[s: s + chunk_tokens], temperature)
+        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature)
         if torch.is_grad_enabled():
             lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
         else:
@@ -983,8 +1055,10 @@ class RoutingReplay:
     @staticmethod
     def _check(router, output):
         if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
-                            "as Qwen3-MoE's router does")
+            raise TypeError(
+                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                "as Qwen3-MoE's router does"
+            )
 
     def _record_hook(self, layer, router, inputs, output):
         self._check(router, output)
@@ -1017,7 +1091,7 @@ def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.
     differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
     if mask is None:
         return differ.mean().item()
-    differ = differ[..., -mask.shape[-1]:]
+    differ = differ[..., -mask.shape[-1] :]
     m = mask.to(differ.dtype)[None].expand_as(differ)
     return ((differ * m).sum() / m.sum().clamp(min=1)).item()
 
@@ -1042,11 +1116,11 @@ def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -
     model.eval()
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
-        examples = examples[dist.get_rank():: dist.get_world_size()]
+        examples = examples[dist.get_rank() :: dist.get_world_size()]
     rewards, formats = [torch.zeros(0)], [torch.zeros(0)]
     eos = eos_token_ids(model, tok)
     for s in range(0, len(examples), batch_size):
-        batch = examples[s: s + batch_size]
+        batch = examples[s : s + batch_size]
         roll = sample(model, encode_prompts(tok, batch), max_new_tokens, eos, tok.pad_token_id, greedy=True)
         r, f, _ = score_rollout(tok, roll, [ex["answer"] for ex in batch])
         rewards.append(r)
@@ -1132,8 +1206,9 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM stopped the run after a checkpoint was saved: exit status 128 + signal."""
 
     def __init__(self, step: int, out: Path):
-        super().__init__(f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; "
-                         f"continue with --resume {out}")
+        super().__init__(
+            f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; continue with --resume {out}"
+        )
 
 
 class NonFiniteGuard:
@@ -1188,8 +1263,11 @@ def _request_stop(signum, frame):
     if _stop["signum"] is not None:  # the second signal: stop at once, without a checkpoint
         raise KeyboardInterrupt
     _stop["signum"] = signum
-    print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
-          "(send it again to stop at once)", file=sys.stderr)
+    print(
+        f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+        "(send it again to stop at once)",
+        file=sys.stderr,
+    )
 
 
 def stop_requested() -> bool:
@@ -1203,15 +1281,26 @@ def checkpoint_due(args, step: int) -> bool:
 
 def model_signature(config) -> dict:
     """The config values a checkpoint's weights depend on; resuming onto another model is refused."""
-    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    )
     return {k: getattr(config, k, None) for k in keys}
 
 
 def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -1247,11 +1336,15 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     model.save_pretrained(tmp / "policy")
     tok.save_pretrained(tmp / "policy")
-    torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()},
-               tmp / "trainer.pt")
+    torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}, tmp / "trainer.pt")
     shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-    meta = {"algo": algo, "step": state["progress"].step, "model": args.model,
-            "config": model_signature(model.config), "args": dataclasses.asdict(args)}
+    meta = {
+        "algo": algo,
+        "step": state["progress"].step,
+        "model": args.model,
+        "config": model_signature(model.config),
+        "args": dataclasses.asdict(args),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -1264,13 +1357,17 @@ def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
     """(checkpoint directory, its meta.json) for --resume PATH: a checkpoint or a run's --out."""
     p = Path(path)
     if not p.is_dir():
-        raise UsageError(f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
-                         f"expected a run's --out directory or its checkpoint/")
+        raise UsageError(
+            f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
+            f"expected a run's --out directory or its checkpoint/"
+        )
     # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint's renames
     found = next((d for d in (p, p / "checkpoint", p / "checkpoint.old") if (d / "meta.json").is_file()), None)
     if found is None:
-        raise UsageError(f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
-                         f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM")
+        raise UsageError(
+            f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
+            f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM"
+        )
     try:
         meta = json.loads((found / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -1308,18 +1405,23 @@ def open_checkpoint(args, algo: str) -> Path:
 
     found, meta = find_checkpoint(args.resume, algo)
     if meta["model"] != args.model:
-        raise UsageError(f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, "
-                         f"not {args.model}")
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
+        )
     try:
         config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
     except Exception as e:
         raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
-    diff = [f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v]
+    diff = [
+        f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v
+    ]
     if diff:
         raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
     if meta["step"] >= args.steps:
-        raise UsageError(f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
-                         f"{args.steps} does not exceed; pass a larger --steps to train further")
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
+            f"{args.steps} does not exceed; pass a larger --steps to train further"
+        )
     return found
 
 

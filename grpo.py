@@ -28,10 +28,9 @@ A real Qwen on a GPU:   python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N grpo.py ...same flags...   (on CPU: gloo, --device cpu)
 """
+
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -48,7 +47,9 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
+    model: str = arg(
+        "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+    )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(600, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
@@ -60,12 +61,16 @@ class Args:
     lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (2 learned faster than 4 here, see README)")
+    minibatches: int = arg(
+        2, "minibatch updates per epoch over each rollout (2 learned faster than 4 here, see README)"
+    )
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
     kl_coef: float = arg(0.0, "beta of the k3 KL penalty to a frozen reference (0: no reference in memory)")
-    loss_agg: str = arg("seq-mean-token-mean", "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)")
+    loss_agg: str = arg(
+        "seq-mean-token-mean", "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)"
+    )
     scale_rewards: str = arg("std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
@@ -73,9 +78,13 @@ class Args:
     out: str = arg("runs/grpo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    resume: str = arg(
+        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
+    )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    routing_replay: bool = arg(False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)")
+    routing_replay: bool = arg(
+        False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"
+    )
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
 
@@ -93,7 +102,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std",
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale != "none":
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
-    constant = (r.max(1, keepdim=True).values == r.min(1, keepdim=True).values)
+    constant = r.max(1, keepdim=True).values == r.min(1, keepdim=True).values
     return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
 
 
@@ -104,8 +113,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (torch.expm1(x) - x).clamp(min=0)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: int | None = None,
-              denominator: float | None = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: int | None = None, denominator: float | None = None
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over mask == 1.
     seq-mean-token-mean: mean_i (sum_t m l / sum_t m)        denominator default B
     token-mean:          sum m l / sum m                      denominator default sum m
@@ -125,8 +135,19 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: in
     raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
 
 
-def grpo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, ref_logp=None, kl_coef=0.0,
-              agg="seq-mean-token-mean", max_len=None, denominator=None):
+def grpo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    eps_low=0.2,
+    eps_high=0.2,
+    ref_logp=None,
+    kl_coef=0.0,
+    agg="seq-mean-token-mean",
+    max_len=None,
+    denominator=None,
+):
     """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T]."""
     mask = mask.bool()
@@ -163,8 +184,10 @@ def train(args: Args):
     common.check_common_args(args, needs_group=True)
     rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
     if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-                                f"shares whose completions --minibatches {args.minibatches} divides")
+        raise common.UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+            f"shares whose completions --minibatches {args.minibatches} divides"
+        )
     if args.loss_agg not in AGGREGATIONS:
         raise common.UsageError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {args.loss_agg!r}")
     if args.scale_rewards not in ("std", "none"):
@@ -199,17 +222,31 @@ def train(args: Args):
     stream = common.PromptStream(train_set, args.seed)
     sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
     guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
-    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress}
+    state = {
+        "optimizer": optimizer,
+        "stream": stream,
+        "sampling_gen": sampling_gen,
+        "guard": guard,
+        "progress": progress,
+    }
     if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
         common.load_checkpoint(resume_from, model, state)
         t_start -= progress.wall_time_s
     else:
         progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
-                   f"format {progress.eval_before['format_rate']:.3f}")
+        tqdm.write(
+            f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+            f"format {progress.eval_before['format_rate']:.3f}"
+        )
     logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
-    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
-               desc="grpo", dynamic_ncols=True, disable=rank > 0)
+    bar = tqdm(
+        range(progress.step + 1, args.steps + 1),
+        initial=progress.step,
+        total=args.steps,
+        desc="grpo",
+        dynamic_ncols=True,
+        disable=rank > 0,
+    )
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout: G completions per prompt, grouped contiguously.
@@ -217,8 +254,16 @@ def train(args: Args):
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
-        roll = common.sample(model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id,
-                             args.temperature, args.top_p, generator=sampling_gen)
+        roll = common.sample(
+            model,
+            prompts,
+            args.max_new_tokens,
+            eos_ids,
+            tok.pad_token_id,
+            args.temperature,
+            args.top_p,
+            generator=sampling_gen,
+        )
         t_sample = time.perf_counter() - t0
         rewards, formats, _ = common.score_rollout(tok, roll, answers)
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)  # [B]
@@ -233,8 +278,11 @@ def train(args: Args):
         #    and its gradient unless there is a KL term, so the updates forward only each
         #    minibatch's other rows (`kept`; at least one, so that every update and every torchrun
         #    rank still runs) and divide by the whole minibatch: the same gradient for less work.
-        minibatches = [idx for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
-                       for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        minibatches = [
+            idx
+            for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
+            for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)
+        ]
         has_grad = advantages != 0 if ref_model is None else torch.ones(len(roll), dtype=torch.bool, device=device)
         kept = [idx[has_grad[idx]] if has_grad[idx].any() else idx[:1] for idx in minibatches]
         first_on_policy = not routing.blocks
@@ -258,11 +306,24 @@ def train(args: Args):
                     old_logp[rows], entropy[rows] = logp.detach(), token_entropy
                 # the whole minibatch's denominator; torchrun: token-mean divides by all ranks'
                 # tokens / world (each rank's B is already B / world)
-                denominator = (common.mean_denominator(mask[idx].sum()) if args.loss_agg == "token-mean"
-                               else len(idx) * (args.max_new_tokens if args.loss_agg == "seq-mean-token-sum-norm" else 1))
-                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], mask[rows], args.eps_low,
-                                        args.eps_high, ref_logp[rows] if ref_model else None, args.kl_coef,
-                                        args.loss_agg, max_len=args.max_new_tokens, denominator=denominator)
+                denominator = (
+                    common.mean_denominator(mask[idx].sum())
+                    if args.loss_agg == "token-mean"
+                    else len(idx) * (args.max_new_tokens if args.loss_agg == "seq-mean-token-sum-norm" else 1)
+                )
+                loss, stats = grpo_loss(
+                    logp,
+                    old_logp[rows],
+                    advantages[rows],
+                    mask[rows],
+                    args.eps_low,
+                    args.eps_high,
+                    ref_logp[rows] if ref_model else None,
+                    args.kl_coef,
+                    args.loss_agg,
+                    max_len=args.max_new_tokens,
+                    denominator=denominator,
+                )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             # skipped rows are never clipped: the clip fractions are over the whole minibatch's tokens
@@ -313,11 +374,14 @@ def train(args: Args):
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
-                       f"clip_frac {row['clip_frac']:.3f}")
+            tqdm.write(
+                f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
+                f"clip_frac {row['clip_frac']:.3f}"
+            )
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}",
-                        acc=f"{progress.last_eval['accuracy']:.3f}")
+        bar.set_postfix(
+            reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{progress.last_eval['accuracy']:.3f}"
+        )
 
         # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
         progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
@@ -329,14 +393,24 @@ def train(args: Args):
     interrupted = progress.step < args.steps
     if not interrupted:
         logger.save_model(model, tok)
-    logger.summary({
-        "algo": "grpo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
-        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
-        "eval_format_rate_after": progress.last_eval["format_rate"],
-        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
-    })
+    logger.summary(
+        {
+            "algo": "grpo",
+            "model": args.model,
+            "task": args.task or ("jsonl" if args.data else "arith"),
+            "seed": args.seed,
+            "steps": args.steps,
+            "step": progress.step,
+            "interrupted": interrupted,
+            "eval_accuracy_before": progress.eval_before["accuracy"],
+            "eval_accuracy_after": progress.last_eval["accuracy"],
+            "eval_format_rate_after": progress.last_eval["format_rate"],
+            "wall_time_s": time.perf_counter() - t_start,
+            "peak_mem_mb": common.peak_memory_mb(device),
+            "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs),
+            "args": asdict(args),
+        }
+    )
     logger.close()
     if interrupted:
         raise common.Interrupted(progress.step, logger.out)

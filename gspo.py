@@ -18,10 +18,9 @@ A real Qwen on a GPU:   python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N gspo.py ...same flags...   (on CPU: gloo, --device cpu)
 """
+
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -37,7 +36,9 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # sequence log-ratio bounds before exp (GSPO: <
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
+    model: str = arg(
+        "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+    )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(600, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
@@ -49,7 +50,9 @@ class Args:
     lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (the paper uses 4; 2 learned faster here, see README)")
+    minibatches: int = arg(
+        2, "minibatch updates per epoch over each rollout (the paper uses 4; 2 learned faster here, see README)"
+    )
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
     eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
@@ -60,9 +63,13 @@ class Args:
     out: str = arg("runs/gspo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    resume: str = arg(
+        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
+    )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    routing_replay: bool = arg(False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)")
+    routing_replay: bool = arg(
+        False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"
+    )
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
 
@@ -77,7 +84,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     residue divided by eps."""
     r = rewards.float().view(-1, group_size)  # [B/G, G]
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
-    constant = (r.max(1, keepdim=True).values == r.min(1, keepdim=True).values)
+    constant = r.max(1, keepdim=True).values == r.min(1, keepdim=True).values
     return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
 
 
@@ -89,8 +96,9 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
     return diff.sum(1) / mask.sum(1).clamp(min=1)
 
 
-def gspo_loss(logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence",
-              denominator: int | None = None):
+def gspo_loss(
+    logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence", denominator: int | None = None
+):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
     `logp` covers only some of its rows (the others contributing 0).
@@ -142,8 +150,10 @@ def train(args: Args):
     common.check_common_args(args, needs_group=True)
     rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
     if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-                                f"shares whose completions --minibatches {args.minibatches} divides")
+        raise common.UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+            f"shares whose completions --minibatches {args.minibatches} divides"
+        )
     if args.variant not in ("sequence", "token"):
         raise common.UsageError(f"--variant must be sequence or token, got {args.variant!r}")
     train_set, eval_set = common.load_task(args.task, args.data)
@@ -170,17 +180,31 @@ def train(args: Args):
     stream = common.PromptStream(train_set, args.seed)
     sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
     guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
-    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress}
+    state = {
+        "optimizer": optimizer,
+        "stream": stream,
+        "sampling_gen": sampling_gen,
+        "guard": guard,
+        "progress": progress,
+    }
     if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
         common.load_checkpoint(resume_from, model, state)
         t_start -= progress.wall_time_s
     else:
         progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
-                   f"format {progress.eval_before['format_rate']:.3f}")
+        tqdm.write(
+            f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+            f"format {progress.eval_before['format_rate']:.3f}"
+        )
     logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
-    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
-               desc="gspo", dynamic_ncols=True, disable=rank > 0)
+    bar = tqdm(
+        range(progress.step + 1, args.steps + 1),
+        initial=progress.step,
+        total=args.steps,
+        desc="gspo",
+        dynamic_ncols=True,
+        disable=rank > 0,
+    )
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout: G completions per prompt, grouped contiguously.
@@ -188,8 +212,16 @@ def train(args: Args):
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
-        roll = common.sample(model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id,
-                             args.temperature, args.top_p, generator=sampling_gen)
+        roll = common.sample(
+            model,
+            prompts,
+            args.max_new_tokens,
+            eos_ids,
+            tok.pad_token_id,
+            args.temperature,
+            args.top_p,
+            generator=sampling_gen,
+        )
         t_sample = time.perf_counter() - t0
         rewards, formats, _ = common.score_rollout(tok, roll, answers)
         advantages = group_advantages(rewards, args.group_size).to(device)  # [B]
@@ -203,8 +235,11 @@ def train(args: Args):
         #    and its gradient, so the updates forward only each minibatch's other rows (`kept`; at
         #    least one, so that every update and every torchrun rank still runs) and divide by the
         #    whole minibatch: the same gradient for less work.
-        minibatches = [idx for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
-                       for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)]
+        minibatches = [
+            idx
+            for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
+            for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)
+        ]
         kept = [idx[advantages[idx] != 0] if (advantages[idx] != 0).any() else idx[:1] for idx in minibatches]
         first_on_policy = not routing.blocks
         old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
@@ -224,14 +259,25 @@ def train(args: Args):
                 logp, token_entropy = train_model(roll[rows], args.temperature)
                 if k == 0 and first_on_policy:
                     old_logp[rows], entropy[rows] = logp.detach(), token_entropy
-                loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], mask[rows],
-                                        args.eps_low, args.eps_high, args.variant, denominator=len(idx))
+                loss, stats = gspo_loss(
+                    logp,
+                    old_logp[rows],
+                    advantages[rows],
+                    mask[rows],
+                    args.eps_low,
+                    args.eps_high,
+                    args.variant,
+                    denominator=len(idx),
+                )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             # skipped rows are never clipped: the clip fraction is over the whole minibatch's
             # sequences (GSPO) or tokens (GSPO-token)
-            n_kept, n_all = ((len(rows), len(idx)) if args.variant == "sequence"
-                             else (mask[rows].sum().item(), mask[idx].sum().item()))
+            n_kept, n_all = (
+                (len(rows), len(idx))
+                if args.variant == "sequence"
+                else (mask[rows].sum().item(), mask[idx].sum().item())
+            )
             stats["clip_frac"] *= n_kept / max(1, n_all)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if not guard.ok(step, loss, grad_norm):
@@ -275,11 +321,14 @@ def train(args: Args):
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
-                       f"clip_frac {row['clip_frac']:.3f}")
+            tqdm.write(
+                f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
+                f"clip_frac {row['clip_frac']:.3f}"
+            )
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}",
-                        acc=f"{progress.last_eval['accuracy']:.3f}")
+        bar.set_postfix(
+            reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{progress.last_eval['accuracy']:.3f}"
+        )
 
         # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
         progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
@@ -291,14 +340,24 @@ def train(args: Args):
     interrupted = progress.step < args.steps
     if not interrupted:
         logger.save_model(model, tok)
-    logger.summary({
-        "algo": "gspo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
-        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
-        "eval_format_rate_after": progress.last_eval["format_rate"],
-        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
-    })
+    logger.summary(
+        {
+            "algo": "gspo",
+            "model": args.model,
+            "task": args.task or ("jsonl" if args.data else "arith"),
+            "seed": args.seed,
+            "steps": args.steps,
+            "step": progress.step,
+            "interrupted": interrupted,
+            "eval_accuracy_before": progress.eval_before["accuracy"],
+            "eval_accuracy_after": progress.last_eval["accuracy"],
+            "eval_format_rate_after": progress.last_eval["format_rate"],
+            "wall_time_s": time.perf_counter() - t_start,
+            "peak_mem_mb": common.peak_memory_mb(device),
+            "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs),
+            "args": asdict(args),
+        }
+    )
     logger.close()
     if interrupted:
         raise common.Interrupted(progress.step, logger.out)

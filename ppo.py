@@ -25,6 +25,7 @@ A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task 
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N ppo.py ...same flags...   (on CPU: gloo, --device cpu)
 """
+
 from __future__ import annotations
 
 import time
@@ -43,7 +44,9 @@ LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as ve
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id")
+    model: str = arg(
+        "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+    )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
     steps: int = arg(150, "number of rollout + update steps (about 3-4 minutes on a 2-core CPU)")
@@ -73,7 +76,9 @@ class Args:
     out: str = arg("runs/ppo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow")
+    resume: str = arg(
+        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
+    )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
 
@@ -192,8 +197,10 @@ def train(args: Args):
     common.check_common_args(args, needs_group=False)
     rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
     if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-                                f"shares whose completions --minibatches {args.minibatches} divides")
+        raise common.UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+            f"shares whose completions --minibatches {args.minibatches} divides"
+        )
     for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
         if getattr(args, name) < 0:
             raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -216,8 +223,11 @@ def train(args: Args):
     critic = Critic(args.model, device)
     if args.grad_checkpointing:
         critic.trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_critic = critic if world == 1 else DistributedDataParallel(
-        critic, device_ids=[device.index] if device.type == "cuda" else None)
+    train_critic = (
+        critic
+        if world == 1
+        else DistributedDataParallel(critic, device_ids=[device.index] if device.type == "cuda" else None)
+    )
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # the training forward; under torchrun through DDP, which averages the gradients over the ranks
@@ -226,22 +236,39 @@ def train(args: Args):
         train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
     # fused=True: each update is one kernel over all parameters, not a loop of per-tensor ops
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True)
+    critic_optimizer = torch.optim.AdamW(
+        critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True
+    )
     stream = common.PromptStream(train_set, args.seed)
     sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
     guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
-    state = {"optimizer": optimizer, "stream": stream, "sampling_gen": sampling_gen, "guard": guard, "progress": progress,
-             "critic": critic, "critic_optimizer": critic_optimizer}  # not ref_model: it is the initial policy
+    state = {
+        "optimizer": optimizer,
+        "stream": stream,
+        "sampling_gen": sampling_gen,
+        "guard": guard,
+        "progress": progress,
+        "critic": critic,
+        "critic_optimizer": critic_optimizer,
+    }  # not ref_model: it is the initial policy
     if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
         common.load_checkpoint(resume_from, model, state)
         t_start -= progress.wall_time_s
     else:
         progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-        tqdm.write(f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
-                   f"format {progress.eval_before['format_rate']:.3f}")
+        tqdm.write(
+            f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
+            f"format {progress.eval_before['format_rate']:.3f}"
+        )
     logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
-    bar = tqdm(range(progress.step + 1, args.steps + 1), initial=progress.step, total=args.steps,
-               desc="ppo", dynamic_ncols=True, disable=rank > 0)
+    bar = tqdm(
+        range(progress.step + 1, args.steps + 1),
+        initial=progress.step,
+        total=args.steps,
+        desc="ppo",
+        dynamic_ncols=True,
+        disable=rank > 0,
+    )
     for step in bar:
         t0 = time.perf_counter()
         # 1. Rollout.
@@ -249,8 +276,16 @@ def train(args: Args):
         prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
         answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
         model.eval()
-        roll = common.sample(model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id,
-                             args.temperature, args.top_p, generator=sampling_gen)
+        roll = common.sample(
+            model,
+            prompts,
+            args.max_new_tokens,
+            eos_ids,
+            tok.pad_token_id,
+            args.temperature,
+            args.top_p,
+            generator=sampling_gen,
+        )
         t_sample = time.perf_counter() - t0
         scores, formats, _ = common.score_rollout(tok, roll, answers)
         mask = roll.completion_mask  # [B, T]
@@ -274,10 +309,12 @@ def train(args: Args):
             order = torch.randperm(len(roll), device=device)
             for idx in order.chunk(args.minibatches):
                 logp, _ = train_model(roll[idx], args.temperature)
-                pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx],
-                                                 args.eps_low, args.eps_high, args.dual_clip)
-                v_loss, v_stats = value_loss(train_critic(roll[idx]), old_values[idx], returns[idx], mask[idx],
-                                             args.cliprange_value)
+                pg_loss, stats = ppo_policy_loss(
+                    logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
+                )
+                v_loss, v_stats = value_loss(
+                    train_critic(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
+                )
                 loss = pg_loss + args.vf_coef * v_loss
                 # torchrun: both losses are token means; rescale each rank's mean to its share of all
                 # ranks' tokens, so that DDP's average of the gradients is the whole batch's token mean
@@ -292,8 +329,16 @@ def train(args: Args):
                 optimizer.step()
                 critic_optimizer.step()
                 n_updates += 1
-                step_stats.append({**stats, **v_stats, "loss": pg_loss.item(), "value_loss": v_loss.item(),
-                                   "grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()})
+                step_stats.append(
+                    {
+                        **stats,
+                        **v_stats,
+                        "loss": pg_loss.item(),
+                        "value_loss": v_loss.item(),
+                        "grad_norm": grad_norm.item(),
+                        "critic_grad_norm": critic_grad_norm.item(),
+                    }
+                )
 
         # 4. Logging.
         step_time = time.perf_counter() - t0
@@ -326,11 +371,16 @@ def train(args: Args):
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
             row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
-                       f"clip_frac {row['clip_frac']:.3f}  explained_var {row['explained_variance']:.3f}")
+            tqdm.write(
+                f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
+                f"clip_frac {row['clip_frac']:.3f}  explained_var {row['explained_variance']:.3f}"
+            )
         logger.log(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", ev=f"{row['explained_variance']:.2f}",
-                        acc=f"{progress.last_eval['accuracy']:.3f}")
+        bar.set_postfix(
+            reward=f"{row['reward']:.3f}",
+            ev=f"{row['explained_variance']:.2f}",
+            acc=f"{progress.last_eval['accuracy']:.3f}",
+        )
 
         # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
         progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
@@ -343,14 +393,24 @@ def train(args: Args):
     if not interrupted and rank == 0:
         logger.save_model(model, tok)
         torch.save(critic.state_dict(), logger.out / "final" / "critic.pt")
-    logger.summary({
-        "algo": "ppo", "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
-        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
-        "eval_accuracy_before": progress.eval_before["accuracy"], "eval_accuracy_after": progress.last_eval["accuracy"],
-        "eval_format_rate_after": progress.last_eval["format_rate"],
-        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": common.peak_memory_mb(device),
-        "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs), "args": asdict(args),
-    })
+    logger.summary(
+        {
+            "algo": "ppo",
+            "model": args.model,
+            "task": args.task or ("jsonl" if args.data else "arith"),
+            "seed": args.seed,
+            "steps": args.steps,
+            "step": progress.step,
+            "interrupted": interrupted,
+            "eval_accuracy_before": progress.eval_before["accuracy"],
+            "eval_accuracy_after": progress.last_eval["accuracy"],
+            "eval_format_rate_after": progress.last_eval["format_rate"],
+            "wall_time_s": time.perf_counter() - t_start,
+            "peak_mem_mb": common.peak_memory_mb(device),
+            "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs),
+            "args": asdict(args),
+        }
+    )
     logger.close()
     if interrupted:
         raise common.Interrupted(progress.step, logger.out)

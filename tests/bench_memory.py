@@ -20,6 +20,7 @@ its peak RSS (resource.getrusage ru_maxrss) and the RSS before the step (model, 
 The child limits its own address space (--limit-gb) so that a naive run that would exhaust the
 machine fails with an allocation error instead of waking the OOM killer. Not collected by pytest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,21 @@ def current_rss_gb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def training_step(algo: str, model, roll, rewards, *, chunk_tokens, minibatches: int, optimizer, updates: int = 1,
-                  ref_model=None, critic=None, group: int = 8, mark=None) -> float:
+def training_step(
+    algo: str,
+    model,
+    roll,
+    rewards,
+    *,
+    chunk_tokens,
+    minibatches: int,
+    optimizer,
+    updates: int = 1,
+    ref_model=None,
+    critic=None,
+    group: int = 8,
+    mark=None,
+) -> float:
     """One training step of `algo` as its script runs it, on a fixed rollout: old log-probs of the
     whole rollout (PPO also the reference's log-probs, the critic's values and GAE), then `updates`
     of the `minibatches` minibatch updates (log-probs with grad, the script's loss, backward,
@@ -113,9 +127,20 @@ def child(algo: str, mode: str, batch: int, tokens: int, minibatches: int, promp
 
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     model = Qwen3ForCausalLM(config)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, VOCAB, (batch, prompt_len), generator=g).tolist()
@@ -143,10 +168,31 @@ def child(algo: str, mode: str, batch: int, tokens: int, minibatches: int, promp
         phases[phase] = rss_gb()
 
     t0 = time.perf_counter()
-    loss = training_step(algo, model, roll, rewards, chunk_tokens=chunk_tokens if mode == "chunked" else None,
-                         minibatches=minibatches, optimizer=optimizer, ref_model=ref_model, critic=critic, mark=mark)
-    print(json.dumps({"algo": algo, "mode": mode, "before_gb": before, "peak_gb": rss_gb(), "phases": phases,
-                      "step_s": time.perf_counter() - t0, "loss": loss}))
+    loss = training_step(
+        algo,
+        model,
+        roll,
+        rewards,
+        chunk_tokens=chunk_tokens if mode == "chunked" else None,
+        minibatches=minibatches,
+        optimizer=optimizer,
+        ref_model=ref_model,
+        critic=critic,
+        mark=mark,
+    )
+    print(
+        json.dumps(
+            {
+                "algo": algo,
+                "mode": mode,
+                "before_gb": before,
+                "peak_gb": rss_gb(),
+                "phases": phases,
+                "step_s": time.perf_counter() - t0,
+                "loss": loss,
+            }
+        )
+    )
 
 
 def mem_available_gb() -> float:
@@ -163,9 +209,23 @@ def run_child(algo, mode, args):
     def set_limit():  # in the child, before exec: an allocation past it fails, the OOM killer stays asleep
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    cmd = [sys.executable, __file__, "--child", algo, mode, "--batch", str(args.batch), "--tokens", str(args.tokens),
-           "--minibatches", str(args.minibatches), "--prompt-len", str(args.prompt_len),
-           "--chunk-tokens", str(args.chunk_tokens)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        algo,
+        mode,
+        "--batch",
+        str(args.batch),
+        "--tokens",
+        str(args.tokens),
+        "--minibatches",
+        str(args.minibatches),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--chunk-tokens",
+        str(args.chunk_tokens),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=set_limit)
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -183,8 +243,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--chunk-tokens", type=lambda s: s if s == "auto" else int(s), default="auto",
-                    help="chunk size of the chunked path (default: common's auto sizing)")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=lambda s: s if s == "auto" else int(s),
+        default="auto",
+        help="chunk size of the chunked path (default: common's auto sizing)",
+    )
     ap.add_argument("--limit-gb", type=float, default=20.0, help="address-space limit of each child")
     args = ap.parse_args()
     if args.child:
@@ -192,8 +256,10 @@ def main():
         return
 
     modes = [m for m in ("chunked", "naive") if args.only in (None, m)]
-    print(f"Qwen3 vocab {VOCAB}, hidden 64, 2 layers; {args.batch} completions x {args.tokens} tokens "
-          f"(+{args.prompt_len} prompt), one step with a {args.batch // args.minibatches}-completion minibatch update")
+    print(
+        f"Qwen3 vocab {VOCAB}, hidden 64, 2 layers; {args.batch} completions x {args.tokens} tokens "
+        f"(+{args.prompt_len} prompt), one step with a {args.batch // args.minibatches}-completion minibatch update"
+    )
     results = {}
     for algo in args.algos.split(","):
         for mode in modes:
@@ -202,17 +268,26 @@ def main():
                 continue
             r = run_child(algo, mode, args)
             results[algo, mode] = r
-            detail = (f"peak {r['peak_gb']:.2f} GB (before the step {r['before_gb']:.2f}; running peak after "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()) + f"), {r['step_s']:.0f} s"
-                      if "error" not in r else r["error"])
+            detail = (
+                f"peak {r['peak_gb']:.2f} GB (before the step {r['before_gb']:.2f}; running peak after "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+                + f"), {r['step_s']:.0f} s"
+                if "error" not in r
+                else r["error"]
+            )
             print(f"  {algo:5} {mode:8} {detail}", flush=True)
 
     def cell(r):
         return f"{r['peak_gb']:.2f}" if "error" not in r else "failed"
 
-    print(f"\npeak RSS of one training step, GB (chunked: chunk_tokens={args.chunk_tokens})\n{'algo':6} {'chunked':>8} {'naive':>8}")
+    print(
+        f"\npeak RSS of one training step, GB (chunked: chunk_tokens={args.chunk_tokens})\n{'algo':6} {'chunked':>8} {'naive':>8}"
+    )
     for algo in args.algos.split(","):
-        print(f"{algo:6} " + " ".join(f"{cell(results[algo, m]) if (algo, m) in results else '-':>8}" for m in ("chunked", "naive")))
+        print(
+            f"{algo:6} "
+            + " ".join(f"{cell(results[algo, m]) if (algo, m) in results else '-':>8}" for m in ("chunked", "naive"))
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ wall-clock time and by this process's CPU time.
 Greedy outputs are checked to be identical (a mismatch is reported and makes the exit status 1).
 Not collected by pytest (no test_ prefix).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def main():
     distinct = common.encode_prompts(tok, train[: args.batch])
     grouped = [p for p in distinct[: args.batch // 8] for _ in range(8)]
     pad, T = tok.pad_token_id, args.new_tokens
-    print(f"tiny checkpoint, CPU, {torch.get_num_threads()} thread(s), {args.batch} prompts x {T} new tokens, "
-          f"greedy, median of {args.repeats} alternating repeats (one warm-up each)")
+    print(
+        f"tiny checkpoint, CPU, {torch.get_num_threads()} thread(s), {args.batch} prompts x {T} new tokens, "
+        f"greedy, median of {args.repeats} alternating repeats (one warm-up each)"
+    )
 
     ok = True
     rows = []
@@ -59,8 +62,14 @@ def main():
 
         def generate():
             with torch.no_grad():
-                out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                                     do_sample=False, eos_token_id=eos, pad_token_id=pad)[:, P:].tolist()
+                out = model.generate(
+                    input_ids=batch.prompt_ids,
+                    attention_mask=batch.prompt_mask,
+                    max_new_tokens=T,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                )[:, P:].tolist()
             # the completion is everything up to and including the first EOS id
             return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
 
@@ -76,12 +85,21 @@ def main():
                 fn()
                 wall[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
-        rows.append((setting, n_tokens, {k: statistics.median(v) for k, v in wall.items()},
-                     {k: statistics.median(v) for k, v in cpu.items()}, same))
+        rows.append(
+            (
+                setting,
+                n_tokens,
+                {k: statistics.median(v) for k, v in wall.items()},
+                {k: statistics.median(v) for k, v in cpu.items()},
+                same,
+            )
+        )
 
     # CPU time (process_time) is the steadier figure on a shared machine: a descheduled process
     # accrues wall time but not CPU time
-    print(f"\n{'setting':8} {'tokens':>6} {'clock':>5} {'sample tok/s':>13} {'generate tok/s':>15} {'speedup':>8}  greedy equal")
+    print(
+        f"\n{'setting':8} {'tokens':>6} {'clock':>5} {'sample tok/s':>13} {'generate tok/s':>15} {'speedup':>8}  greedy equal"
+    )
     for setting, n, wall, cpu, same in rows:
         for clock, med in (("wall", wall), ("cpu", cpu)):
             a, b = n / med["common.sample"], n / med["model.generate"]

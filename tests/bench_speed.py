@@ -24,6 +24,7 @@ model), alternating ours/TRL --rounds times so machine drift hits both alike; th
 every process is warm-up and dropped. Printed: median step time, generated tokens per second
 (completion tokens, EOS included, over the sampling time) and the ratios. Not collected by pytest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,17 +43,38 @@ CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
 
 def run_ours(algo: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, str(ROOT / f"{algo}.py"), "--steps", str(steps + 1), "--prompts-per-step",
-               str(PROMPTS_PER_STEP), "--group-size", str(GROUP), "--max-new-tokens", str(MAX_NEW),
-               "--minibatches", str(MINIBATCHES), "--eval-every", "0", "--eval-size", "16", "--out", out,
-               "--device", "cpu"]
+        cmd = [
+            sys.executable,
+            str(ROOT / f"{algo}.py"),
+            "--steps",
+            str(steps + 1),
+            "--prompts-per-step",
+            str(PROMPTS_PER_STEP),
+            "--group-size",
+            str(GROUP),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--minibatches",
+            str(MINIBATCHES),
+            "--eval-every",
+            "0",
+            "--eval-size",
+            "16",
+            "--out",
+            out,
+            "--device",
+            "cpu",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"{algo}.py failed: {proc.stderr.strip().splitlines()[-1:]}")
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = rows[1:]  # the first step is warm-up
-    return {"step_s": [r["step_time_s"] for r in rows], "tokens_per_s": [r["tokens_per_s"] for r in rows],
-            "response_len": [r["response_len"] for r in rows]}
+    return {
+        "step_s": [r["step_time_s"] for r in rows],
+        "tokens_per_s": [r["tokens_per_s"] for r in rows],
+        "response_len": [r["response_len"] for r in rows],
+    }
 
 
 def run_trl(algo: str, steps: int) -> dict:
@@ -80,7 +102,9 @@ def trl_child(algo: str, steps: int, result: str):
     eos_ids = common.eos_token_ids(model, tok)
     train, _ = common.arith_split()
     cycles = steps + 1
-    dataset = Dataset.from_list([{"prompt": ex["prompt"], "answer": ex["answer"]} for ex in train[: PROMPTS_PER_STEP * cycles]])
+    dataset = Dataset.from_list(
+        [{"prompt": ex["prompt"], "answer": ex["answer"]} for ex in train[: PROMPTS_PER_STEP * cycles]]
+    )
 
     def reward(prompts, completions, answer, **kwargs):
         return [common.score(c, a)[0] for c, a in zip(completions, answer)]
@@ -93,7 +117,7 @@ def trl_child(algo: str, steps: int, result: str):
         t0 = time.perf_counter()
         out = generate(*args, **kwargs)
         gen_times.append(time.perf_counter() - t0)
-        completions = out[:, kwargs["input_ids"].shape[1]:]
+        completions = out[:, kwargs["input_ids"].shape[1] :]
         is_eos = torch.isin(completions, torch.tensor(eos_ids))
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.shape[1])
         gen_tokens.append(int(first.sum()))
@@ -112,26 +136,63 @@ def trl_child(algo: str, steps: int, result: str):
     eps_low, eps_high = CLIP[algo]
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no",
-            logging_steps=10_000, disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0,
-            max_steps=MINIBATCHES * cycles, learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=0.0, max_grad_norm=1.0, num_generations=GROUP, max_completion_length=MAX_NEW,
-            generation_batch_size=PROMPTS_PER_STEP * GROUP, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // MINIBATCHES,
-            gradient_accumulation_steps=1, num_iterations=1, temperature=1.0, top_p=1.0, beta=0.0,
-            epsilon=eps_low, epsilon_high=eps_high, loss_type="grpo", scale_rewards="group",
-            importance_sampling_level="sequence" if algo == "gspo" else "token", log_completions=False,
-            bf16=False, fp16=False, gradient_checkpointing=False,  # TRL's defaults differ: same work as ours
+            output_dir=out,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            eval_strategy="no",
+            logging_steps=10_000,
+            disable_tqdm=True,
+            seed=0,
+            data_seed=0,
+            dataloader_num_workers=0,
+            max_steps=MINIBATCHES * cycles,
+            learning_rate=3e-4,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            num_generations=GROUP,
+            max_completion_length=MAX_NEW,
+            generation_batch_size=PROMPTS_PER_STEP * GROUP,
+            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // MINIBATCHES,
+            gradient_accumulation_steps=1,
+            num_iterations=1,
+            temperature=1.0,
+            top_p=1.0,
+            beta=0.0,
+            epsilon=eps_low,
+            epsilon_high=eps_high,
+            loss_type="grpo",
+            scale_rewards="group",
+            importance_sampling_level="sequence" if algo == "gspo" else "token",
+            log_completions=False,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,  # TRL's defaults differ: same work as ours
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                              processing_class=tok, callbacks=[Clock()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[Clock()],
+        )
         trainer.train()
     assert len(stamps) == MINIBATCHES * cycles + 1, len(stamps)
     cycle_s = [stamps[MINIBATCHES * (k + 1)] - stamps[MINIBATCHES * k] for k in range(cycles)]
-    Path(result).write_text(json.dumps({
-        "step_s": cycle_s[1:], "tokens_per_s": [n / t for n, t in zip(gen_tokens, gen_times)][1:],
-        "response_len": [n / (PROMPTS_PER_STEP * GROUP) for n in gen_tokens][1:], "threads": threads,
-        "threads_at_generation": sorted(set(gen_threads)),
-    }))
+    Path(result).write_text(
+        json.dumps(
+            {
+                "step_s": cycle_s[1:],
+                "tokens_per_s": [n / t for n, t in zip(gen_tokens, gen_times)][1:],
+                "response_len": [n / (PROMPTS_PER_STEP * GROUP) for n in gen_tokens][1:],
+                "threads": threads,
+                "threads_at_generation": sorted(set(gen_threads)),
+            }
+        )
+    )
 
 
 def main():
@@ -148,8 +209,10 @@ def main():
 
     import trl
 
-    print(f"TRL {trl.__version__}; {PROMPTS_PER_STEP} prompts x {GROUP} completions, <= {MAX_NEW} new tokens, "
-          f"{MINIBATCHES} minibatch updates per step; {args.rounds} alternating rounds x {args.steps} timed steps")
+    print(
+        f"TRL {trl.__version__}; {PROMPTS_PER_STEP} prompts x {GROUP} completions, <= {MAX_NEW} new tokens, "
+        f"{MINIBATCHES} minibatch updates per step; {args.rounds} alternating rounds x {args.steps} timed steps"
+    )
     summary = []
     for algo in args.algos.split(","):
         runs = {"ours": [], "trl": []}
@@ -157,18 +220,27 @@ def main():
             for side, fn in (("ours", run_ours), ("trl", run_trl)):
                 res = fn(algo, args.steps)
                 runs[side].append(res)
-                print(f"  {algo} round {r + 1} {side:4}: step {statistics.median(res['step_s']):.2f} s, "
-                      f"{statistics.median(res['tokens_per_s']):.0f} generated tok/s, "
-                      f"mean completion {statistics.mean(res['response_len']):.1f} tokens", flush=True)
-        med = {side: {k: statistics.median(x for res in rs for x in res[k]) for k in ("step_s", "tokens_per_s")}
-               for side, rs in runs.items()}
+                print(
+                    f"  {algo} round {r + 1} {side:4}: step {statistics.median(res['step_s']):.2f} s, "
+                    f"{statistics.median(res['tokens_per_s']):.0f} generated tok/s, "
+                    f"mean completion {statistics.mean(res['response_len']):.1f} tokens",
+                    flush=True,
+                )
+        med = {
+            side: {k: statistics.median(x for res in rs for x in res[k]) for k in ("step_s", "tokens_per_s")}
+            for side, rs in runs.items()
+        }
         summary.append((algo, med))
 
-    print(f"\n{'algo':5} {'ours step s':>12} {'TRL step s':>11} {'ours/TRL':>9} {'ours tok/s':>11} {'TRL tok/s':>10} {'ratio':>6}")
+    print(
+        f"\n{'algo':5} {'ours step s':>12} {'TRL step s':>11} {'ours/TRL':>9} {'ours tok/s':>11} {'TRL tok/s':>10} {'ratio':>6}"
+    )
     for algo, med in summary:
         o, t = med["ours"], med["trl"]
-        print(f"{algo:5} {o['step_s']:12.2f} {t['step_s']:11.2f} {o['step_s'] / t['step_s']:8.2f}x "
-              f"{o['tokens_per_s']:11.0f} {t['tokens_per_s']:10.0f} {o['tokens_per_s'] / t['tokens_per_s']:5.2f}x")
+        print(
+            f"{algo:5} {o['step_s']:12.2f} {t['step_s']:11.2f} {o['step_s'] / t['step_s']:8.2f}x "
+            f"{o['tokens_per_s']:11.0f} {t['tokens_per_s']:10.0f} {o['tokens_per_s'] / t['tokens_per_s']:5.2f}x"
+        )
     print("ours/TRL step time: lower is better (target <= 0.8); tok/s ratio: higher is better")
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: the repository root on sys.path, the cached tiny checkpoint, the char tokenizer."""
+
 import os
 import sys
 from pathlib import Path

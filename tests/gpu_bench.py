@@ -21,6 +21,7 @@ as tests/bench_memory.py defines it: old log-probs of the rollout, then --miniba
 warm-up); peak = torch.cuda.max_memory_allocated during the step (weights, grads, optimizer state
 included). Everything prints as one table at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-import common  # noqa: E402
 from bench_memory import training_step  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151_936, max_position_embeddings=32768, rope_theta=1e6,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True)
-SMOKE = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+import common  # noqa: E402
+
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151_936,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+SMOKE = dict(
+    QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def timed(fn, device, repeats: int):
@@ -108,8 +120,11 @@ def main():
     model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=pad)
     n_params = sum(p.numel() for p in model.parameters())
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{gpu}: random Qwen2 {n_params / 1e6:.0f}M parameters, {dtype}; {args.batch} x {args.new_tokens} new tokens, "
-          f"prompts {args.prompt_len // 2}-{args.prompt_len} tokens", flush=True)
+    print(
+        f"{gpu}: random Qwen2 {n_params / 1e6:.0f}M parameters, {dtype}; {args.batch} x {args.new_tokens} new tokens, "
+        f"prompts {args.prompt_len // 2}-{args.prompt_len} tokens",
+        flush=True,
+    )
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.batch,), generator=g).tolist()
@@ -121,22 +136,35 @@ def main():
     def ours(cuda_graph=True, **kw):
         return lambda: common.sample(model, prompts, T, [], pad, greedy=True, cuda_graph=cuda_graph, **kw)
 
-    samplers = [("common.sample (CUDA graph)" if device.type == "cuda" else "common.sample", ours()),
-                ("common.sample eager", ours(cuda_graph=False))]
+    samplers = [
+        ("common.sample (CUDA graph)" if device.type == "cuda" else "common.sample", ours()),
+        ("common.sample eager", ours(cuda_graph=False)),
+    ]
     if device.type != "cuda":
         samplers = samplers[:1]
     gen = torch.Generator(device).manual_seed(0)
-    samplers.append(("common.sample, temperature 1",
-                     lambda: common.sample(model, prompts, T, [], pad, temperature=1.0, generator=gen,
-                                           cuda_graph=device.type == "cuda")))
+    samplers.append(
+        (
+            "common.sample, temperature 1",
+            lambda: common.sample(
+                model, prompts, T, [], pad, temperature=1.0, generator=gen, cuda_graph=device.type == "cuda"
+            ),
+        )
+    )
     if not args.skip_generate:
         batch = common.Rollout.from_lists(prompts, [[]] * B, pad, device)
 
         def generate():
             with torch.no_grad():
-                out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                                     do_sample=False, eos_token_id=[], pad_token_id=pad)
-            return out[:, batch.prompt_ids.shape[1]:]
+                out = model.generate(
+                    input_ids=batch.prompt_ids,
+                    attention_mask=batch.prompt_mask,
+                    max_new_tokens=T,
+                    do_sample=False,
+                    eos_token_id=[],
+                    pad_token_id=pad,
+                )
+            return out[:, batch.prompt_ids.shape[1] :]
 
         samplers.append(("HF model.generate", generate))
     outputs = {}
@@ -153,8 +181,11 @@ def main():
         print(f"  rollout {name}: {B * T / seconds:.0f} tok/s", flush=True)
     greedy_name = next(name for name, _ in samplers if name in outputs and "temperature" not in name)
     greedy = outputs[greedy_name]
-    agree = {name: int((outputs[name] == greedy).all(1).sum()) for name in outputs
-             if name != greedy_name and "temperature" not in name}
+    agree = {
+        name: int((outputs[name] == greedy).all(1).sum())
+        for name in outputs
+        if name != greedy_name and "temperature" not in name
+    }
     gen_rate = next((r[1] for r in rollout_rows if r[0] == "HF model.generate"), None)
 
     # ---- training ---------------------------------------------------------------------------
@@ -176,16 +207,27 @@ def main():
             optimizer = torch.optim.AdamW(params, lr=1e-6)
 
             def step():
-                return training_step(algo, model, roll, rewards, chunk_tokens="auto" if mode == "chunked" else None,
-                                     minibatches=args.minibatches, updates=args.minibatches, optimizer=optimizer,
-                                     ref_model=ref_model, critic=critic)
+                return training_step(
+                    algo,
+                    model,
+                    roll,
+                    rewards,
+                    chunk_tokens="auto" if mode == "chunked" else None,
+                    minibatches=args.minibatches,
+                    updates=args.minibatches,
+                    optimizer=optimizer,
+                    ref_model=ref_model,
+                    critic=critic,
+                )
 
             peak_reset(device)
             try:
                 seconds, loss = timed(step, device, 1 if args.cpu_smoke else 2)
                 train_rows.append([algo, mode, B * T / seconds, seconds, peak_gb(device)])
             except Exception as e:  # out of memory, or anything else: report it and measure the rest
-                print(f"  train {algo} {mode}: FAILED {e.__class__.__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                print(
+                    f"  train {algo} {mode}: FAILED {e.__class__.__name__}: {str(e).splitlines()[0][:200]}", flush=True
+                )
                 train_rows.append([algo, mode, float("nan"), float("nan"), float("nan")])
             print(f"  train {algo} {mode}: {train_rows[-1][2]:.0f} tok/s, peak {train_rows[-1][4]:.2f} GB", flush=True)
             del optimizer

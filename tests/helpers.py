@@ -4,6 +4,7 @@ Reference computations here are plain Python loops over float64 (Python floats),
 /work/shared/REFERENCE.md, never from the code under test. Hypothesis strategies draw small
 batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def t64(rows) -> torch.Tensor:
 
 
 @st.composite
-def batches(draw, max_b=4, max_t=6, min_len=1, min_b=1, log_ratio_scales=(1e-4, 1e-3, 0.05, 0.5, 2.0),
-            allow_zero_adv=True):
+def batches(
+    draw, max_b=4, max_t=6, min_len=1, min_b=1, log_ratio_scales=(1e-4, 1e-3, 0.05, 0.5, 2.0), allow_zero_adv=True
+):
     """A small batch as Python lists: mask [B][T] (0/1, any pattern, >= min_len real tokens per
     row), old [B][T], logp [B][T] = old + d with |d| <= scale (scale drawn so both in- and
     out-of-clip-range ratios occur), adv [B] (nonzero unless allow_zero_adv)."""
@@ -97,7 +99,7 @@ def loop_group_advantages(rewards, group_size, scale="std", eps=1e-6):
     """(R - mean) / (Bessel std + eps) per group, exactly 0 for a constant group; float64."""
     out = []
     for g in range(0, len(rewards), group_size):
-        grp = [float(x) for x in rewards[g: g + group_size]]
+        grp = [float(x) for x in rewards[g : g + group_size]]
         if all(x == grp[0] for x in grp):
             out += [0.0] * len(grp)
             continue
@@ -155,7 +157,7 @@ def group_mean_std(adv, group_size):
     """Per group: (mean, Bessel std) of the advantages, in float64."""
     out = []
     for g in range(0, len(adv), group_size):
-        grp = adv[g: g + group_size]
+        grp = adv[g : g + group_size]
         mean = sum(grp) / len(grp)
         std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (len(grp) - 1))
         out.append((mean, std))
@@ -166,12 +168,45 @@ def group_mean_std(adv, group_size):
 # Subprocess smoke runs
 # ----------------------------------------------------------------------------------------------
 
-SMOKE_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2",
-              "--eval-size", "16", "--eval-every", "1"]
-METRIC_KEYS = {"step", "reward", "accuracy", "loss", "clip_frac", "entropy", "response_len",
-               "tokens_per_s", "step_time_s", "eval_accuracy"}
-SUMMARY_KEYS = {"algo", "model", "task", "seed", "steps", "eval_accuracy_before", "eval_accuracy_after",
-                "wall_time_s", "peak_mem_mb", "mean_clip_frac", "args"}
+SMOKE_ARGS = [
+    "--steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--minibatches",
+    "2",
+    "--eval-size",
+    "16",
+    "--eval-every",
+    "1",
+]
+METRIC_KEYS = {
+    "step",
+    "reward",
+    "accuracy",
+    "loss",
+    "clip_frac",
+    "entropy",
+    "response_len",
+    "tokens_per_s",
+    "step_time_s",
+    "eval_accuracy",
+}
+SUMMARY_KEYS = {
+    "algo",
+    "model",
+    "task",
+    "seed",
+    "steps",
+    "eval_accuracy_before",
+    "eval_accuracy_after",
+    "wall_time_s",
+    "peak_mem_mb",
+    "mean_clip_frac",
+    "args",
+}
 
 
 def run_smoke(script: str, out: Path, extra=(), timeout=240):

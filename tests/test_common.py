@@ -5,6 +5,7 @@ forward with a float64 log_softmax + gather, Hugging Face's own `generate`, or h
 Most model tests use a small *random* Qwen3ForCausalLM (built once per session, seeded); only the
 round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
 """
+
 import copy
 import json
 import math
@@ -31,8 +32,14 @@ PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
 # A small random model. initializer_range 0.3 (not the default 0.02) makes the next-token
 # distributions peaked enough that greedy choices are not near-ties decided by float noise.
 RANDOM_CONFIG = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    initializer_range=0.3,
     tie_word_embeddings=False,
 )
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -51,8 +58,11 @@ def enc(tok, text):
 def rand_model(char_tok):
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=len(char_tok), pad_token_id=char_tok.pad_token_id, eos_token_id=char_tok.eos_token_id,
-        bos_token_id=None, **RANDOM_CONFIG,
+        vocab_size=len(char_tok),
+        pad_token_id=char_tok.pad_token_id,
+        eos_token_id=char_tok.eos_token_id,
+        bos_token_id=None,
+        **RANDOM_CONFIG,
     )
     model = Qwen3ForCausalLM(config).eval()
     model.generation_config = GenerationConfig(
@@ -136,9 +146,10 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     tok.padding_side = "left"
     batch = tok([ex["prompt"] for ex in held_out[:100]], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
-    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **batch, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
+    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     hf_acc = sum(t.strip() == ex["answer"] for t, ex in zip(texts, held_out[:100])) / 100
     ours = common.evaluate(model, tok, held_out[:100], max_new_tokens=5)["accuracy"]
     assert ours == pytest.approx(hf_acc, abs=1e-6)  # evaluate averages in float32
@@ -179,10 +190,14 @@ def test_greedy_sample_equals_hf_generate(rand_model, prompts, char_tok):
     batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
     with torch.no_grad():
         out = rand_model.generate(
-            input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-            do_sample=False, eos_token_id=eos, pad_token_id=pad,
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask,
+            max_new_tokens=T,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
         )
-    hf = out[:, batch.prompt_ids.shape[1]:]
+    hf = out[:, batch.prompt_ids.shape[1] :]
     assert hf.shape == ours.completion_ids.shape
     stopped = 0
     for i in range(len(prompts)):
@@ -234,16 +249,29 @@ def test_kv_cache_logits_equal_full_forward(rand_model, prompts, char_tok):
     attn = torch.cat([base.prompt_mask, torch.ones(B, T, dtype=torch.long)], 1)
     pos = (attn.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=rand_model.config)
-    steps = [rand_model(input_ids=base.prompt_ids, attention_mask=attn[:, :P], position_ids=pos[:, :P],
-                        past_key_values=cache, use_cache=True).logits[:, -1]]
+    steps = [
+        rand_model(
+            input_ids=base.prompt_ids,
+            attention_mask=attn[:, :P],
+            position_ids=pos[:, :P],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
+    ]
     for t in range(T - 1):
-        steps.append(rand_model(input_ids=cont[:, t: t + 1], attention_mask=attn[:, : P + t + 1],
-                                position_ids=pos[:, P + t: P + t + 1], past_key_values=cache,
-                                use_cache=True).logits[:, -1])
+        steps.append(
+            rand_model(
+                input_ids=cont[:, t : t + 1],
+                attention_mask=attn[:, : P + t + 1],
+                position_ids=pos[:, P + t : P + t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        )
     cached = torch.stack(steps, 1)  # [B, T, V]
     for i, p in enumerate(prompts):
         full = rand_model(input_ids=torch.tensor([p + cont[i, : T - 1].tolist()])).logits[0]
-        torch.testing.assert_close(cached[i], full[len(p) - 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached[i], full[len(p) - 1 :], atol=1e-5, rtol=0)
 
 
 # The sampler's own KV-cache decoders (prefill(), step(token) -> next-token logits [B, V]), whichever
@@ -265,7 +293,7 @@ def test_sampler_decoder_logits_equal_full_forward(rand_model, prompts, char_tok
     cached = torch.stack(steps, 1)  # [B, T, V]
     for i, p in enumerate(prompts):
         full = rand_model(input_ids=torch.tensor([p + cont[i, : T - 1].tolist()])).logits[0]
-        torch.testing.assert_close(cached[i], full[len(p) - 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached[i], full[len(p) - 1 :], atol=1e-5, rtol=0)
 
 
 def test_completion_logprobs_padding_invariant(rand_model, sampled_roll):
@@ -349,8 +377,16 @@ def test_forced_eos_at_first_step(rand_model, prompts, char_tok):
         model.lm_head.weight[eos2] = 1.0
     model.model.norm.register_forward_hook(lambda module, inputs, output: torch.ones_like(output))
     for greedy in (True, False):
-        roll = common.sample(model, prompts, 6, [char_tok.eos_token_id, eos2], char_tok.pad_token_id,
-                             greedy=greedy, temperature=0.05, generator=torch.Generator().manual_seed(0))
+        roll = common.sample(
+            model,
+            prompts,
+            6,
+            [char_tok.eos_token_id, eos2],
+            char_tok.pad_token_id,
+            greedy=greedy,
+            temperature=0.05,
+            generator=torch.Generator().manual_seed(0),
+        )
         assert roll.completion_ids.tolist() == [[eos2]] * len(prompts)
         assert roll.completion_mask.tolist() == [[1.0]] * len(prompts)
         assert roll.completion_lists() == [[eos2]] * len(prompts)
@@ -425,8 +461,11 @@ def _naive_logp_entropy_f64(hidden, weight, targets, temperature):
 
 
 @given(
-    B=st.integers(1, 3), T=st.integers(1, 9), chunk=st.integers(1, 12),
-    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.9]), seed=st.integers(0, 10_000),
+    B=st.integers(1, 3),
+    T=st.integers(1, 9),
+    chunk=st.integers(1, 12),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.9]),
+    seed=st.integers(0, 10_000),
 )
 @FAST
 def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, chunk, temperature, seed):
@@ -661,13 +700,16 @@ def write_lines(path, lines):
 
 
 def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
-    path = write_lines(tmp_path / "a.jsonl", [
-        json.dumps({"prompt": "2+2=", "answer": "4"}),
-        "",
-        json.dumps({"prompt": "3*3=", "answer": 9}),
-        json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
-        json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
-    ])
+    path = write_lines(
+        tmp_path / "a.jsonl",
+        [
+            json.dumps({"prompt": "2+2=", "answer": "4"}),
+            "",
+            json.dumps({"prompt": "3*3=", "answer": 9}),
+            json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
+            json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
+        ],
+    )
     recs = common.load_jsonl(path)
     assert recs == [
         {"prompt": "2+2=", "answer": "4"},
@@ -689,13 +731,16 @@ def test_load_jsonl_malformed_json_names_file_and_line(tmp_path, bad_line):
     assert f"{path}:3" in str(err.value)
 
 
-@pytest.mark.parametrize("record, field", [
-    ({"answer": "1"}, "prompt"),
-    ({"prompt": "", "answer": "1"}, "prompt"),
-    ({"prompt": "a"}, "answer"),
-    ({"prompt": "a", "answer": "  "}, "answer"),
-    ({"question": "q"}, "answer"),
-])
+@pytest.mark.parametrize(
+    "record, field",
+    [
+        ({"answer": "1"}, "prompt"),
+        ({"prompt": "", "answer": "1"}, "prompt"),
+        ({"prompt": "a"}, "answer"),
+        ({"prompt": "a", "answer": "  "}, "answer"),
+        ({"question": "q"}, "answer"),
+    ],
+)
 def test_load_jsonl_missing_field_names_field(tmp_path, record, field):
     path = write_lines(tmp_path / "m.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), json.dumps(record)])
     with pytest.raises(common.UsageError) as err:
@@ -720,8 +765,10 @@ def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
     prompt = "first\u2028second\u2029third\x85fourth"
     path = tmp_path / "u.jsonl"
     path.write_text(
-        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False) + "\n"
-        + json.dumps({"prompt": "b", "answer": "2"}) + "\n",
+        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False)
+        + "\n"
+        + json.dumps({"prompt": "b", "answer": "2"})
+        + "\n",
         encoding="utf-8",
     )
     assert common.load_jsonl(str(path)) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
@@ -737,9 +784,9 @@ def test_top_p_filter_hand_worked():
     logits = probs.log()
     # row 0 sorted: 0.5, 0.3, 0.15, 0.05 -> cumulative 0.5, 0.8, 0.95, 1.0
     cases = {
-        0.3: [[False, True, False, False]],   # the top token alone reaches 0.3
-        0.7: [[False, True, False, True]],    # 0.5 < 0.7 <= 0.8
-        0.9: [[True, True, False, True]],     # 0.8 < 0.9 <= 0.95
+        0.3: [[False, True, False, False]],  # the top token alone reaches 0.3
+        0.7: [[False, True, False, True]],  # 0.5 < 0.7 <= 0.8
+        0.9: [[True, True, False, True]],  # 0.8 < 0.9 <= 0.95
         0.99: [[True, True, True, True]],
     }
     for top_p, (keep0,) in cases.items():
@@ -779,8 +826,9 @@ def test_sampling_distribution_respects_temperature_and_top_p(rand_model, temper
         keep[i], cum = True, cum + q[i]
     want = np.where(keep, q, 0) / q[keep].sum()
     n = 4000
-    roll = common.sample(model, [[5]] * n, 1, [], 0, temperature=temperature, top_p=top_p,
-                         generator=torch.Generator().manual_seed(0))
+    roll = common.sample(
+        model, [[5]] * n, 1, [], 0, temperature=temperature, top_p=top_p, generator=torch.Generator().manual_seed(0)
+    )
     freq = np.bincount(roll.completion_ids[:, 0].numpy(), minlength=4)[:4] / n
     assert np.all(freq[~keep] == 0)
     np.testing.assert_allclose(freq, want, atol=0.03)

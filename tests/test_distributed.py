@@ -1,6 +1,7 @@
 """Data parallel on CPU with gloo: one gradient step on 2 ranks equals one process on the same batch
 (the loss normalisers and PPO's whitening are global), and a 2-process torchrun run of each script
 completes with rank 0 alone writing the outputs."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,12 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from test_real_checkpoints import GSM8K, build_tiny_qwen2  # noqa: E402
+
 import common  # noqa: E402
 import grpo  # noqa: E402
 import gspo  # noqa: E402
 import ppo  # noqa: E402
-from test_real_checkpoints import GSM8K, build_tiny_qwen2  # noqa: E402
 
 WORLD = 2
 CASES = ["grpo-token-mean", "grpo-seq-mean-token-mean", "gspo", "ppo"]
@@ -45,8 +47,12 @@ def fixed_batch(tok, B=8, T=6, seed=0):
     lengths = [1, 6, 2, 5, 6, 1, 3, 6]  # rank 0 takes rows 0, 2, 4, 6 (12 tokens), rank 1 the rest (18)
     completions = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
     roll = common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
-    return {"roll": roll, "old_shift": 0.3 * torch.randn(B, T, generator=g), "adv": torch.randn(B, generator=g),
-            "token_adv": torch.randn(B, T, generator=g)}
+    return {
+        "roll": roll,
+        "old_shift": 0.3 * torch.randn(B, T, generator=g),
+        "adv": torch.randn(B, generator=g),
+        "token_adv": torch.randn(B, T, generator=g),
+    }
 
 
 def loss_for(case, train_model, batch, rows):
@@ -55,7 +61,7 @@ def loss_for(case, train_model, batch, rows):
     logp, _ = train_model(roll, 1.0)
     old = (logp.detach() + batch["old_shift"][rows]) * mask
     if case.startswith("grpo"):
-        agg = case[len("grpo-"):]
+        agg = case[len("grpo-") :]
         denominator = common.mean_denominator(mask.sum()) if agg == "token-mean" else None
         return grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
     if case == "gspo":
@@ -118,10 +124,38 @@ def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
     out = tmp_path / algo
-    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / f"{algo}.py"),
-           "--model", model_dir, "--task", "gsm8k", "--data", str(data), "--steps", "2", "--prompts-per-step", "4",
-           "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "8", "--eval-size", "1",
-           "--device", "cpu", "--save-every", "2", "--out", str(out)]
+    cmd = [
+        "torchrun",
+        "--nproc_per_node",
+        str(WORLD),
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / f"{algo}.py"),
+        "--model",
+        model_dir,
+        "--task",
+        "gsm8k",
+        "--data",
+        str(data),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--eval-size",
+        "1",
+        "--device",
+        "cpu",
+        "--save-every",
+        "2",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,25 +4,25 @@ micro-batch accumulation, the k3 KL term, group advantages, numerics, stats, and
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
 separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
 """
+
 import math
 
 import pytest
 import torch
-from hypothesis import assume, example, given
-from hypothesis import strategies as st
-
-import grpo
 from helpers import (
     LIGHT,
     batches,
     float32_round,
     group_mean_std,
-    is_clipped,
     loop_group_advantages,
     loop_grpo,
     run_smoke,
     t64,
 )
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+import grpo
 
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 EPS_PAIRS = [(0.2, 0.2), (0.2, 0.28)]
@@ -46,8 +46,19 @@ def _away_from_clip_edges(b, eps_low, eps_high, tol=1e-9):
 def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, denominator=None):
     logp = t64(b["logp"]).requires_grad_(True)
     adv = t64(b["adv"] if adv is None else adv)
-    loss, stats = grpo.grpo_loss(logp, t64(b["old"]), adv, t64(b["mask"]), eps[0], eps[1],
-                                 None if ref is None else t64(ref), kl_coef, agg, max_len, denominator)
+    loss, stats = grpo.grpo_loss(
+        logp,
+        t64(b["old"]),
+        adv,
+        t64(b["mask"]),
+        eps[0],
+        eps[1],
+        None if ref is None else t64(ref),
+        kl_coef,
+        agg,
+        max_len,
+        denominator,
+    )
     return loss, _grad(loss, logp), stats
 
 
@@ -66,8 +77,12 @@ def test_token_ratio_is_exp_of_log_difference(b, agg):
     loss, _, stats = _run(b, agg, eps=(1.0, float("inf")))
     expected, _ = loop_grpo(b, 1.0, float("inf"), agg)
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-13)
-    ratios = [math.exp(l - o) for lr, orow, mrow in zip(b["logp"], b["old"], b["mask"])
-              for l, o, m in zip(lr, orow, mrow) if m]
+    ratios = [
+        math.exp(l - o)
+        for lr, orow, mrow in zip(b["logp"], b["old"], b["mask"])
+        for l, o, m in zip(lr, orow, mrow)
+        if m
+    ]
     assert stats["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-10)
     assert stats["ratio_max_dev"] == pytest.approx(max(abs(r - 1) for r in ratios), rel=1e-9, abs=1e-13)
 
@@ -86,8 +101,12 @@ def test_loss_and_gradient_match_loop(b, agg, eps, with_ref, data):
     assert loss.item() == pytest.approx(exp_loss, rel=1e-10, abs=1e-13)
     torch.testing.assert_close(g, t64(exp_grad), rtol=1e-9, atol=1e-13)
     if with_ref:
-        k3 = [math.expm1(r - l) - (r - l) for rr, lr, mr in zip(ref, b["logp"], b["mask"])
-              for r, l, m in zip(rr, lr, mr) if m]
+        k3 = [
+            math.expm1(r - l) - (r - l)
+            for rr, lr, mr in zip(ref, b["logp"], b["mask"])
+            for r, l, m in zip(rr, lr, mr)
+            if m
+        ]
         assert stats["kl"] == pytest.approx(sum(k3) / len(k3), rel=1e-9, abs=1e-13)
     else:
         assert stats["kl"] == 0.0
@@ -130,10 +149,10 @@ def test_on_policy_gradient_equals_reinforce(b, agg):
 
 # one token per case: (A, r) and whether it is clipped under (0.2, 0.2) and under (0.2, 0.28)
 CLIP_CASES = [
-    (1.0, 1.25, True, False),   # above 1.2, below 1.28
-    (1.0, 1.30, True, True),    # above both upper bounds
+    (1.0, 1.25, True, False),  # above 1.2, below 1.28
+    (1.0, 1.30, True, True),  # above both upper bounds
     (0.5, 0.50, False, False),  # A > 0, r small: the unclipped branch is the pessimistic one
-    (-1.0, 0.79, True, True),   # A < 0, r < 0.8
+    (-1.0, 0.79, True, True),  # A < 0, r < 0.8
     (-0.7, 0.81, False, False),
     (-1.5, 2.00, False, False),  # A < 0, r large: not clipped (no dual clip in GRPO)
     (2.0, 1.10, False, False),
@@ -153,13 +172,21 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
     expected = [0.0 if c[col] else -c[0] * c[1] / n for c in CLIP_CASES]
     if per_token_adv:
         logp = t64([lr]).requires_grad_(True)
-        loss, stats = grpo.grpo_loss(logp, torch.zeros(1, n, dtype=torch.float64), t64([adv]),
-                                     torch.ones(1, n), 0.2, eps_high, agg="token-mean")
+        loss, stats = grpo.grpo_loss(
+            logp, torch.zeros(1, n, dtype=torch.float64), t64([adv]), torch.ones(1, n), 0.2, eps_high, agg="token-mean"
+        )
         g = _grad(loss, logp)[0]
     else:
         logp = t64([[x] for x in lr]).requires_grad_(True)
-        loss, stats = grpo.grpo_loss(logp, torch.zeros(n, 1, dtype=torch.float64), t64(adv),
-                                     torch.ones(n, 1), 0.2, eps_high, agg="seq-mean-token-mean")
+        loss, stats = grpo.grpo_loss(
+            logp,
+            torch.zeros(n, 1, dtype=torch.float64),
+            t64(adv),
+            torch.ones(n, 1),
+            0.2,
+            eps_high,
+            agg="seq-mean-token-mean",
+        )
         g = _grad(loss, logp)[:, 0]
     for i, (gi, ei) in enumerate(zip(g.tolist(), expected)):
         if ei == 0.0:
@@ -226,7 +253,7 @@ def test_aggregate_ignores_padding_columns(b, k, data):
         torch.testing.assert_close(a1, a0, rtol=1e-12, atol=1e-14)
         g0, g1 = _grad(a0, x0), _grad(a1, x1)
         torch.testing.assert_close(g1[:, : b["T"]], g0, rtol=1e-12, atol=0)
-        assert torch.equal(g1[:, b["T"]:], torch.zeros_like(g1[:, b["T"]:]))
+        assert torch.equal(g1[:, b["T"] :], torch.zeros_like(g1[:, b["T"] :]))
 
 
 @LIGHT
@@ -237,8 +264,13 @@ def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
     T, L = b["T"], b["T"] + 3
     g = lambda: data.draw(GARBAGE)  # noqa: E731
     ref = [[l + 0.3 for l in row] for row in b["logp"]] if with_ref else None
-    pb = dict(b, T=T + k, logp=[r + [g() for _ in range(k)] for r in b["logp"]],
-              old=[r + [g() for _ in range(k)] for r in b["old"]], mask=[r + [0] * k for r in b["mask"]])
+    pb = dict(
+        b,
+        T=T + k,
+        logp=[r + [g() for _ in range(k)] for r in b["logp"]],
+        old=[r + [g() for _ in range(k)] for r in b["old"]],
+        mask=[r + [0] * k for r in b["mask"]],
+    )
     pref = [r + [g() for _ in range(k)] for r in ref] if with_ref else None
     l0, g0, s0 = _run(b, agg, ref=ref, kl_coef=0.1, max_len=L)
     l1, g1, s1 = _run(pb, agg, ref=pref, kl_coef=0.1, max_len=L)
@@ -272,8 +304,19 @@ def _accumulate(b, agg, pieces, max_len, ref, with_denominator):
     den = _full_denominator(agg, b["mask"], max_len) if with_denominator else None
     total = 0.0
     for lo, hi in pieces:
-        loss, _ = grpo.grpo_loss(logp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], 0.2, 0.28,
-                                 None if refl is None else refl[lo:hi], 0.05, agg, max_len, den)
+        loss, _ = grpo.grpo_loss(
+            logp[lo:hi],
+            old[lo:hi],
+            adv[lo:hi],
+            mask[lo:hi],
+            0.2,
+            0.28,
+            None if refl is None else refl[lo:hi],
+            0.05,
+            agg,
+            max_len,
+            den,
+        )
         loss.backward()
         total += loss.item()
     return total, logp.grad
@@ -333,8 +376,11 @@ def test_zero_advantage_rows_can_be_left_out(b, agg, data):
     assume(keep and _away_from_clip_edges(b, 0.2, 0.28))
     adv = [0.0 if z else a for a, z in zip(b["adv"], zero)]
     max_len = b["T"] + 2
-    denominator = {"seq-mean-token-mean": b["B"], "token-mean": sum(map(sum, b["mask"])),
-                   "seq-mean-token-sum-norm": b["B"] * max_len}[agg]
+    denominator = {
+        "seq-mean-token-mean": b["B"],
+        "token-mean": sum(map(sum, b["mask"])),
+        "seq-mean-token-sum-norm": b["B"] * max_len,
+    }[agg]
     loss, grad, _ = _run(_rows(b, keep, adv), agg, (0.2, 0.28), max_len=max_len, denominator=denominator)
     loop_loss, loop_grad = loop_grpo(b, 0.2, 0.28, agg, max_len, adv=adv)
     assert loss.item() == pytest.approx(loop_loss, rel=1e-10, abs=1e-13)
@@ -361,7 +407,16 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     every, _ = run_smoke("grpo.py", tmp_path / "every", ["--kl-coef", "1e-12"])
     assert all(0 < r["zero_std_frac"] < 1 for r in skip)  # some rows, not all, were left out
     for a, b in zip(skip, every):
-        for key in ("reward", "eval_accuracy", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "grad_norm", "loss"):
+        for key in (
+            "reward",
+            "eval_accuracy",
+            "entropy",
+            "clip_frac",
+            "clip_frac_low",
+            "clip_frac_high",
+            "grad_norm",
+            "loss",
+        ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
     for name, w in weights[0].items():
@@ -385,8 +440,10 @@ def test_kl_k3_reference_value(dtype):
 
 
 @LIGHT
-@given(st.floats(-1e4, 1e4, allow_nan=False, width=32),
-       st.one_of(st.floats(-1e-6, 1e-6), st.floats(-60, 60), st.floats(-1e4, 1e4)))
+@given(
+    st.floats(-1e4, 1e4, allow_nan=False, width=32),
+    st.one_of(st.floats(-1e-6, 1e-6), st.floats(-60, 60), st.floats(-1e4, 1e4)),
+)
 @example(0.0, 1e-7)
 @example(-3.0, -1e-8)
 @example(-1e4, 1e4)
@@ -426,8 +483,9 @@ def test_kl_term_added_per_token():
         "seq-mean-token-sum-norm": (sum(k3[0]) + k3[1][0] + k3[1][1]) / (2 * 4),
     }
     for agg in AGGS:
-        loss, stats = grpo.grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), mask,
-                                     ref_logp=ref, kl_coef=0.3, agg=agg, max_len=4)
+        loss, stats = grpo.grpo_loss(
+            logp, logp, torch.zeros(2, dtype=torch.float64), mask, ref_logp=ref, kl_coef=0.3, agg=agg, max_len=4
+        )
         assert loss.item() == pytest.approx(0.3 * expected[agg], rel=1e-12), agg
         assert stats["kl"] == pytest.approx(expected["token-mean"], rel=1e-12)
     # no reference: no KL, whatever kl_coef says
@@ -451,15 +509,15 @@ def test_group_advantages_match_loop(G, n_groups, scale, data):
     r32 = float32_round(rewards)
     expected = loop_group_advantages(r32, G, scale=scale)
     for g, (mean, std) in enumerate(group_mean_std(adv.double().tolist(), G)):
-        grp = r32[g * G: (g + 1) * G]
-        got = adv[g * G: (g + 1) * G]
+        grp = r32[g * G : (g + 1) * G]
+        got = adv[g * G : (g + 1) * G]
         if all(x == grp[0] for x in grp):
             assert torch.equal(got, torch.zeros(G))  # exact zero
             continue
         rstd = torch.tensor(grp, dtype=torch.float64).std().item()
         big = max(1.0, max(abs(x) for x in grp))
         tol = 1e-5 + 1e-6 * big / (rstd if scale == "std" else 1.0)
-        for x, e in zip(got.tolist(), expected[g * G: (g + 1) * G]):
+        for x, e in zip(got.tolist(), expected[g * G : (g + 1) * G]):
             assert x == pytest.approx(e, abs=tol)
         assert mean == pytest.approx(0.0, abs=tol)
         if scale == "std":
@@ -468,10 +526,13 @@ def test_group_advantages_match_loop(G, n_groups, scale, data):
             assert std == pytest.approx(rstd, abs=tol)
 
 
-@pytest.mark.parametrize("scale, expected", [
-    ("std", [1.5, -0.5, -0.5, -0.5]),
-    ("none", [0.75, -0.25, -0.25, -0.25]),
-])
+@pytest.mark.parametrize(
+    "scale, expected",
+    [
+        ("std", [1.5, -0.5, -0.5, -0.5]),
+        ("none", [0.75, -0.25, -0.25, -0.25]),
+    ],
+)
 def test_group_advantages_hand_case(scale, expected):
     got = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, scale=scale).tolist()
     for g, e in zip(got, expected):
@@ -522,8 +583,7 @@ def test_extreme_log_ratios_are_finite(agg, dtype):
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=dtype)
     for adv in ([1.0, -1.0, 0.5], [-1.0, 1.0, -0.5]):
         x = logp.clone().requires_grad_(True)
-        loss, stats = grpo.grpo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, 0.2, 0.28,
-                                     ref, 0.05, agg, max_len=4)
+        loss, stats = grpo.grpo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, 0.2, 0.28, ref, 0.05, agg, max_len=4)
         g = _grad(loss, x)
         assert torch.isfinite(loss), (adv, loss)
         assert torch.isfinite(g).all(), (adv, g)
@@ -532,8 +592,14 @@ def test_extreme_log_ratios_are_finite(agg, dtype):
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
-    b = dict(B=2, T=3, logp=[[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]], old=[[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]],
-             mask=[[1, 1, 0], [0, 0, 0]], adv=[0.7, -1.2])
+    b = dict(
+        B=2,
+        T=3,
+        logp=[[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]],
+        old=[[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]],
+        mask=[[1, 1, 0], [0, 0, 0]],
+        adv=[0.7, -1.2],
+    )
     ref = [[-1.0, -1.5, 0.0], [0.0, 0.0, 0.0]]
     loss, g, stats = _run(b, agg, ref=ref, kl_coef=0.1, max_len=3)
     assert torch.isfinite(loss) and torch.isfinite(g).all()

@@ -4,27 +4,28 @@ advantages, numerics, stats, and a 2-step end-to-end run.
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
 separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
 """
+
 import math
 
 import pytest
 import torch
-from hypothesis import assume, example, given
-from hypothesis import strategies as st
-
-import gspo
 from helpers import (
     LIGHT,
     batches,
     clipped_objective,
     float32_round,
+    group_mean_std,
     is_clipped,
     loop_geo_mean_ratio,
     loop_group_advantages,
     loop_seq_ratio,
-    group_mean_std,
     run_smoke,
     t64,
 )
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import gspo
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4  # the paper's (and gspo_loss's default) clip range
 VARIANTS = ("sequence", "token")
@@ -173,8 +174,9 @@ def test_loss_and_gradient_match_hand_computation(b, eps, variant):
     eps_low, eps_high = eps
     s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
     assume(_away_from_clip_edges(s, eps_low, eps_high))
-    loss, g, _ = _loss_and_grad(b["logp"], b["old"], t64(b["adv"]), b["mask"], variant,
-                                eps_low=eps_low, eps_high=eps_high)
+    loss, g, _ = _loss_and_grad(
+        b["logp"], b["old"], t64(b["adv"]), b["mask"], variant, eps_low=eps_low, eps_high=eps_high
+    )
     expected_loss = sum(clipped_objective(a, si, eps_low, eps_high) for a, si in zip(b["adv"], s)) / b["B"]
     assert loss.item() == pytest.approx(expected_loss, rel=1e-10, abs=1e-13)
     torch.testing.assert_close(g, _hand_grad(b, s, eps_low, eps_high), rtol=1e-9, atol=1e-13)
@@ -192,8 +194,9 @@ def test_zero_advantage_rows_can_be_left_out(b, variant, data):
     assume(keep and _away_from_clip_edges(s, EPS_LOW, EPS_HIGH))
     adv = [0.0 if z else a for a, z in zip(b["adv"], zero)]
     pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
-    loss, g, _ = _loss_and_grad(pick(b["logp"]), pick(b["old"]), t64(pick(adv)), pick(b["mask"]), variant,
-                                denominator=b["B"])
+    loss, g, _ = _loss_and_grad(
+        pick(b["logp"]), pick(b["old"]), t64(pick(adv)), pick(b["mask"]), variant, denominator=b["B"]
+    )
     expected_loss = sum(clipped_objective(a, si, EPS_LOW, EPS_HIGH) for a, si in zip(adv, s)) / b["B"]
     assert loss.item() == pytest.approx(expected_loss, rel=1e-10, abs=1e-13)
     hand = _hand_grad(dict(b, adv=adv), s, EPS_LOW, EPS_HIGH)
@@ -338,8 +341,13 @@ def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_l
     l_seq, g_seq, _ = _loss_and_grad(logp.tolist(), old.tolist(), adv, mask.tolist(), "sequence")
     l_tok, g_tok, _ = _loss_and_grad(logp.tolist(), old.tolist(), adv, mask.tolist(), "token")
     torch.testing.assert_close(l_tok, l_seq, rtol=1e-12, atol=0)
-    torch.testing.assert_close(g_tok, g_seq, rtol=1e-12, atol=1e-15,
-                               msg=lambda m: f"GSPO-token gradient {g_tok.tolist()} != GSPO's {g_seq.tolist()}\n{m}")
+    torch.testing.assert_close(
+        g_tok,
+        g_seq,
+        rtol=1e-12,
+        atol=1e-15,
+        msg=lambda m: f"GSPO-token gradient {g_tok.tolist()} != GSPO's {g_seq.tolist()}\n{m}",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,25 +388,28 @@ def test_group_advantages_match_loop(G, n_groups, data):
     r32 = float32_round(rewards)
     expected = loop_group_advantages(r32, G)
     for g, (mean, std) in enumerate(group_mean_std(adv.double().tolist(), G)):
-        grp = r32[g * G: (g + 1) * G]
-        got = adv[g * G: (g + 1) * G]
+        grp = r32[g * G : (g + 1) * G]
+        got = adv[g * G : (g + 1) * G]
         if all(x == grp[0] for x in grp):
             assert torch.equal(got, torch.zeros(G))  # exact zero, not residue / eps
             continue
         rstd = torch.tensor(grp, dtype=torch.float64).std().item()
         # float32 arithmetic: errors of a few ulps of max|R|, relative to the group's spread
         tol = 1e-5 + 1e-6 * max(1.0, max(abs(x) for x in grp)) / rstd
-        for x, e in zip(got.tolist(), expected[g * G: (g + 1) * G]):
+        for x, e in zip(got.tolist(), expected[g * G : (g + 1) * G]):
             assert x == pytest.approx(e, abs=tol)
         assert mean == pytest.approx(0.0, abs=tol)
         assert std == pytest.approx(rstd / (rstd + 1e-6), abs=tol)  # Bessel std: 1 up to eps
         assert std == pytest.approx(1.0, abs=tol + 1e-6 / rstd)
 
 
-@pytest.mark.parametrize("rewards, expected", [
-    ([1.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]),
-    ([0.0, 1.0, 1.0, 0.0], [-math.sqrt(3) / 2, math.sqrt(3) / 2, math.sqrt(3) / 2, -math.sqrt(3) / 2]),
-])
+@pytest.mark.parametrize(
+    "rewards, expected",
+    [
+        ([1.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]),
+        ([0.0, 1.0, 1.0, 0.0], [-math.sqrt(3) / 2, math.sqrt(3) / 2, math.sqrt(3) / 2, -math.sqrt(3) / 2]),
+    ],
+)
 def test_group_advantages_hand_cases(rewards, expected):
     got = gspo.group_advantages(torch.tensor(rewards), 4).tolist()
     for g, e in zip(got, expected):
@@ -474,8 +485,9 @@ def test_all_masked_row_contributes_zero_to_the_loss(variant):
     s0 = math.exp((-0.1 + 0.1) / 2)
     expected = clipped_objective(0.7, s0, EPS_LOW, EPS_HIGH) / 2
     loss, _ = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
-    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-15), \
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-15), (
         f"variant={variant}: loss {loss.item()}, expected {expected} (empty row contributed {loss.item() - expected})"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,16 +518,16 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     """train() forwards only the rows with a non-zero advantage. A copy of gspo.py whose advantages
     are shifted by 1e-30 (so none is exactly 0, and no row is skipped; 1e-30 is lost next to any
     real advantage) runs the same two steps: the weights and the logged metrics agree."""
-    from safetensors.torch import load_file
-
     from helpers import ROOT
+    from safetensors.torch import load_file
 
     no_skip = tmp_path / "gspo_no_skip.py"
     no_skip.write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n"
         "exact = gspo.group_advantages\n"
         "gspo.group_advantages = lambda rewards, group_size: exact(rewards, group_size) + 1e-30\n"
-        "common.main(gspo.train, gspo.Args, 'gspo')\n")
+        "common.main(gspo.train, gspo.Args, 'gspo')\n"
+    )
     skip, _ = run_smoke("gspo.py", tmp_path / "skip", ["--variant", "token"])
     every, _ = run_smoke(str(no_skip), tmp_path / "every", ["--variant", "token"])
     assert all(0 < r["zero_std_frac"] < 1 for r in skip)  # some rows, not all, were left out

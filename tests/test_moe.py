@@ -1,6 +1,7 @@
 """The MoE experiment's pieces: the embedded tiny Qwen3-MoE checkpoint, Routing Replay (record the
 experts of one forward pass, reuse them in a later one) and routing drift (GSPO paper, arXiv
 2507.18071, section 5.3), and smoke runs of GRPO, GRPO with --routing-replay and GSPO on it."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ def test_sample_falls_back_to_hf_and_greedy_equals_generate(moe):
     eos = common.eos_token_ids(model, tok)
     roll = common.sample(model, prompts, 6, eos, tok.pad_token_id, greedy=True)
     for i, p in enumerate(prompts):  # one at a time: no padding in the reference
-        ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        ref = model.generate(
+            torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id
+        )[0, len(p) :].tolist()
         assert roll.completion_lists()[i] == ref[: len(roll.completion_lists()[i])]
         assert len(roll.completion_lists()[i]) == len(ref) or ref[len(roll.completion_lists()[i])] == tok.pad_token_id
 
@@ -143,12 +145,31 @@ def test_routing_drift_is_zero_for_identical_weights(moe):
     assert common.routing_drift(a.indices, b.indices, roll.completion_mask) == 0.0
 
 
-SMOKE = ["--model", "tiny-moe", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
-         "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--max-new-tokens", "6"]
+SMOKE = [
+    "--model",
+    "tiny-moe",
+    "--steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "2",
+    "--minibatches",
+    "2",
+    "--eval-size",
+    "8",
+    "--eval-every",
+    "1",
+    "--max-new-tokens",
+    "6",
+]
 
 
-@pytest.mark.parametrize("script,extra", [("grpo.py", []), ("grpo.py", ["--routing-replay"]), ("gspo.py", [])],
-                         ids=["grpo", "grpo-replay", "gspo"])
+@pytest.mark.parametrize(
+    "script,extra",
+    [("grpo.py", []), ("grpo.py", ["--routing-replay"]), ("gspo.py", [])],
+    ids=["grpo", "grpo-replay", "gspo"],
+)
 def test_smoke_run_moe(tmp_path, moe, script, extra):
     env = {**os.environ, "RLREF_THREADS": "1"}
     cmd = [sys.executable, script, *SMOKE, *extra, "--out", str(tmp_path / "run")]
@@ -164,5 +185,7 @@ def test_smoke_run_moe(tmp_path, moe, script, extra):
 
 def test_routing_replay_on_a_dense_model_is_a_usage_error(tmp_path):
     cmd = [sys.executable, "gspo.py", "--routing-replay", "--steps", "1", "--out", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "RLREF_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "RLREF_THREADS": "1"}, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "no MoE layers" in proc.stderr

@@ -5,6 +5,7 @@ Every value is checked against an independent computation: plain Python loops ov
 (double precision), numpy, or numbers worked by hand in the comments. Gradients are checked
 against derivatives written out by hand, never against the code's own output.
 """
+
 import json
 import math
 import os
@@ -90,12 +91,17 @@ UNIT = st.floats(0.0, 1.0, allow_nan=False)
 
 @SETTINGS
 @given(batch=padded_batch(), gamma=UNIT, lam=UNIT, mask_dtype=MASK_DTYPES)
-@example(batch=([0, 3, 1], 3, [[1.0, 2, 3], [0.5, -1, 2], [4, 4, 4]], [[9.0, 9, 9], [1, 2, 3], [-2, 7, 7]]),
-         gamma=0.9, lam=0.95, mask_dtype=torch.float32)
+@example(
+    batch=([0, 3, 1], 3, [[1.0, 2, 3], [0.5, -1, 2], [4, 4, 4]], [[9.0, 9, 9], [1, 2, 3], [-2, 7, 7]]),
+    gamma=0.9,
+    lam=0.95,
+    mask_dtype=torch.float32,
+)
 def test_gae_matches_python_double_loop(batch, gamma, lam, mask_dtype):
     lengths, T, rewards, values = batch
-    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
-                       as_mask(lengths, T, mask_dtype), gamma, lam)
+    adv, ret = ppo.gae(
+        torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64), as_mask(lengths, T, mask_dtype), gamma, lam
+    )
     exp_adv, exp_ret = gae_loop(rewards, values, lengths, gamma, lam)
     close(adv, exp_adv)
     close(ret, exp_ret)
@@ -127,8 +133,7 @@ def test_gae_float32_hand_worked():
 @given(batch=padded_batch(), gamma=UNIT)
 def test_gae_lambda_zero_is_one_step_td(batch, gamma):
     lengths, T, rewards, values = batch
-    adv, _ = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
-                     as_mask(lengths, T), gamma, 0.0)
+    adv, _ = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64), as_mask(lengths, T), gamma, 0.0)
     expected = [[0.0] * T for _ in lengths]
     for i, n in enumerate(lengths):
         for t in range(n):
@@ -141,8 +146,7 @@ def test_gae_lambda_zero_is_one_step_td(batch, gamma):
 @given(batch=padded_batch())
 def test_gae_lambda_one_gamma_one_is_reward_to_go_minus_value(batch):
     lengths, T, rewards, values = batch
-    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64),
-                       as_mask(lengths, T), 1.0, 1.0)
+    adv, ret = ppo.gae(torch.tensor(rewards, dtype=F64), torch.tensor(values, dtype=F64), as_mask(lengths, T), 1.0, 1.0)
     exp_adv = [[0.0] * T for _ in lengths]
     exp_ret = [[0.0] * T for _ in lengths]
     for i, n in enumerate(lengths):
@@ -170,8 +174,7 @@ def test_gae_returns_are_adv_plus_values_and_padding_is_zero(batch, gamma, lam):
 
 
 @SETTINGS
-@given(batch=padded_batch(), gamma=UNIT, lam=UNIT,
-       garbage=st.sampled_from([1e30, -1e30, 1e6, -123.0]))
+@given(batch=padded_batch(), gamma=UNIT, lam=UNIT, garbage=st.sampled_from([1e30, -1e30, 1e6, -123.0]))
 def test_gae_ignores_garbage_in_padding(batch, gamma, lam, garbage):
     lengths, T, rewards, values = batch
     m = as_mask(lengths, T)
@@ -212,8 +215,13 @@ def test_gae_ignores_nonfinite_garbage_in_padding():
 def test_token_rewards_matches_loop(batch, kl_coef, data):
     lengths, T, old, ref = batch  # padded entries of old / ref are random garbage
     scores = data.draw(st.lists(st.floats(-3, 3), min_size=len(lengths), max_size=len(lengths)))
-    out = ppo.token_rewards(torch.tensor(scores, dtype=F64), torch.tensor(old, dtype=F64),
-                            torch.tensor(ref, dtype=F64), as_mask(lengths, T), kl_coef)
+    out = ppo.token_rewards(
+        torch.tensor(scores, dtype=F64),
+        torch.tensor(old, dtype=F64),
+        torch.tensor(ref, dtype=F64),
+        as_mask(lengths, T),
+        kl_coef,
+    )
     expected = [[0.0] * T for _ in lengths]
     for i, n in enumerate(lengths):
         for t in range(n):
@@ -246,8 +254,7 @@ def test_token_rewards_hand_worked():
 
 
 def test_token_rewards_all_rows_empty():
-    out = ppo.token_rewards(torch.tensor([1.0, 2.0]), torch.randn(2, 3), torch.randn(2, 3),
-                            torch.zeros(2, 3), 0.05)
+    out = ppo.token_rewards(torch.tensor([1.0, 2.0]), torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 0.05)
     assert torch.equal(out, torch.zeros(2, 3))
 
 
@@ -362,8 +369,9 @@ def policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip, clam
 
 def run_policy_loss(logp, old, adv, mask, **kw):
     logp = torch.as_tensor(logp, dtype=F64).clone().requires_grad_(True)
-    loss, stats = ppo.ppo_policy_loss(logp, torch.as_tensor(old, dtype=F64), torch.as_tensor(adv, dtype=F64),
-                                      mask, **kw)
+    loss, stats = ppo.ppo_policy_loss(
+        logp, torch.as_tensor(old, dtype=F64), torch.as_tensor(adv, dtype=F64), mask, **kw
+    )
     loss.backward()
     return loss, logp.grad, stats
 
@@ -382,44 +390,56 @@ def test_policy_loss_reference_dual_clip_case():
     assert stats["dual_clip_frac"] == 0.0
 
 
-@pytest.mark.parametrize("adv,ratio,want_loss", [
-    (1.0, 1.5, -1.2),    # A > 0, r > 1 + eps: clipped at 1.2, constant
-    (2.0, 3.0, -2.4),
-    (-1.0, 0.5, 0.8),    # A < 0, r < 1 - eps: clipped at 0.8, constant
-    (-0.5, 0.1, 0.4),
-])
+@pytest.mark.parametrize(
+    "adv,ratio,want_loss",
+    [
+        (1.0, 1.5, -1.2),  # A > 0, r > 1 + eps: clipped at 1.2, constant
+        (2.0, 3.0, -2.4),
+        (-1.0, 0.5, 0.8),  # A < 0, r < 1 - eps: clipped at 0.8, constant
+        (-0.5, 0.1, 0.4),
+    ],
+)
 @pytest.mark.parametrize("dual_clip", [3.0, None])
 def test_policy_loss_zero_gradient_in_clipped_regions(adv, ratio, want_loss, dual_clip):
-    loss, grad, stats = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
-                                        eps_low=0.2, eps_high=0.2, dual_clip=dual_clip)
+    loss, grad, stats = run_policy_loss(
+        [[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1), eps_low=0.2, eps_high=0.2, dual_clip=dual_clip
+    )
     assert loss.item() == pytest.approx(want_loss, abs=1e-12)
     assert grad.item() == 0.0
     assert stats["clip_frac"] == 1.0
 
 
-@pytest.mark.parametrize("adv,ratio", [
-    (1.0, 0.5),    # A > 0, r < 1 - eps: the unclipped term is the max, gradient flows
-    (-1.0, 1.5),   # A < 0, 1 + eps < r < c: unclipped term, gradient flows
-    (1.0, 1.1),
-    (-2.0, 0.9),
-])
+@pytest.mark.parametrize(
+    "adv,ratio",
+    [
+        (1.0, 0.5),  # A > 0, r < 1 - eps: the unclipped term is the max, gradient flows
+        (-1.0, 1.5),  # A < 0, 1 + eps < r < c: unclipped term, gradient flows
+        (1.0, 1.1),
+        (-2.0, 0.9),
+    ],
+)
 def test_policy_loss_gradient_outside_clipped_regions(adv, ratio):
-    loss, grad, stats = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
-                                        eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    loss, grad, stats = run_policy_loss(
+        [[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1), eps_low=0.2, eps_high=0.2, dual_clip=3.0
+    )
     assert loss.item() == pytest.approx(-adv * ratio, abs=1e-12)
     assert grad.item() == pytest.approx(-adv * ratio, abs=1e-12)  # d(-A e^(logp-old))/dlogp
     assert stats["clip_frac"] == 0.0
 
 
-@pytest.mark.parametrize("adv,ratio,want_loss,want_grad", [
-    (1.0, 1.25, -1.25, -1.25),   # inside 1 + eps_high = 1.3: not clipped
-    (1.0, 1.35, -1.3, 0.0),      # beyond 1.3: clipped
-    (-1.0, 0.95, 0.95, 0.95),    # inside 1 - eps_low = 0.9: not clipped
-    (-1.0, 0.85, 0.9, 0.0),      # below 0.9: clipped
-])
+@pytest.mark.parametrize(
+    "adv,ratio,want_loss,want_grad",
+    [
+        (1.0, 1.25, -1.25, -1.25),  # inside 1 + eps_high = 1.3: not clipped
+        (1.0, 1.35, -1.3, 0.0),  # beyond 1.3: clipped
+        (-1.0, 0.95, 0.95, 0.95),  # inside 1 - eps_low = 0.9: not clipped
+        (-1.0, 0.85, 0.9, 0.0),  # below 0.9: clipped
+    ],
+)
 def test_policy_loss_asymmetric_eps(adv, ratio, want_loss, want_grad):
-    loss, grad, _ = run_policy_loss([[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1),
-                                    eps_low=0.1, eps_high=0.3, dual_clip=3.0)
+    loss, grad, _ = run_policy_loss(
+        [[math.log(ratio)]], [[0.0]], [[adv]], torch.ones(1, 1), eps_low=0.1, eps_high=0.3, dual_clip=3.0
+    )
     assert loss.item() == pytest.approx(want_loss, abs=1e-12)
     assert grad.item() == pytest.approx(want_grad, abs=1e-12)
 
@@ -449,17 +469,24 @@ def test_policy_loss_on_policy_gradient_is_reinforce_token_mean(batch, mask_dtyp
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 6), data=st.data(),
-       eps_low=st.floats(0.05, 0.5), eps_high=st.floats(0.05, 0.5),
-       dual_clip=st.one_of(st.none(), st.floats(1.5, 5.0)))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 4),
+    T=st.integers(1, 6),
+    data=st.data(),
+    eps_low=st.floats(0.05, 0.5),
+    eps_high=st.floats(0.05, 0.5),
+    dual_clip=st.one_of(st.none(), st.floats(1.5, 5.0)),
+)
 def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high, dual_clip):
     lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
     g = torch.Generator().manual_seed(seed)
     old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
     logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
     adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
-    loss, grad, _ = run_policy_loss(logp, old, adv, as_mask(lengths, T),
-                                    eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    loss, grad, _ = run_policy_loss(
+        logp, old, adv, as_mask(lengths, T), eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
     want_loss, want_grad = policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip)
     assert loss.item() == pytest.approx(want_loss, rel=1e-9, abs=1e-9)
     close(grad, want_grad, atol=1e-9)
@@ -486,8 +513,9 @@ def test_policy_loss_finite_at_extreme_log_ratios(size, dtype, dual_clip):
 def test_policy_loss_all_masked_row_is_harmless():
     # Row 1 is all padding with -inf log-probs and huge advantages: it must not change the
     # loss of row 0 nor put NaN anywhere in the gradient.
-    logp = torch.tensor([[math.log(1.1) - 1.0, -1.0, 0.0], [-math.inf, -math.inf, -math.inf]],
-                        dtype=F64, requires_grad=True)
+    logp = torch.tensor(
+        [[math.log(1.1) - 1.0, -1.0, 0.0], [-math.inf, -math.inf, -math.inf]], dtype=F64, requires_grad=True
+    )
     old = torch.tensor([[-1.0, -1.0, 0.0], [-math.inf, -math.inf, -math.inf]], dtype=F64)
     adv = torch.tensor([[2.0, -1.0, 0.0], [1e6, -1e6, 1e6]], dtype=F64)
     loss, stats = ppo.ppo_policy_loss(logp, old, adv, as_mask([2, 0], 3))
@@ -540,8 +568,14 @@ def test_value_loss_half_factor():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 6),
-       clip=st.floats(0.05, 1.0), data=st.data(), mask_dtype=MASK_DTYPES)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 4),
+    T=st.integers(1, 6),
+    clip=st.floats(0.05, 1.0),
+    data=st.data(),
+    mask_dtype=MASK_DTYPES,
+)
 def test_value_loss_matches_loop(seed, B, T, clip, data, mask_dtype):
     lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
     g = torch.Generator().manual_seed(seed)
@@ -665,8 +699,9 @@ def test_critic_gradients_reach_head_and_trunk(critic):
         critic.head.bias -= 0.1 * critic.head.bias.grad
     critic.zero_grad(set_to_none=True)
     ((critic(roll) - 1.0) ** 2 * m).sum().backward()
-    no_grad = [name for name, p in trunk if p.grad is None or not torch.isfinite(p.grad).all()
-               or p.grad.abs().sum() == 0]
+    no_grad = [
+        name for name, p in trunk if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0
+    ]
     assert not no_grad, f"trunk parameters without gradient: {no_grad}"
 
 
@@ -690,11 +725,35 @@ def test_critic_value_t_depends_only_on_prefix(critic):
 # End-to-end smoke runs of the script
 # --------------------------------------------------------------------------------------------
 
-METRIC_KEYS = {"step", "reward", "accuracy", "loss", "clip_frac", "entropy", "response_len", "tokens_per_s",
-               "step_time_s", "value_loss", "explained_variance", "approx_kl", "eval_accuracy"}
+METRIC_KEYS = {
+    "step",
+    "reward",
+    "accuracy",
+    "loss",
+    "clip_frac",
+    "entropy",
+    "response_len",
+    "tokens_per_s",
+    "step_time_s",
+    "value_loss",
+    "explained_variance",
+    "approx_kl",
+    "eval_accuracy",
+}
 FINITE_KEYS = METRIC_KEYS - {"step", "explained_variance"}
-SUMMARY_KEYS = {"algo", "model", "task", "seed", "steps", "eval_accuracy_before", "eval_accuracy_after",
-                "wall_time_s", "peak_mem_mb", "mean_clip_frac", "args"}
+SUMMARY_KEYS = {
+    "algo",
+    "model",
+    "task",
+    "seed",
+    "steps",
+    "eval_accuracy_before",
+    "eval_accuracy_after",
+    "wall_time_s",
+    "peak_mem_mb",
+    "mean_clip_frac",
+    "args",
+}
 BASE = ["--steps", "2", "--minibatches", "2", "--eval-size", "16", "--eval-every", "1"]
 
 

@@ -1,6 +1,7 @@
 """Real-checkpoint plumbing on CPU, no download: a tiny random Qwen2ForCausalLM whose tokenizer has a
 chat template and whose generation config lists two EOS ids, trained for 2 steps by each script on
 a GSM8K-format file."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,10 @@ CHAT_TEMPLATE = (
 SECOND_EOS = "<|eot|>"
 
 GSM8K = [
-    {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-     "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b:,}"}
+    {
+        "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+        "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b:,}",
+    }
     for a, b in [(2, 3), (10, 7), (1200, 34), (5, 5), (8, 1), (40, 2), (3, 9), (11, 11), (6, 0), (7, 13)]
 ]
 
@@ -39,9 +42,18 @@ def build_tiny_qwen2(path: Path) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", SECOND_EOS]})
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = Qwen2ForCausalLM(config)
     eos_ids = [tok.eos_token_id, tok.convert_tokens_to_ids(SECOND_EOS)]
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tok.pad_token_id)
@@ -108,16 +120,41 @@ def test_every_generation_config_eos_stops_sampling(qwen2_dir):
     assert roll.completion_mask.sum(1).tolist() == [8.0] * 3
 
 
-@pytest.mark.parametrize("algo,flags", [
-    ("grpo", ["--group-size", "2", "--loss-agg", "token-mean"]),
-    ("gspo", ["--group-size", "2"]),
-    ("ppo", ["--group-size", "1", "--grad-checkpointing"]),
-])
+@pytest.mark.parametrize(
+    "algo,flags",
+    [
+        ("grpo", ["--group-size", "2", "--loss-agg", "token-mean"]),
+        ("gspo", ["--group-size", "2"]),
+        ("ppo", ["--group-size", "1", "--grad-checkpointing"]),
+    ],
+)
 def test_script_trains_real_checkpoint_on_gsm8k(qwen2_dir, gsm8k_file, tmp_path, algo, flags):
     out = tmp_path / algo
-    cmd = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(qwen2_dir), "--task", "gsm8k",
-           "--data", str(gsm8k_file), "--steps", "2", "--prompts-per-step", "2", "--minibatches", "1",
-           "--max-new-tokens", "8", "--eval-size", "1", "--device", "cpu", "--out", str(out), *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / f"{algo}.py"),
+        "--model",
+        str(qwen2_dir),
+        "--task",
+        "gsm8k",
+        "--data",
+        str(gsm8k_file),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--minibatches",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--eval-size",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        *flags,
+    ]
     if algo != "ppo":
         cmd.append("--grad-checkpointing")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -14,6 +14,7 @@
 Every run is tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, a few steps); on a 2-core
 machine each subprocess costs a few seconds, most of it importing torch.
 """
+
 import json
 import os
 import shutil
@@ -33,8 +34,20 @@ if str(ROOT) not in sys.path:
 
 import common  # noqa: E402
 
-SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
-         "--minibatches", "2", "--eval-every", "3"]
+SMALL = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "6",
+    "--eval-size",
+    "8",
+    "--minibatches",
+    "2",
+    "--eval-every",
+    "3",
+]
 SCRIPTS = ("gspo", "grpo", "ppo")
 
 
@@ -104,9 +117,16 @@ def bad_inputs(tmp):
         ("gspo", ["--data", tmp / "missing.jsonl"], "file not found"),
         ("ppo", ["--data", write(tmp / "empty.jsonl", "\n\n")], "empty.jsonl: no records"),
         ("grpo", ["--data", write(tmp / "badjson.jsonl", good + "\n{oops\n")], "badjson.jsonl:2: invalid JSON"),
-        ("gspo", ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
-         "noanswer.jsonl:3: missing field 'answer'"),
-        ("ppo", ["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')], "noprompt.jsonl:1: missing field 'prompt'"),
+        (
+            "gspo",
+            ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
+            "noanswer.jsonl:3: missing field 'answer'",
+        ),
+        (
+            "ppo",
+            ["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')],
+            "noprompt.jsonl:1: missing field 'prompt'",
+        ),
         ("grpo", ["--data", tmp], "is a directory"),
         ("gspo", ["--task", "poetry"], "--task 'poetry' is unknown"),
         ("gspo", ["--steps", "0"], "--steps must be >= 1"),
@@ -193,7 +213,10 @@ def test_resume_equals_uninterrupted_run(runs, tmp_path, script):
     assert metrics(resumed) == metrics(full)  # rows 1-3: another process, same seed; rows 4-6: resumed
     assert_same_weights(weights(resumed / "final"), weights(full / "final"))
     if script == "ppo":
-        critic_full, critic_resumed = torch.load(full / "final" / "critic.pt"), torch.load(resumed / "final" / "critic.pt")
+        critic_full, critic_resumed = (
+            torch.load(full / "final" / "critic.pt"),
+            torch.load(resumed / "final" / "critic.pt"),
+        )
         assert_same_weights(critic_resumed, critic_full)
     summary, summary_full = (json.loads((d / "summary.json").read_text()) for d in (resumed, full))
     assert summary["eval_accuracy_before"] == summary_full["eval_accuracy_before"]
@@ -235,7 +258,9 @@ def test_checkpoint_of_another_algorithm_is_refused(runs):
 def test_checkpoint_of_another_model_is_refused(runs, tmp_path, tiny_path):
     part = runs("gspo", "part")
     # another --model than the run's, even one with the same weights: refused before loading
-    refusal(run("gspo", "--resume", part, "--steps", "6", "--model", tiny_path), "--model", "differs from the checkpoint's")
+    refusal(
+        run("gspo", "--resume", part, "--steps", "6", "--model", tiny_path), "--model", "differs from the checkpoint's"
+    )
     # same name, different architecture (as if the model directory had been replaced): refused
     tampered = tmp_path / "tampered"
     shutil.copytree(part, tampered)
@@ -248,7 +273,9 @@ def test_checkpoint_of_another_model_is_refused(runs, tmp_path, tiny_path):
 
 def test_resume_refuses_changed_settings_and_no_work(runs):
     part = runs("gspo", "part")
-    refusal(run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0003")
+    refusal(
+        run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0003"
+    )
     refusal(run("gspo", "--resume", part), "at step 3", "--steps 3", "larger --steps")
 
 
@@ -335,8 +362,9 @@ def train_in_process(module, *argv):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_nonfinite_updates_are_skipped_leaving_weights_and_optimizer_untouched(tmp_path, monkeypatch, script,
-                                                                               tiny_path):
+def test_nonfinite_updates_are_skipped_leaving_weights_and_optimizer_untouched(
+    tmp_path, monkeypatch, script, tiny_path
+):
     module = pytest.importorskip(script)
     one = tmp_path / "one-step"
     train_in_process(module, "--steps", "1", "--save-every", "1", "--out", one)

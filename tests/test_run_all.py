@@ -1,7 +1,8 @@
 """run_all.sh: the report from fabricated run directories, and loud failures (no torch, no training)."""
+
+import inspect
 import json
 import math
-import inspect
 import os
 import re
 import shlex
@@ -53,15 +54,27 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
             row["eval_format_rate"] = 0.99
         rows.append(row)
     summary = {
-        "algo": algo, "model": "tiny", "task": "arith", "seed": seed, "steps": steps,
+        "algo": algo,
+        "model": "tiny",
+        "task": "arith",
+        "seed": seed,
+        "steps": steps,
         "eval_accuracy_before": round(0.30 + 0.002 * a + 0.01 * k, 6),
         "eval_accuracy_after": rows[-1]["eval_accuracy"],
         "eval_format_rate_after": 0.99,
         "wall_time_s": round(100.0 + 40 * a + 3.5 * k, 6),
         "peak_mem_mb": round(900.0 + 300 * (algo == "ppo") + 11 * k, 6),
         "mean_clip_frac": round(statistics.mean(r["clip_frac"] for r in rows), 6),
-        "args": {"model": "tiny", "task": None, "steps": steps, "prompts_per_step": 16, "group_size": 8,
-                 "max_new_tokens": 8, "seed": seed, "eval_every": eval_every},
+        "args": {
+            "model": "tiny",
+            "task": None,
+            "steps": steps,
+            "prompts_per_step": 16,
+            "group_size": 8,
+            "max_new_tokens": 8,
+            "seed": seed,
+            "eval_every": eval_every,
+        },
     }
     d = out / f"{algo}-seed{seed}"
     d.mkdir(parents=True, exist_ok=True)
@@ -71,10 +84,18 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
 
 
 def run_all(*flags, env=None, timeout=60):
-    full_env = {**os.environ, "SEEDS": " ".join(map(str, SEEDS)), "STEPS": str(STEPS),
-                "EVAL_EVERY": str(EVAL_EVERY), "PYTHON": sys.executable, "MPLBACKEND": "Agg", **(env or {})}
-    return subprocess.run(["bash", str(SCRIPT), *flags], env=full_env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    full_env = {
+        **os.environ,
+        "SEEDS": " ".join(map(str, SEEDS)),
+        "STEPS": str(STEPS),
+        "EVAL_EVERY": str(EVAL_EVERY),
+        "PYTHON": sys.executable,
+        "MPLBACKEND": "Agg",
+        **(env or {}),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), *flags], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def ms(values):
@@ -118,8 +139,13 @@ def test_report_only_builds_table_json_and_plot(fabricated):
             assert math.isclose(got[key]["mean"], mean, rel_tol=1e-9, abs_tol=1e-9), (algo, key)
             assert math.isclose(got[key]["std"], std, rel_tol=1e-9, abs_tol=1e-9), (algo, key)
         assert got["before_after"] == [
-            {"seed": s, "before": runs[(algo, s)][0]["eval_accuracy_before"],
-             "after": runs[(algo, s)][0]["eval_accuracy_after"]} for s in SEEDS]
+            {
+                "seed": s,
+                "before": runs[(algo, s)][0]["eval_accuracy_before"],
+                "after": runs[(algo, s)][0]["eval_accuracy_after"],
+            }
+            for s in SEEDS
+        ]
 
         # the table cells, parsed back: "m +- s" numbers, before -> after, within display rounding
         cells = [c.strip() for c in table_rows[algo].strip().strip("|").split("|")]
@@ -128,9 +154,14 @@ def test_report_only_builds_table_json_and_plot(fabricated):
         shown = [float(x) for x in before_after.groups()]
         want = [*expected["eval_accuracy_before"], *expected["eval_accuracy_after"]]
         assert all(abs(x - y) <= 5e-4 + 1e-9 for x, y in zip(shown, want)), (cells[1], want)
-        for cell, key, tol in ((cells[2], "final_reward", 5e-4), (cells[3], "wall_time_s", 0.5),
-                               (cells[4], "tokens_per_s", 0.5), (cells[5], "peak_mem_mb", 0.5),
-                               (cells[6], "mean_clip_frac", 5e-4), (cells[7], "final_entropy", 5e-4)):
+        for cell, key, tol in (
+            (cells[2], "final_reward", 5e-4),
+            (cells[3], "wall_time_s", 0.5),
+            (cells[4], "tokens_per_s", 0.5),
+            (cells[5], "peak_mem_mb", 0.5),
+            (cells[6], "mean_clip_frac", 5e-4),
+            (cells[7], "final_entropy", 5e-4),
+        ):
             m, sd = (float(x) for x in re.fullmatch(r"(\S+) \+- (\S+)", cell).groups())
             assert abs(m - expected[key][0]) <= tol + 1e-9 and abs(sd - expected[key][1]) <= tol + 1e-9, (key, cell)
         assert table_rows[algo] in res.stdout  # the same table is printed
@@ -177,8 +208,9 @@ def test_failing_training_run_stops_and_names_it(tmp_path):
     (out / "results.md").write_text("stale table\n")
     calls = tmp_path / "calls.txt"
     stub = tmp_path / "python-stub"
-    stub.write_text(f'#!/bin/bash\necho "$@" >> {shlex.quote(str(calls))}\n'
-                    'echo "Traceback: something broke" >&2\nexit 1\n')
+    stub.write_text(
+        f'#!/bin/bash\necho "$@" >> {shlex.quote(str(calls))}\necho "Traceback: something broke" >&2\nexit 1\n'
+    )
     stub.chmod(0o755)
     res = run_all(env={"OUT": str(out), "PYTHON": str(stub)})
     assert res.returncode != 0
@@ -202,7 +234,7 @@ def test_real_script_usage_error_fails_loudly(tmp_path):
     assert not (out / "results.md").exists()
 
 
-FAKE_TRAINER = r'''
+FAKE_TRAINER = r"""
 import json, os, statistics, sys
 from pathlib import Path
 script, argv = Path(sys.argv[1]).stem, sys.argv[2:]
@@ -215,7 +247,7 @@ for i, a in enumerate(argv):
 if os.environ.get("FAKE_FAIL") == f"{script}-seed{opts['--seed']}":
     print("fake failure", file=sys.stderr)
     sys.exit(3)
-'''
+"""
 
 
 @pytest.fixture
@@ -223,14 +255,17 @@ def fake_python(tmp_path):
     """A PYTHON that runs a fake trainer for `PYTHON x.py ...` and the real interpreter otherwise."""
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(
-        FAKE_TRAINER + f"ALGOS, STEPS, EVAL_EVERY, EXTRA_KEYS = {ALGOS!r}, {STEPS}, {EVAL_EVERY}, {EXTRA_KEYS!r}\n"
+        FAKE_TRAINER
+        + f"ALGOS, STEPS, EVAL_EVERY, EXTRA_KEYS = {ALGOS!r}, {STEPS}, {EVAL_EVERY}, {EXTRA_KEYS!r}\n"
         + inspect.getsource(fabricate)
         + 'fabricate(Path(opts["--out"]).parent, script, int(opts["--seed"]), int(opts["--steps"]), '
-          'int(opts["--eval-every"]))\n')
+        'int(opts["--eval-every"]))\n'
+    )
     stub = tmp_path / "python-fake"
     py = shlex.quote(sys.executable)
-    stub.write_text(f'#!/bin/bash\nif [[ "$1" == *.py ]]; then exec {py} {shlex.quote(str(trainer))} "$@"; fi\n'
-                    f'exec {py} "$@"\n')
+    stub.write_text(
+        f'#!/bin/bash\nif [[ "$1" == *.py ]]; then exec {py} {shlex.quote(str(trainer))} "$@"; fi\nexec {py} "$@"\n'
+    )
     stub.chmod(0o755)
     calls = tmp_path / "calls.jsonl"
     env = {"PYTHON": str(stub), "FAKE_CALLS": str(calls)}
@@ -242,12 +277,22 @@ def test_full_run_passes_identical_settings_and_builds_report(tmp_path, fake_pyt
     out = tmp_path / "compare"
     (out / "gspo-seed1").mkdir(parents=True)
     (out / "gspo-seed1" / "stale.txt").write_text("old")
-    res = run_all(env={**env, "OUT": str(out), "PROMPTS_PER_STEP": "16", "GROUP_SIZE": "4",
-                       "MAX_NEW_TOKENS": "6", "EXTRA_ARGS": "--eval-size 50", "GSPO_ARGS": "--variant token"})
+    res = run_all(
+        env={
+            **env,
+            "OUT": str(out),
+            "PROMPTS_PER_STEP": "16",
+            "GROUP_SIZE": "4",
+            "MAX_NEW_TOKENS": "6",
+            "EXTRA_ARGS": "--eval-size 50",
+            "GSPO_ARGS": "--variant token",
+        }
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [(c[0], c[c.index("--seed") + 1]) for c in recorded] == [
-        (algo, str(seed)) for seed in SEEDS for algo in ALGOS]
+        (algo, str(seed)) for seed in SEEDS for algo in ALGOS
+    ]
     for c in recorded:
         flags = dict(zip(c[1::2], c[2::2]))
         assert flags["--steps"] == str(STEPS) and flags["--prompts-per-step"] == "16"

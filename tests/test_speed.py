@@ -4,11 +4,20 @@ sampler's own decoder (static KV cache, dropped rows, CUDA graph) against Huggin
 The benchmarks themselves are scripts, not tests: tests/bench_sampler.py, tests/bench_memory.py,
 tests/bench_speed.py, tests/gpu_bench.sh.
 """
+
 import copy
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import common
 
@@ -56,8 +65,15 @@ def test_chunked_logprobs_equal_naive_at_large_vocab_with_gradients(monkeypatch,
 # ---------------------------------------------------------------------------------------------
 
 PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+", "8*8="]
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.3,
+)
 ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=8)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),  # q/k/v biases, no q/k norm
@@ -68,8 +84,15 @@ ARCHS = {
 def random_model(arch, tok, seed=0):
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
-    config = config_cls(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                        bos_token_id=None, tie_word_embeddings=False, **SMALL, **extra)
+    config = config_cls(
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **SMALL,
+        **extra,
+    )
     model = model_cls(config).eval()
     if arch == "qwen2":  # random biases, so that a dropped bias would show
         with torch.no_grad():
@@ -87,8 +110,14 @@ def encode(tok):
 def generate_lists(model, prompts, T, eos, pad):
     batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
     with torch.no_grad():
-        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)[:, batch.prompt_ids.shape[1]:]
+        out = model.generate(
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask,
+            max_new_tokens=T,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )[:, batch.prompt_ids.shape[1] :]
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out.tolist()]
 
 
@@ -113,8 +142,15 @@ def test_fast_decoder_greedy_equals_generate(char_tok, monkeypatch, arch, T, gro
 
 def test_unsupported_models_use_the_hf_forward(char_tok):
     from transformers import Qwen3Config
-    sliding = Qwen3Config(vocab_size=len(char_tok), use_sliding_window=True, sliding_window=4, max_window_layers=0,
-                          layer_types=["sliding_attention", "sliding_attention"], **{**SMALL, "num_hidden_layers": 2})
+
+    sliding = Qwen3Config(
+        vocab_size=len(char_tok),
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "sliding_attention"],
+        **{**SMALL, "num_hidden_layers": 2},
+    )
     assert not common._StaticKVDecoder.supports(Qwen3ForCausalLM(sliding))
     assert not common._StaticKVDecoder.supports(torch.nn.Linear(2, 2))
 
@@ -154,8 +190,9 @@ def test_cuda_graph_decode_equals_eager_and_generate(char_tok, dtype):
     assert graphed.completion_lists() == eager.completion_lists()
     if dtype == torch.float32:  # bf16 kernels may break near-ties differently from HF's
         assert graphed.completion_lists() == generate_lists(model, prompts, T, eos, pad)
-    g1 = common.sample(model, prompts, T, eos, pad, temperature=1.2, generator=torch.Generator("cuda").manual_seed(0),
-                       cuda_graph=True)
+    g1 = common.sample(
+        model, prompts, T, eos, pad, temperature=1.2, generator=torch.Generator("cuda").manual_seed(0), cuda_graph=True
+    )
     g2 = common.sample(model, prompts, T, eos, pad, temperature=1.2, generator=torch.Generator("cuda").manual_seed(0))
     assert g1.completion_lists() == g2.completion_lists()
 
@@ -163,9 +200,17 @@ def test_cuda_graph_decode_equals_eager_and_generate(char_tok, dtype):
 def test_sampler_leaves_no_inference_tensors_and_trains(char_tok):
     """The sampler decodes under inference_mode; what it returns must still feed a backward pass."""
     model = copy.deepcopy(random_model("qwen3", char_tok))
-    roll = common.sample(model, encode(char_tok), 5, [char_tok.eos_token_id], char_tok.pad_token_id,
-                         generator=torch.Generator().manual_seed(0))
-    assert not any(t.is_inference() for t in (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask))
+    roll = common.sample(
+        model,
+        encode(char_tok),
+        5,
+        [char_tok.eos_token_id],
+        char_tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert not any(
+        t.is_inference() for t in (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    )
     logp, _ = common.completion_logprobs(model, roll)
     (logp * roll.completion_mask).sum().backward()
     assert model.lm_head.weight.grad is not None
