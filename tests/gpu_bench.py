@@ -5,9 +5,10 @@
 
 The model is randomly initialised with Qwen2.5-0.5B's dimensions and vocabulary (Qwen2ForCausalLM:
 hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings), float32
-weights as the scripts keep them (the training forward under bf16 autocast), built from its config (no download); the ids are random, so the tiny char tokenizer
-stands in for Qwen's (it only names the pad and EOS ids). Sizes: --batch completions (64) of
---new-tokens (256) after left-padded prompts of --prompt-len/2 .. --prompt-len (128) tokens.
+weights as the scripts keep them (the training forward under bf16 autocast), built from its config
+(no download); the ids are random, so the tiny char tokenizer stands in for Qwen's (it only names
+the pad and EOS ids). Sizes: --batch completions (64) of --new-tokens (256) after left-padded
+prompts of --prompt-len/2 .. --prompt-len (128) tokens.
 
 Rollout: common.sample with its CUDA-graph decode step, the same eagerly (cuda_graph=False), and
 Hugging Face's model.generate, greedy with EOS disabled (every row makes --new-tokens tokens),
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import tempfile
@@ -205,21 +207,21 @@ def main():
         for mode in args.modes.split(","):
             params = list(model.parameters()) + (list(critic.parameters()) if critic is not None else [])
             optimizer = torch.optim.AdamW(params, lr=1e-6)
-
-            def step():
-                return training_step(
-                    algo,
-                    model,
-                    roll,
-                    rewards,
-                    chunk_tokens="auto" if mode == "chunked" else None,
-                    minibatches=args.minibatches,
-                    updates=args.minibatches,
-                    optimizer=optimizer,
-                    ref_model=ref_model,
-                    critic=critic,
-                )
-
+            # partial binds this configuration's objects now (a closure would read the loop variables,
+            # and the names deleted below, whenever it ran)
+            step = functools.partial(
+                training_step,
+                algo,
+                model,
+                roll,
+                rewards,
+                chunk_tokens="auto" if mode == "chunked" else None,
+                minibatches=args.minibatches,
+                updates=args.minibatches,
+                optimizer=optimizer,
+                ref_model=ref_model,
+                critic=critic,
+            )
             peak_reset(device)
             try:
                 seconds, loss = timed(step, device, 1 if args.cpu_smoke else 2)
@@ -230,7 +232,7 @@ def main():
                 )
                 train_rows.append([algo, mode, float("nan"), float("nan"), float("nan")])
             print(f"  train {algo} {mode}: {train_rows[-1][2]:.0f} tok/s, peak {train_rows[-1][4]:.2f} GB", flush=True)
-            del optimizer
+            del step, optimizer  # the AdamW state goes before the next configuration's peak is measured
             model.zero_grad(set_to_none=True)
             if critic is not None:
                 critic.zero_grad(set_to_none=True)
