@@ -17,6 +17,7 @@ Not collected by pytest (no test_ prefix).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -26,6 +27,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+
+
+def sample_lists(model, prompts, T, eos, pad):
+    """common.sample, greedy: the completion token lists."""
+    return common.sample(model, prompts, T, eos, pad, greedy=True).completion_lists()
+
+
+def generate_lists(model, prompts, T, eos, pad):
+    """model.generate, greedy, on the same left-padded prompts: the completion token lists."""
+    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask,
+            max_new_tokens=T,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )[:, batch.prompt_ids.shape[1] :].tolist()
+    # the completion is everything up to and including the first EOS id
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
 
 
 def main():
@@ -53,27 +75,10 @@ def main():
     rows = []
     eos_ids = common.eos_token_ids(model, tok)
     for setting, prompts, eos in (("no-eos", distinct, []), ("eos", distinct, eos_ids), ("groups", grouped, eos_ids)):
-        batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
-        P = batch.prompt_ids.shape[1]
-
-        def ours():
-            roll = common.sample(model, prompts, T, eos, pad, greedy=True)
-            return roll.completion_lists()
-
-        def generate():
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=batch.prompt_ids,
-                    attention_mask=batch.prompt_mask,
-                    max_new_tokens=T,
-                    do_sample=False,
-                    eos_token_id=eos,
-                    pad_token_id=pad,
-                )[:, P:].tolist()
-            # the completion is everything up to and including the first EOS id
-            return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
-
-        fns = {"common.sample": ours, "model.generate": generate}
+        fns = {
+            "common.sample": functools.partial(sample_lists, model, prompts, T, eos, pad),
+            "model.generate": functools.partial(generate_lists, model, prompts, T, eos, pad),
+        }
         results = {name: fn() for name, fn in fns.items()}  # warm-up, and the outputs to compare
         same = results["common.sample"] == results["model.generate"]
         ok &= same
@@ -98,7 +103,8 @@ def main():
     # CPU time (process_time) is the steadier figure on a shared machine: a descheduled process
     # accrues wall time but not CPU time
     print(
-        f"\n{'setting':8} {'tokens':>6} {'clock':>5} {'sample tok/s':>13} {'generate tok/s':>15} {'speedup':>8}  greedy equal"
+        f"\n{'setting':8} {'tokens':>6} {'clock':>5} {'sample tok/s':>13} {'generate tok/s':>15} "
+        f"{'speedup':>8}  greedy equal"
     )
     for setting, n, wall, cpu, same in rows:
         for clock, med in (("wall", wall), ("cpu", cpu)):
