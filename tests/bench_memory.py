@@ -10,10 +10,11 @@ A randomly initialised Qwen3 with Qwen's 151,936-token vocabulary but a tiny tru
   then one minibatch (--batch / --minibatches completions): log-probs with grad, the script's loss
   (gspo.gspo_loss, grpo.grpo_loss, ppo.ppo_policy_loss + ppo.value_loss through a ppo.Critic),
   backward, gradient clipping and an AdamW step (the other minibatches would only repeat it).
-Log-probs go through common.completion_logprobs with chunk_tokens="auto" ("chunked": ~440 tokens per chunk at this vocabulary) or None
-("naive": the whole [tokens, vocabulary] float32 logits at once). The naive pass over all 64
-completions at once would need about 30 GB, so its old log-probs are taken minibatch by minibatch
-(the update's own size); the chunked path takes them all at once, as the scripts do.
+Log-probs go through common.completion_logprobs with chunk_tokens="auto" ("chunked": ~440 tokens
+per chunk at this vocabulary) or None ("naive": the whole [tokens, vocabulary] float32 logits at
+once). The naive pass over all 64 completions at once would need about 30 GB, so its old log-probs
+are taken minibatch by minibatch (the update's own size); the chunked path takes them all at once,
+as the scripts do.
 
 Each configuration runs in a fresh subprocess (so one's peak cannot hide another's), and reports
 its peak RSS (resource.getrusage ru_maxrss) and the RSS before the step (model, optimizer, rollout).
@@ -280,9 +281,8 @@ def main():
     def cell(r):
         return f"{r['peak_gb']:.2f}" if "error" not in r else "failed"
 
-    print(
-        f"\npeak RSS of one training step, GB (chunked: chunk_tokens={args.chunk_tokens})\n{'algo':6} {'chunked':>8} {'naive':>8}"
-    )
+    print(f"\npeak RSS of one training step, GB (chunked: chunk_tokens={args.chunk_tokens})")
+    print(f"{'algo':6} {'chunked':>8} {'naive':>8}")
     for algo in args.algos.split(","):
         print(
             f"{algo:6} "

@@ -233,7 +233,8 @@ def main():
         summary.append((algo, med))
 
     print(
-        f"\n{'algo':5} {'ours step s':>12} {'TRL step s':>11} {'ours/TRL':>9} {'ours tok/s':>11} {'TRL tok/s':>10} {'ratio':>6}"
+        f"\n{'algo':5} {'ours step s':>12} {'TRL step s':>11} {'ours/TRL':>9} "
+        f"{'ours tok/s':>11} {'TRL tok/s':>10} {'ratio':>6}"
     )
     for algo, med in summary:
         o, t = med["ours"], med["trl"]
