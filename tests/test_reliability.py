@@ -7,8 +7,9 @@
     or model is refused;
   - SIGINT / SIGTERM: the step finishes, a checkpoint and summary.json ("interrupted": true) are
     written, exit 130 / 143, and --resume completes the run as if nothing had happened;
-  - the non-finite guard (in-process, the loss function monkeypatched to return NaN): a skipped
-    update leaves weights and optimizer state untouched; too many in a row exit with status 3;
+  - the non-finite guard (in-process, the loss function monkeypatched to return NaN, the reward to
+    alternate 0/1 so that the healthy updates do move the weights): a skipped update leaves weights
+    and optimizer state untouched; too many in a row exit with status 3;
   - the same seed gives the same metrics.jsonl in two processes.
 
 Every run is tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, a few steps); on a 2-core
@@ -361,15 +362,32 @@ def train_in_process(module, *argv):
     common.main(module.train, module.Args, module.__name__, [*SMALL, *map(str, argv)])
 
 
+def alternating_rewards(monkeypatch):
+    """Rewards 0, 1, 0, 1, ... whatever the model samples: every group of 2 (SMALL) has a nonzero
+    spread, so every GRPO/GSPO advantage and PPO's whitened advantages are nonzero and each update
+    moves the weights. (With the real reward, a step whose groups all score alike has zero
+    advantages and leaves the weights unchanged; which steps do depends on the CPU's rounding.)"""
+    score_rollout = common.score_rollout
+
+    def alternating(tok, roll, answers):
+        _, *rest = score_rollout(tok, roll, answers)  # the format flags (and whatever else it returns) stay
+        return torch.tensor([float(i % 2) for i in range(len(answers))]), *rest
+
+    monkeypatch.setattr(common, "score_rollout", alternating)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_nonfinite_updates_are_skipped_leaving_weights_and_optimizer_untouched(
     tmp_path, monkeypatch, script, tiny_path
 ):
     module = pytest.importorskip(script)
+    alternating_rewards(monkeypatch)  # both runs: step 1's updates have a nonzero gradient by construction
     one = tmp_path / "one-step"
     train_in_process(module, "--steps", "1", "--save-every", "1", "--out", one)
     initial = weights(tiny_path)
-    assert any(not torch.equal(initial[k], w) for k, w in weights(one / "final").items())  # step 1 did train
+    # step 1 did train: a guard that skipped healthy updates would pass the comparison below
+    assert any(not torch.equal(initial[k], w) for k, w in weights(one / "final").items())
+    assert metrics(one)[0]["skipped_updates"] == 0
     # the same run for two steps, where both updates of step 2 (--minibatches 2) have a NaN loss
     two = tmp_path / "two-steps"
     poison_loss(monkeypatch, module, from_call=3)
