@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 # ---------------------------------------------------------------------------------------------
 # 1. CLI
@@ -421,7 +423,8 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(min(2, os.cpu_count() or 1))  # SFT batches: 2 threads ~1.7x faster on a quiet machine
-        model, tok = _warm_start_tiny(name)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is untouched: a first run = any later run
+            model, tok = _warm_start_tiny(name)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -488,10 +491,11 @@ def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device(device)
 
 
-def load_model(name: str, device: torch.device, dtype=None):
+def load_model(name: str, device: torch.device, grad_checkpointing: bool = False, dtype=None):
     """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
     master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
-    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32."""
+    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
+    grad_checkpointing: recompute activations in backward (in train mode), less memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_checkpoint(name) if name in TINY_MODELS else name
@@ -515,6 +519,8 @@ def load_model(name: str, device: torch.device, dtype=None):
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tok
 
 
@@ -544,6 +550,13 @@ def encode_prompts(tok, examples) -> list[list[int]]:
             for ex in examples
         ]
     return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
+
+
+def prompts_and_answers(tok, examples, group_size: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
+    `group_size` consecutive rows), and the gold answer of every row."""
+    prompts = [ids for ids in encode_prompts(tok, examples) for _ in range(group_size)]
+    return prompts, [ex["answer"] for ex in examples for _ in range(group_size)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1026,9 +1039,25 @@ class RoutingReplay:
     row does, through the normaliser. An expert not recorded for a position gets none from it.
     With unchanged weights a replayed pass equals a plain one."""
 
-    def __init__(self, model):
+    def __init__(self, model, replay_updates: bool = False):
         self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
         self.indices, self._shape, self._layers = None, None, None
+        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
+
+    def for_update(self, rows):
+        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
+        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
+        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
+
+    def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
+        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
+        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
+        if not self.blocks:
+            return {}
+        before = self.indices
+        with torch.no_grad(), self.record():
+            completion_logprobs(model, roll, temperature)
+        return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}
 
     @contextlib.contextmanager
     def _hooked(self, router_hook):
@@ -1102,10 +1131,11 @@ def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.
 
 
 def score_rollout(tok, roll: Rollout, answers: list[str]):
-    """(rewards [B], format_ok [B], texts) for a rollout whose row i answers answers[i]."""
+    """(rewards [B], format_ok [B]) for a rollout whose row i answers answers[i]: the reward is 1
+    for a correct final answer, else 0 (`score`)."""
     texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
     scored = [score(text, ans) for text, ans in zip(texts, answers)]
-    return torch.tensor([s[0] for s in scored]), torch.tensor([s[1] for s in scored]), texts
+    return torch.tensor([s[0] for s in scored]), torch.tensor([s[1] for s in scored])
 
 
 @torch.no_grad()
@@ -1122,11 +1152,207 @@ def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -
     for s in range(0, len(examples), batch_size):
         batch = examples[s : s + batch_size]
         roll = sample(model, encode_prompts(tok, batch), max_new_tokens, eos, tok.pad_token_id, greedy=True)
-        r, f, _ = score_rollout(tok, roll, [ex["answer"] for ex in batch])
+        r, f = score_rollout(tok, roll, [ex["answer"] for ex in batch])
         rewards.append(r)
         formats.append(f)
     model.train(was_training)
     return {"accuracy": global_mean(torch.cat(rewards)), "format_rate": global_mean(torch.cat(formats))}
+
+
+# ---------------------------------------------------------------------------------------------
+# 8b. Training-loop helpers: each one line in the loops of ppo.py, grpo.py and gspo.py
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """What `setup` found out before any model is loaded."""
+
+    rank: int  # this process's rank under torchrun (0 without)
+    world: int  # number of processes (1 without torchrun)
+    device: torch.device
+    train_set: list  # training records {"prompt", "answer"}
+    eval_set: list  # held-out records, at most --eval-size, never overlapping train_set
+    resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
+
+
+def setup(args, algo: str, needs_group: bool) -> Setup:
+    """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
+    any output is written), torchrun's process group, the data, the --resume checkpoint, the
+    device and the seeds. The embedded checkpoint is built here on first use (not timed)."""
+    check_common_args(args, needs_group)
+    rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
+    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
+        raise UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+            f"shares whose completions --minibatches {args.minibatches} divides"
+        )
+    train_set, eval_set = load_task(args.task, args.data)
+    resume_from = open_checkpoint(args, algo) if args.resume else None
+    device = resolve_device(args.device, local_rank)
+    if args.model in TINY_MODELS:
+        tiny_checkpoint(args.model)
+    seed_everything(args.seed)
+    return Setup(rank, world, device, train_set, eval_set[: args.eval_size], resume_from)
+
+
+def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Under torchrun, `module` wrapped in DistributedDataParallel, which averages the gradients of
+    what runs through its forward over the ranks; without torchrun, `module` itself."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def minibatches(n: int, epochs: int, n_minibatches: int, device):
+    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut
+    into `n_minibatches` equal minibatches."""
+    for _ in range(epochs):
+        yield from torch.randperm(n, device=device).chunk(n_minibatches)
+
+
+def rows_with_signal(idx: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """The rows of minibatch `idx` whose advantage is not 0. A row with A = 0 (its group's rewards
+    all equal) adds exactly 0 to a clipped surrogate and its gradient, so the update need not
+    forward it, as long as the loss still divides by the whole minibatch. At least one row is
+    kept, so that every update (and every torchrun rank) still runs."""
+    rows = idx[advantages[idx] != 0]
+    return rows if len(rows) else idx[:1]
+
+
+def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
+    """Factor for a loss that is a token mean over this rank's minibatch `mask` [B, T]: under
+    torchrun it rescales the rank's mean to its share of all ranks' tokens, so that DDP's average of
+    the gradients is the whole batch's token mean; exactly 1 without torchrun."""
+    return mask.sum().clamp(min=1) / mean_denominator(mask.sum())
+
+
+def mean_over_updates(updates: list[dict], planned: int) -> dict:
+    """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
+    how many of the `planned` updates the non-finite guard skipped."""
+    out = {"skipped_updates": planned - len(updates)}
+    for key in updates[0] if updates else []:
+        values = [u[key] for u in updates]
+        out[key] = max(values) if key.endswith("_max_dev") else sum(values) / len(values)
+    return out
+
+
+def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
+    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
+    return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
+
+
+class Run:
+    """Everything around a training loop that is not the algorithm, so that the loop shows only
+    the algorithm: held-out evaluation (before training, every --eval-every steps and after the
+    last), the progress bar, OUT/metrics.jsonl, checkpoints (every --save-every steps, and on
+    SIGINT / SIGTERM, which then end the run), --resume, and at the end OUT/final/ and
+    OUT/summary.json. `state` names the objects a checkpoint saves besides the policy's weights
+    (optimizers, the prompt stream, the sampling generator, ...). Only rank 0 writes files.
+
+        run = Run("gspo", args, env, model, tok, optimizer=optimizer, ...)
+        for step in run.steps():
+            ...                              # sample, score, advantages, updates
+            run.log({"step": step, ...})     # + evaluation when due
+            run.save_checkpoint_if_due(step)
+        return run.finish()
+    """
+
+    SHOWN = ("reward", "clip_frac", "explained_variance")  # printed beside each evaluation
+
+    def __init__(self, algo: str, args, env: Setup, model, tok, **state):
+        self.algo, self.args, self.env, self.model, self.tok = algo, args, env, model, tok
+        self.progress = Progress()
+        self.state = {**state, "progress": self.progress}
+        t_start = time.perf_counter()
+        if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+            load_checkpoint(env.resume_from, model, self.state)
+        else:
+            self.progress.eval_before = self.progress.last_eval = self.evaluate()
+            tqdm.write(
+                f"step 0: eval accuracy {self.progress.eval_before['accuracy']:.3f}  "
+                f"format {self.progress.eval_before['format_rate']:.3f}"
+            )
+        self.t_start = t_start - self.progress.wall_time_s
+        self.logger = RunLogger(args.out, env.resume_from, enabled=env.rank == 0)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.tok, self.env.eval_set, self.args.max_new_tokens)
+
+    def steps(self):
+        """The step numbers still to run (from the checkpoint's step + 1 when resumed); stops early
+        once a stop signal came (after that step's checkpoint)."""
+        first = self.progress.step + 1
+        self.bar = tqdm(
+            range(first, self.args.steps + 1),
+            initial=first - 1,
+            total=self.args.steps,
+            desc=self.algo,
+            dynamic_ncols=True,
+            disable=self.env.rank > 0,
+        )
+        for step in self.bar:
+            self.step_started = time.perf_counter()
+            yield step
+            if stop_requested():
+                return
+
+    def log(self, row: dict):
+        """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the held-out
+        eval_accuracy and eval_format_rate."""
+        row["step_time_s"] = time.perf_counter() - self.step_started
+        step, args = row["step"], self.args
+        self.progress.clip_fracs.append(row.get("clip_frac", 0.0))
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            last = self.progress.last_eval = self.evaluate()
+            row.update({"eval_accuracy": last["accuracy"], "eval_format_rate": last["format_rate"]})
+            shown = "  ".join(f"{k} {row[k]:.3f}" for k in self.SHOWN if k in row and k != "reward")
+            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last['accuracy']:.3f}  {shown}")
+        self.logger.log(row)
+        self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{self.progress.last_eval['accuracy']:.3f}")
+        self.progress.step, self.progress.wall_time_s = step, time.perf_counter() - self.t_start
+
+    def save_checkpoint_if_due(self, step: int):
+        """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came."""
+        if checkpoint_due(self.args, step) and self.env.rank == 0:
+            save_checkpoint(self.logger.out, self.algo, self.args, self.model, self.tok, self.state)
+
+    def finish(self, **also_save) -> dict:
+        """Write final/ (the policy, plus each `also_save` state dict as final/NAME.pt) and
+        summary.json; returns the last evaluation. A run stopped by a signal raises Interrupted
+        (its checkpoint is written), so main() exits with 128 + the signal's number."""
+        args, progress = self.args, self.progress
+        interrupted = progress.step < args.steps
+        if not interrupted:
+            self.logger.save_model(self.model, self.tok)
+            for name, state_dict in also_save.items():
+                if self.logger.enabled:
+                    torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
+        self.logger.summary(
+            {
+                "algo": self.algo,
+                "model": args.model,
+                "task": args.task or ("jsonl" if args.data else "arith"),
+                "seed": args.seed,
+                "steps": args.steps,
+                "step": progress.step,
+                "interrupted": interrupted,
+                "eval_accuracy_before": progress.eval_before["accuracy"],
+                "eval_accuracy_after": progress.last_eval["accuracy"],
+                "eval_format_rate_after": progress.last_eval["format_rate"],
+                "wall_time_s": time.perf_counter() - self.t_start,
+                "peak_mem_mb": peak_memory_mb(self.env.device),
+                "mean_clip_frac": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+                "args": dataclasses.asdict(args),
+            }
+        )
+        self.logger.close()
+        if interrupted:
+            raise Interrupted(progress.step, self.logger.out)
+        return progress.last_eval
 
 
 # ---------------------------------------------------------------------------------------------

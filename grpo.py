@@ -32,11 +32,9 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 import common
 from common import arg, masked_mean
@@ -175,246 +173,108 @@ def grpo_loss(
     return loss, stats
 
 
+def loss_denominator(agg: str, minibatch_mask: torch.Tensor, max_len: int) -> torch.Tensor | int:
+    """What the loss of a minibatch with completion mask `minibatch_mask` [B, T] divides by, however
+    few of its rows are forwarded (`aggregate`'s default for the whole minibatch): B for
+    seq-mean-token-mean, B * max_len for seq-mean-token-sum-norm, and its number of tokens for
+    token-mean, which under torchrun is all ranks' tokens / world (each rank's B is already B / world)."""
+    if agg == "token-mean":
+        return common.mean_denominator(minibatch_mask.sum())
+    return minibatch_mask.shape[0] * (max_len if agg == "seq-mean-token-sum-norm" else 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Training loop
 # --------------------------------------------------------------------------------------------
 
 
 def train(args: Args):
-    common.check_common_args(args, needs_group=True)
-    rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
-    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise common.UsageError(
-            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-            f"shares whose completions --minibatches {args.minibatches} divides"
-        )
     if args.loss_agg not in AGGREGATIONS:
         raise common.UsageError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {args.loss_agg!r}")
     if args.scale_rewards not in ("std", "none"):
         raise common.UsageError(f"--scale-rewards must be std or none, got {args.scale_rewards!r}")
     if args.kl_coef < 0:
         raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
-    train_set, eval_set = common.load_task(args.task, args.data)
-    eval_set = eval_set[: args.eval_size]
-    resume_from = common.open_checkpoint(args, "grpo") if args.resume else None
-
-    common.seed_everything(args.seed)
-    device = common.resolve_device(args.device, local_rank)
-    common.tiny_checkpoint(args.model) if args.model in common.TINY_MODELS else None  # first build is not timed
-    t_start = time.perf_counter()
-    model, tok = common.load_model(args.model, device)
+    env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --resume, seeds
+    model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     eos_ids = common.eos_token_ids(model, tok)
-    routing = common.RoutingReplay(model)  # records / replays MoE expert choices; no-op on a dense model
+    policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
+    # MoE models: notes each token's experts, for routing_drift and --routing-replay (GSPO paper section 5.3)
+    routing = common.RoutingReplay(model, replay_updates=args.routing_replay)
     if args.routing_replay and not routing.blocks:
         raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
     ref_model = None
     if args.kl_coef > 0:  # a frozen copy of the initial policy; none in memory when beta = 0
-        ref_model, _ = common.load_model(args.model, device)
-        ref_model.eval().requires_grad_(False)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # the training forward; under torchrun through DDP, which averages the gradients over the ranks
-    train_model = common.CompletionLogprobs(model)
-    if world > 1:
-        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    # fused=True: each update is one kernel over all parameters, not a loop of per-tensor ops
+        ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    stream = common.PromptStream(train_set, args.seed)
-    sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
-    guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
-    state = {
-        "optimizer": optimizer,
-        "stream": stream,
-        "sampling_gen": sampling_gen,
-        "guard": guard,
-        "progress": progress,
-    }
-    if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-        common.load_checkpoint(resume_from, model, state)
-        t_start -= progress.wall_time_s
-    else:
-        progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-        tqdm.write(
-            f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
-            f"format {progress.eval_before['format_rate']:.3f}"
-        )
-    logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
-    bar = tqdm(
-        range(progress.step + 1, args.steps + 1),
-        initial=progress.step,
-        total=args.steps,
-        desc="grpo",
-        dynamic_ncols=True,
-        disable=rank > 0,
-    )
-    for step in bar:
-        t0 = time.perf_counter()
-        # 1. Rollout: G completions per prompt, grouped contiguously.
-        examples = stream.next(args.prompts_per_step)[rank::world]  # every rank draws the same batch, keeps its share
-        prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
-        answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
+    stream = common.PromptStream(env.train_set, args.seed)
+    rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
+    guard = common.NonFiniteGuard(args.max_consecutive_skips)
+    # metrics, evaluation, checkpoints and --resume; a checkpoint saves the policy and these objects:
+    run = common.Run("grpo", args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard)
+
+    for step in run.steps():
+        # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
+        examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
+        prompts, answers = common.prompts_and_answers(tok, examples, args.group_size)  # a group: G rows in a row
+        t0 = time.perf_counter()
         roll = common.sample(
-            model,
-            prompts,
-            args.max_new_tokens,
-            eos_ids,
-            tok.pad_token_id,
-            args.temperature,
-            args.top_p,
-            generator=sampling_gen,
+            model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
         )
-        t_sample = time.perf_counter() - t0
-        rewards, formats, _ = common.score_rollout(tok, roll, answers)
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)  # [B]
-        mask = roll.completion_mask  # [B, T]
+        sample_time = time.perf_counter() - t0
+        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Log-probs of the sampling policy (pi_old) and of the reference, once per rollout. Until
-        #    the first update the policy is pi_old itself, so the first minibatch takes its pi_old
-        #    from its own forward pass in step 3 (detached: its ratio is exactly 1) and this pass
-        #    covers the other rows. An MoE model runs it on every row: it also records the experts
-        #    each token is routed to.
-        #    A row whose advantage is 0 (its group's rewards all equal) adds exactly 0 to the loss
-        #    and its gradient unless there is a KL term, so the updates forward only each
-        #    minibatch's other rows (`kept`; at least one, so that every update and every torchrun
-        #    rank still runs) and divide by the whole minibatch: the same gradient for less work.
-        minibatches = [
-            idx
-            for _ in range(args.epochs)  # every epoch's minibatches (row indices), drawn up front
-            for idx in torch.randperm(len(roll), device=device).chunk(args.minibatches)
-        ]
-        has_grad = advantages != 0 if ref_model is None else torch.ones(len(roll), dtype=torch.bool, device=device)
-        kept = [idx[has_grad[idx]] if has_grad[idx].any() else idx[:1] for idx in minibatches]
-        first_on_policy = not routing.blocks
-        old_logp, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)  # [B, T]
-        needs_pass = torch.ones(len(roll), dtype=torch.bool, device=device)  # every row, for the entropy
-        needs_pass[kept[0]] = not first_on_policy
-        rows = needs_pass.nonzero().squeeze(1)
+        # 2. Score: 1 for a correct final answer, else 0.
+        rewards, formats = common.score_rollout(tok, roll, answers)  # [B], [B]
+
+        # 3. Advantages: each completion against its group.
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
+
+        # 4. Log-probs of pi_old (and of the reference), once per rollout, without gradient.
         with torch.no_grad(), routing.record():
-            if len(rows):
-                old_logp[rows], entropy[rows] = common.completion_logprobs(model, roll[rows], args.temperature)
-            ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if ref_model else None
+            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
 
-        # 3. Updates: epochs x minibatches; after the first, the policy is off-policy w.r.t. pi_old.
+        # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
-        step_stats, n_updates = [], 0
-        for k, (idx, rows) in enumerate(zip(minibatches, kept)):
-            # --routing-replay: the old-logp pass's experts, also in any recompute during backward
-            with routing.replay(routing.indices if args.routing_replay else None, rows):
-                logp, token_entropy = train_model(roll[rows], args.temperature)
-                if k == 0 and first_on_policy:
-                    old_logp[rows], entropy[rows] = logp.detach(), token_entropy
-                # the whole minibatch's denominator; torchrun: token-mean divides by all ranks'
-                # tokens / world (each rank's B is already B / world)
-                denominator = (
-                    common.mean_denominator(mask[idx].sum())
-                    if args.loss_agg == "token-mean"
-                    else len(idx) * (args.max_new_tokens if args.loss_agg == "seq-mean-token-sum-norm" else 1)
-                )
-                loss, stats = grpo_loss(
-                    logp,
-                    old_logp[rows],
-                    advantages[rows],
-                    mask[rows],
-                    args.eps_low,
-                    args.eps_high,
-                    ref_logp[rows] if ref_model else None,
-                    args.kl_coef,
-                    args.loss_agg,
-                    max_len=args.max_new_tokens,
-                    denominator=denominator,
-                )
+        updates = []
+        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+            # rows with A = 0 add nothing (unless the KL term pulls them): not forwarded
+            rows = idx if ref_model is not None else common.rows_with_signal(idx, advantages)
+            ref = ref_logp[rows] if ref_model is not None else None
+            denominator = loss_denominator(args.loss_agg, mask[idx], args.max_new_tokens)  # the whole minibatch's
+            with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
+                logp, _ = policy(roll[rows], args.temperature)
+                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], mask[rows], args.eps_low, args.eps_high,
+                                        ref, args.kl_coef, args.loss_agg, args.max_new_tokens, denominator)  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-            # skipped rows are never clipped: the clip fractions are over the whole minibatch's tokens
-            kept_share = (mask[rows].sum() / mask[idx].sum().clamp(min=1)).item()
-            stats.update({key: stats[key] * kept_share for key in ("clip_frac", "clip_frac_low", "clip_frac_high")})
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if not guard.ok(step, loss, grad_norm):
-                continue  # skipped: no optimizer.step(), so weights and AdamW state are untouched
-            optimizer.step()
-            n_updates += 1
-            step_stats.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+            if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
+                optimizer.step()
+                updates.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
-        # Routing drift (MoE): the experts of this step's completions before vs after its updates.
-        drift = {}
-        if routing.blocks:
-            before = routing.indices
-            with torch.no_grad(), routing.record():
-                common.completion_logprobs(model, roll, args.temperature)
-            drift = {"routing_drift": common.routing_drift(before, routing.indices, mask)}
-
-        # 4. Logging.
-        step_time = time.perf_counter() - t0
-        n_tokens = mask.sum().item()
-        mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
-        row = {
-            "step": step,
-            "reward": common.global_mean(rewards),  # over all ranks' completions
-            "accuracy": common.global_mean(rewards),
-            "format_rate": common.global_mean(formats),
-            "loss": mean("loss"),
-            "clip_frac": mean("clip_frac"),
-            "clip_frac_low": mean("clip_frac_low"),
-            "clip_frac_high": mean("clip_frac_high"),
-            "kl": mean("kl"),
-            "ratio_mean": mean("ratio_mean"),
-            "ratio_max_dev": max((s["ratio_max_dev"] for s in step_stats), default=0.0),
-            "ratio_std": mean("ratio_std"),
-            **drift,
-            "entropy": masked_mean(entropy, mask).item(),
-            "response_len": mask.sum(1).mean().item(),
-            "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
-            "grad_norm": mean("grad_norm"),
-            "skipped_updates": args.epochs * args.minibatches - n_updates,
-            "tokens_per_s": n_tokens / t_sample,
-            "step_time_s": step_time,
-        }
-        progress.clip_fracs.append(row["clip_frac"])
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-            row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
-            tqdm.write(
-                f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
-                f"clip_frac {row['clip_frac']:.3f}"
-            )
-        logger.log(row)
-        bar.set_postfix(
-            reward=f"{row['reward']:.3f}", clip=f"{row['clip_frac']:.3f}", acc=f"{progress.last_eval['accuracy']:.3f}"
+        # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
+        run.log(
+            {
+                "step": step,
+                "reward": common.global_mean(rewards),  # means over all ranks' completions
+                "accuracy": common.global_mean(rewards),
+                "format_rate": common.global_mean(formats),
+                **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac*, kl, ratio_*
+                **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
+                "entropy": masked_mean(entropy, mask).item(),
+                "response_len": mask.sum(1).mean().item(),
+                "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+                "tokens_per_s": mask.sum().item() / sample_time,
+            }
         )
-
-        # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
-        progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
-        if common.checkpoint_due(args, step) and rank == 0:
-            common.save_checkpoint(logger.out, "grpo", args, model, tok, state)
-        if common.stop_requested():
-            break
-
-    interrupted = progress.step < args.steps
-    if not interrupted:
-        logger.save_model(model, tok)
-    logger.summary(
-        {
-            "algo": "grpo",
-            "model": args.model,
-            "task": args.task or ("jsonl" if args.data else "arith"),
-            "seed": args.seed,
-            "steps": args.steps,
-            "step": progress.step,
-            "interrupted": interrupted,
-            "eval_accuracy_before": progress.eval_before["accuracy"],
-            "eval_accuracy_after": progress.last_eval["accuracy"],
-            "eval_format_rate_after": progress.last_eval["format_rate"],
-            "wall_time_s": time.perf_counter() - t_start,
-            "peak_mem_mb": common.peak_memory_mb(device),
-            "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs),
-            "args": asdict(args),
-        }
-    )
-    logger.close()
-    if interrupted:
-        raise common.Interrupted(progress.step, logger.out)
-    return progress.last_eval
+        run.save_checkpoint_if_due(step)
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -29,12 +29,10 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 import common
 from common import arg, masked_mean
@@ -175,9 +173,9 @@ class Critic(nn.Module):
     """V(x, y_<t) for every completion position: a transformer trunk initialised from the policy
     checkpoint, with a scalar head initialised to zero (so V starts at 0 everywhere)."""
 
-    def __init__(self, model_name: str, device):
+    def __init__(self, model_name: str, device, grad_checkpointing: bool = False):
         super().__init__()
-        lm, _ = common.load_model(model_name, device)
+        lm, _ = common.load_model(model_name, device, grad_checkpointing)
         self.trunk = lm.get_decoder()
         self.head = nn.Linear(lm.config.hidden_size, 1, device=device)
         nn.init.zeros_(self.head.weight)
@@ -194,13 +192,6 @@ class Critic(nn.Module):
 
 
 def train(args: Args):
-    common.check_common_args(args, needs_group=False)
-    rank, world, local_rank = common.init_distributed(args.device)  # (0, 1, 0) without torchrun
-    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise common.UsageError(
-            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-            f"shares whose completions --minibatches {args.minibatches} divides"
-        )
     for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
         if getattr(args, name) < 0:
             raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -208,213 +199,96 @@ def train(args: Args):
         raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
-    train_set, eval_set = common.load_task(args.task, args.data)
-    eval_set = eval_set[: args.eval_size]
-    resume_from = common.open_checkpoint(args, "ppo") if args.resume else None
-
-    common.seed_everything(args.seed)
-    device = common.resolve_device(args.device, local_rank)
-    common.tiny_checkpoint(args.model) if args.model in common.TINY_MODELS else None  # first build is not timed
-    t_start = time.perf_counter()
-    model, tok = common.load_model(args.model, device)
+    env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --resume, seeds
+    model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     eos_ids = common.eos_token_ids(model, tok)
-    ref_model, _ = common.load_model(args.model, device)  # frozen copy of the initial policy
-    ref_model.eval().requires_grad_(False)
-    critic = Critic(args.model, device)
-    if args.grad_checkpointing:
-        critic.trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_critic = (
-        critic
-        if world == 1
-        else DistributedDataParallel(critic, device_ids=[device.index] if device.type == "cuda" else None)
-    )
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # the training forward; under torchrun through DDP, which averages the gradients over the ranks
-    train_model = common.CompletionLogprobs(model)
-    if world > 1:
-        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    # fused=True: each update is one kernel over all parameters, not a loop of per-tensor ops
+    ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)  # frozen initial policy
+    critic = Critic(args.model, env.device, args.grad_checkpointing)
+    policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
+    value = common.data_parallel(critic, env.device)  # roll -> values [B, T]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     critic_optimizer = torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True
     )
-    stream = common.PromptStream(train_set, args.seed)
-    sampling_gen = torch.Generator(device=device).manual_seed(args.seed + rank)  # each rank its own samples
-    guard, progress = common.NonFiniteGuard(args.max_consecutive_skips), common.Progress()
-    state = {
-        "optimizer": optimizer,
-        "stream": stream,
-        "sampling_gen": sampling_gen,
-        "guard": guard,
-        "progress": progress,
-        "critic": critic,
-        "critic_optimizer": critic_optimizer,
-    }  # not ref_model: it is the initial policy
-    if resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-        common.load_checkpoint(resume_from, model, state)
-        t_start -= progress.wall_time_s
-    else:
-        progress.eval_before = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-        tqdm.write(
-            f"step 0: eval accuracy {progress.eval_before['accuracy']:.3f}  "
-            f"format {progress.eval_before['format_rate']:.3f}"
-        )
-    logger = common.RunLogger(args.out, resume_from, enabled=rank == 0)
-    bar = tqdm(
-        range(progress.step + 1, args.steps + 1),
-        initial=progress.step,
-        total=args.steps,
-        desc="ppo",
-        dynamic_ncols=True,
-        disable=rank > 0,
-    )
-    for step in bar:
-        t0 = time.perf_counter()
-        # 1. Rollout.
-        examples = stream.next(args.prompts_per_step)[rank::world]  # every rank draws the same batch, keeps its share
-        prompts = [p for p in common.encode_prompts(tok, examples) for _ in range(args.group_size)]
-        answers = [ex["answer"] for ex in examples for _ in range(args.group_size)]
-        model.eval()
-        roll = common.sample(
-            model,
-            prompts,
-            args.max_new_tokens,
-            eos_ids,
-            tok.pad_token_id,
-            args.temperature,
-            args.top_p,
-            generator=sampling_gen,
-        )
-        t_sample = time.perf_counter() - t0
-        scores, formats, _ = common.score_rollout(tok, roll, answers)
-        mask = roll.completion_mask  # [B, T]
-        has_eos = torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=device)).any(1)
-        scores = scores.to(device) - args.missing_eos_penalty * (~has_eos).float()
+    stream = common.PromptStream(env.train_set, args.seed)
+    rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
+    guard = common.NonFiniteGuard(args.max_consecutive_skips)
+    # metrics, evaluation, checkpoints and --resume; a checkpoint saves the policy and these objects
+    # (not ref_model: it is the initial policy)
+    run = common.Run("ppo", args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard,
+                     critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
 
-        # 2. Old log-probs, reference log-probs and values, once per rollout; then rewards and GAE.
+    for step in run.steps():
+        # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
+        model.eval()
+        examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
+        prompts, answers = common.prompts_and_answers(tok, examples, args.group_size)
+        t0 = time.perf_counter()
+        roll = common.sample(
+            model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
+        )
+        sample_time = time.perf_counter() - t0
+        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
+
+        # 2. Score: 1 for a correct final answer, else 0; minus --missing-eos-penalty for a completion without EOS.
+        correct, formats = common.score_rollout(tok, roll, answers)  # [B], [B]
+        ends = common.completion_ends(roll, eos_ids)  # [B]
+        scores = correct.to(env.device) - args.missing_eos_penalty * (~ends).float()
+
+        # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout; then the
+        #    per-token rewards (score - beta * KL) and their GAE advantages.
         with torch.no_grad():
-            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)
-            ref_logp, _ = common.completion_logprobs(ref_model, roll, args.temperature)
-            old_values = critic(roll) * mask
-            rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)
+            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+            ref_logp, _ = common.completion_logprobs(ref_model, roll, args.temperature)  # [B, T]
+            old_values = critic(roll) * mask  # [B, T]
+            rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
 
-        # 3. Updates of policy and critic: epochs x minibatches.
+        # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
-        step_stats, n_updates = [], 0
-        for _ in range(args.epochs):
-            order = torch.randperm(len(roll), device=device)
-            for idx in order.chunk(args.minibatches):
-                logp, _ = train_model(roll[idx], args.temperature)
-                pg_loss, stats = ppo_policy_loss(
-                    logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
-                )
-                v_loss, v_stats = value_loss(
-                    train_critic(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
-                )
-                loss = pg_loss + args.vf_coef * v_loss
-                # torchrun: both losses are token means; rescale each rank's mean to its share of all
-                # ranks' tokens, so that DDP's average of the gradients is the whole batch's token mean
-                loss_scale = mask[idx].sum().clamp(min=1) / common.mean_denominator(mask[idx].sum())
-                optimizer.zero_grad(set_to_none=True)
-                critic_optimizer.zero_grad(set_to_none=True)
-                (loss * loss_scale).backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                if not guard.ok(step, loss, grad_norm, critic_grad_norm):
-                    continue  # skipped: no optimizer.step(), so weights and AdamW states are untouched
+        updates = []
+        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+            logp, _ = policy(roll[idx], args.temperature)
+            pg_loss, stats = ppo_policy_loss(
+                logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
+            )
+            v_loss, v_stats = value_loss(
+                value(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
+            )
+            loss = pg_loss + args.vf_coef * v_loss
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            (loss * common.token_mean_scale(mask[idx])).backward()  # torchrun: the whole batch's token mean
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            if guard.ok(step, loss, grad_norm, critic_grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
                 critic_optimizer.step()
-                n_updates += 1
-                step_stats.append(
-                    {
-                        **stats,
-                        **v_stats,
-                        "loss": pg_loss.item(),
-                        "value_loss": v_loss.item(),
-                        "grad_norm": grad_norm.item(),
-                        "critic_grad_norm": critic_grad_norm.item(),
-                    }
-                )
+                losses = {"loss": pg_loss.item(), "value_loss": v_loss.item()}
+                norms = {"grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()}
+                updates.append({**stats, **v_stats, **losses, **norms})
 
-        # 4. Logging.
-        step_time = time.perf_counter() - t0
-        mean = lambda k: sum(s[k] for s in step_stats) / max(1, len(step_stats))  # noqa: E731
-        raw_scores = scores + args.missing_eos_penalty * (~has_eos).float()
-        row = {
-            "step": step,
-            "reward": common.global_mean(raw_scores),  # over all ranks' completions
-            "accuracy": common.global_mean(raw_scores),
-            "format_rate": common.global_mean(formats),
-            "loss": mean("loss"),
-            "value_loss": mean("value_loss"),
-            "clip_frac": mean("clip_frac"),
-            "dual_clip_frac": mean("dual_clip_frac"),
-            "vf_clip_frac": mean("vf_clip_frac"),
-            "approx_kl": mean("approx_kl"),
-            "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
-            "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
-            "value_mean": masked_mean(old_values, mask).item(),
-            "entropy": masked_mean(entropy, mask).item(),
-            "response_len": mask.sum(1).mean().item(),
-            "eos_rate": has_eos.float().mean().item(),
-            "grad_norm": mean("grad_norm"),
-            "critic_grad_norm": mean("critic_grad_norm"),
-            "skipped_updates": args.epochs * args.minibatches - n_updates,
-            "tokens_per_s": mask.sum().item() / t_sample,
-            "step_time_s": step_time,
-        }
-        progress.clip_fracs.append(row["clip_frac"])
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last_eval = progress.last_eval = common.evaluate(model, tok, eval_set, args.max_new_tokens)
-            row.update({"eval_accuracy": last_eval["accuracy"], "eval_format_rate": last_eval["format_rate"]})
-            tqdm.write(
-                f"step {step}: reward {row['reward']:.3f}  eval accuracy {last_eval['accuracy']:.3f}  "
-                f"clip_frac {row['clip_frac']:.3f}  explained_var {row['explained_variance']:.3f}"
-            )
-        logger.log(row)
-        bar.set_postfix(
-            reward=f"{row['reward']:.3f}",
-            ev=f"{row['explained_variance']:.2f}",
-            acc=f"{progress.last_eval['accuracy']:.3f}",
+        # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
+        run.log(
+            {
+                "step": step,
+                "reward": common.global_mean(correct),  # means over all ranks' completions
+                "accuracy": common.global_mean(correct),
+                "format_rate": common.global_mean(formats),
+                **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
+                "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
+                "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
+                "value_mean": masked_mean(old_values, mask).item(),
+                "entropy": masked_mean(entropy, mask).item(),
+                "response_len": mask.sum(1).mean().item(),
+                "eos_rate": ends.float().mean().item(),
+                "tokens_per_s": mask.sum().item() / sample_time,
+            }
         )
-
-        # 5. Checkpoint (every --save-every steps, and on SIGINT/SIGTERM, which then stop the run).
-        progress.step, progress.wall_time_s = step, time.perf_counter() - t_start
-        if common.checkpoint_due(args, step) and rank == 0:
-            common.save_checkpoint(logger.out, "ppo", args, model, tok, state)
-        if common.stop_requested():
-            break
-
-    interrupted = progress.step < args.steps
-    if not interrupted and rank == 0:
-        logger.save_model(model, tok)
-        torch.save(critic.state_dict(), logger.out / "final" / "critic.pt")
-    logger.summary(
-        {
-            "algo": "ppo",
-            "model": args.model,
-            "task": args.task or ("jsonl" if args.data else "arith"),
-            "seed": args.seed,
-            "steps": args.steps,
-            "step": progress.step,
-            "interrupted": interrupted,
-            "eval_accuracy_before": progress.eval_before["accuracy"],
-            "eval_accuracy_after": progress.last_eval["accuracy"],
-            "eval_format_rate_after": progress.last_eval["format_rate"],
-            "wall_time_s": time.perf_counter() - t_start,
-            "peak_mem_mb": common.peak_memory_mb(device),
-            "mean_clip_frac": sum(progress.clip_fracs) / len(progress.clip_fracs),
-            "args": asdict(args),
-        }
-    )
-    logger.close()
-    if interrupted:
-        raise common.Interrupted(progress.step, logger.out)
-    return progress.last_eval
+        run.save_checkpoint_if_due(step)
+    return run.finish(critic=critic.state_dict())  # final/critic.pt beside the policy
 
 
 if __name__ == "__main__":

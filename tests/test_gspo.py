@@ -503,36 +503,60 @@ def test_smoke_run(tmp_path, variant):
     assert summary["args"]["minibatches"] == 2 and summary["args"]["group_size"] == 4
 
 
-@pytest.mark.parametrize("minibatches, lr, max_dev", [(1, 3e-4, 0.0), (4, 1e-12, 1e-5)])
-def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr, max_dev):
-    """The first minibatch takes pi_old from its own forward pass and the others from one no-grad
-    pass. One minibatch: every ratio is exactly 1. Four minibatches with an lr too small to move a
-    float32 weight: every minibatch is still on-policy, so all ratios are 1 to rounding (a row whose
-    pi_old came from the wrong place, or was never filled, would be far off)."""
+@pytest.mark.parametrize("minibatches, lr", [(1, 3e-4), (4, 1e-12)])
+def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr):
+    """pi_old's log-probs come from one no-grad pass before the updates. One minibatch, or four with
+    an lr too small to move a float32 weight: every update is on-policy, so every ratio is 1 to
+    rounding (the no-grad pass and the training forward may batch rows differently), never
+    clipped; a row whose pi_old was taken from the wrong row or never filled would be far off."""
     rows, _ = run_smoke("gspo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
     for r in rows:
-        assert r["ratio_max_dev"] <= max_dev and r["clip_frac"] == 0.0, r
+        assert r["ratio_max_dev"] <= 1e-5 and r["clip_frac"] == 0.0, r
+
+
+# A reward that depends on the row alone (row i of B): 1 for the first row of every even group of
+# 4, else 0, so that exactly half the groups are constant whatever the model samples on this CPU.
+ALTERNATING_CONSTANT_GROUPS = (
+    "def rows_reward(tok, roll, answers):\n"
+    "    B = len(answers)\n"
+    "    return torch.tensor([float(i % 8 == 0) for i in range(B)]), torch.ones(B)\n"
+    "common.score_rollout = rows_reward\n"
+)
+
+
+def patched_script(path, patch: str):
+    """A copy of gspo.py's entry point with `patch` (Python source) run first."""
+    from helpers import ROOT
+
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport torch\nimport common, gspo\n"
+        + patch
+        + "common.main(gspo.train, gspo.Args, 'gspo')\n"
+    )
+    return path
 
 
 def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
-    """train() forwards only the rows with a non-zero advantage. A copy of gspo.py whose advantages
-    are shifted by 1e-30 (so none is exactly 0, and no row is skipped; 1e-30 is lost next to any
-    real advantage) runs the same two steps: the weights and the logged metrics agree."""
-    from helpers import ROOT
+    """train() forwards only the rows with a non-zero advantage. The precondition is built, not
+    hoped for: the reward is patched to depend on the row alone ([1, 0, 0, 0] in even groups,
+    [0, 0, 0, 0] in odd ones), so on any CPU half the groups are constant and their rows skipped.
+    A second copy also shifts every advantage by 1e-30 (none is exactly 0, so no row is skipped;
+    1e-30 is lost next to any real advantage). The two runs' weights and metrics agree (clip_frac
+    aside: it counts the rows that enter the loss, which is what differs)."""
     from safetensors.torch import load_file
 
-    no_skip = tmp_path / "gspo_no_skip.py"
-    no_skip.write_text(
-        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n"
-        "exact = gspo.group_advantages\n"
-        "gspo.group_advantages = lambda rewards, group_size: exact(rewards, group_size) + 1e-30\n"
-        "common.main(gspo.train, gspo.Args, 'gspo')\n"
+    skip_script = patched_script(tmp_path / "skip.py", ALTERNATING_CONSTANT_GROUPS)
+    every_script = patched_script(
+        tmp_path / "every.py",
+        ALTERNATING_CONSTANT_GROUPS
+        + "exact = gspo.group_advantages\n"
+        + "gspo.group_advantages = lambda rewards, group_size: exact(rewards, group_size) + 1e-30\n",
     )
-    skip, _ = run_smoke("gspo.py", tmp_path / "skip", ["--variant", "token"])
-    every, _ = run_smoke(str(no_skip), tmp_path / "every", ["--variant", "token"])
-    assert all(0 < r["zero_std_frac"] < 1 for r in skip)  # some rows, not all, were left out
+    skip, _ = run_smoke(str(skip_script), tmp_path / "skip", ["--variant", "token"])
+    every, _ = run_smoke(str(every_script), tmp_path / "every", ["--variant", "token"])
+    assert all(r["zero_std_frac"] == 0.5 for r in skip)  # by construction: half the rows are left out
     for a, b in zip(skip, every):
-        for key in ("reward", "eval_accuracy", "entropy", "clip_frac", "grad_norm", "loss"):
+        for key in ("reward", "eval_accuracy", "entropy", "grad_norm", "loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
     for name, w in weights[0].items():
