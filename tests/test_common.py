@@ -155,6 +155,46 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     assert ours == pytest.approx(hf_acc, abs=1e-6)  # evaluate averages in float32
 
 
+FAST_RECIPE = "common.TINY_WARMSTART = dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
+
+
+def test_building_the_tiny_checkpoint_leaves_the_random_state_alone(tmp_path, monkeypatch):
+    """The first call builds the checkpoint (its own seeded SFT run); the caller's torch, numpy and
+    Python random streams must continue as if nothing had run, or a first run differs from every
+    later one. A recipe of 3 SFT steps (its own cache key) in an empty cache keeps this fast."""
+    import random
+
+    monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
+    monkeypatch.setattr(common, "TINY_WARMSTART", dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    common.seed_everything(7)
+    expected = (torch.rand(4), np.random.rand(4), random.random())
+    common.seed_everything(7)
+    path = common.tiny_checkpoint()
+    assert path.startswith(str(tmp_path))  # it was built here, now
+    after = (torch.rand(4), np.random.rand(4), random.random())
+    assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
+
+
+def test_first_run_that_builds_the_checkpoint_equals_the_next(tmp_path, monkeypatch):
+    """`python gspo.py` twice on an empty cache: the first run builds the embedded checkpoint, the
+    second loads it; with the same seed both log the same metrics (timings aside)."""
+    from helpers import ROOT, run_smoke
+
+    script = tmp_path / "gspo_fast_recipe.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n" + FAST_RECIPE
+                      + "common.main(gspo.train, gspo.Args, 'gspo')\n")  # fmt: skip
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RLREF_CACHE", str(cache))  # the subprocesses inherit it
+    runs = []
+    for name in ("first", "second"):
+        runs.append(run_smoke(str(script), tmp_path / name)[0])
+        assert cache.is_dir() and len(list(cache.iterdir())) == 1  # built once, by the first run
+    for a, b in zip(*runs):
+        assert {k: v for k, v in a.items() if "time" not in k and "per_s" not in k} == {
+            k: v for k, v in b.items() if "time" not in k and "per_s" not in k
+        }
+
+
 @given(st.text(alphabet=st.sampled_from(common.TINY_CHARS), max_size=40))
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_char_tokenizer_round_trips_any_printable_text(char_tok, text):
