@@ -1,17 +1,18 @@
 """common.py: everything ppo.py, grpo.py and gspo.py share that is not the algorithm.
 
-Sections, in reading order:
-  1. CLI           Args dataclass -> argparse, input checks: one-line errors with exit status 2
-  2. Data          the built-in `arith` task and a JSONL loader (prompt/answer or GSM8K)
-  3. Rewards       strict final-answer extraction, exact-match reward, a separate format signal
-  4. Tiny model    `tiny_checkpoint(name)`: a Qwen3 (or Qwen3-MoE) + char tokenizer, warm-started, cached
-  5. Loading       model/tokenizer loading, EOS ids, prompt formatting (chat template if any)
-  6. Sampling      batched generation: left padding, KV cache, temperature, top-p, many EOS ids
-  7. Log-probs     per-token log-probs and true entropy in float32, chunked over the vocabulary
-  7b. Routing     MoE routing record / replay (Routing Replay) and routing drift
-  8. Evaluation    greedy held-out accuracy and format rate
-  9. Logging       metrics.jsonl, summary.json, final/ checkpoint, seeding, peak memory
- 10. Resume        checkpoints (atomic), --resume, SIGINT/SIGTERM, the non-finite guard, exit status
+A script's train() calls into it in this order, and the sections follow that order:
+   1. Command line     Args dataclass -> argparse, one-line errors with exit status 2, main()
+   2. Setup            setup(): checks, torchrun, data, --resume, device and seeds
+   3. Data             the built-in `arith` task, JSONL / GSM8K files, PromptStream, prompt token ids
+   4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, cached)
+   5. Sampling         sample(): batched generation with a KV cache -> Rollout
+   6. Rewards, eval    exact final-answer match, format signal, greedy held-out accuracy
+   7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
+   8. Updates          minibatches, rows_with_signal, the non-finite guard, update metrics
+   9. The run          Run: metrics.jsonl, evaluation when due, checkpoints, summary, final/
+  10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
+  11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
+  12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
 
 The tiny checkpoint is cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
 of its recipe, so changing the recipe builds a new one and never reuses a stale one.
@@ -45,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 # ---------------------------------------------------------------------------------------------
-# 1. CLI
+# 1. Command line: flags from a dataclass, checks with one-line errors (exit status 2), main()
 # ---------------------------------------------------------------------------------------------
 
 
@@ -202,12 +203,92 @@ def check_model_name(model: str):
         raise UsageError(f"--model {model}: no such directory; {expected}")
 
 
+EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130) or SIGTERM (143)
+
+
+def main(train, args_cls, algo: str, argv=None):
+    """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
+    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 stopped by SIGINT / SIGTERM
+    after finishing the step and saving a checkpoint (continue it with --resume)."""
+    previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
+    _stop["signum"] = None
+    try:
+        train(parse_args(args_cls, argv, algo))
+    except UsageError as e:
+        die(str(e), EXIT_USAGE)
+    except NonFiniteError as e:
+        die(str(e), EXIT_NON_FINITE)
+    except Interrupted as e:
+        print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
+        sys.exit(128 + _stop["signum"])
+    except KeyboardInterrupt:  # the second SIGINT / SIGTERM
+        print("interrupted: stopped at once, without a checkpoint", file=sys.stderr)
+        sys.exit(128 + (_stop["signum"] or signal.SIGINT))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
-# 2. Data
+# 2. Setup: what a run needs before its model: checks, torchrun, data, --resume, device, seeds
 # ---------------------------------------------------------------------------------------------
 
+
+@dataclass
+class Setup:
+    """What `setup` found out before any model is loaded."""
+
+    rank: int  # this process's rank under torchrun (0 without)
+    world: int  # number of processes (1 without torchrun)
+    device: torch.device
+    train_set: list  # training records {"prompt", "answer"}
+    eval_set: list  # held-out records, at most --eval-size, never overlapping train_set
+    resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
+
+
+def setup(args, algo: str, needs_group: bool) -> Setup:
+    """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
+    any output is written), torchrun's process group, the data, the --resume checkpoint, the
+    device and the seeds. The embedded checkpoint is built here on first use (not timed)."""
+    check_common_args(args, needs_group)
+    rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
+    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
+        raise UsageError(
+            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
+            f"shares whose completions --minibatches {args.minibatches} divides"
+        )
+    train_set, eval_set = load_task(args.task, args.data)
+    resume_from = open_checkpoint(args, algo) if args.resume else None
+    device = resolve_device(args.device, local_rank)
+    if args.model in TINY_MODELS:
+        tiny_checkpoint(args.model)
+    seed_everything(args.seed)
+    return Setup(rank, world, device, train_set, eval_set[: args.eval_size], resume_from)
+
+
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Data: the built-in `arith` task, JSONL / GSM8K files, the prompt stream, prompts as token ids
+# ---------------------------------------------------------------------------------------------
+
+
 MAX_SEED = 2**32 // 1000 - 1  # PromptStream seeds numpy with seed * 1000 + epoch: must fit 32 bits
+
 ARITH_EVAL_SEED = 1234  # fixed, so the held-out set is the same for every run seed
+
 ARITH_EVAL_SIZE = 500
 
 
@@ -230,14 +311,14 @@ def load_jsonl(path: str):
     try:
         lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--data {path}: cannot read ({e.__class__.__name__})")
+        raise UsageError(f"--data {path}: cannot read ({e.__class__.__name__})") from e
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"--data {path}:{lineno}: invalid JSON ({e.msg})")
+            raise UsageError(f"--data {path}:{lineno}: invalid JSON ({e.msg})") from e
         if not isinstance(rec, dict):
             raise UsageError(f"--data {path}:{lineno}: expected a JSON object")
         prompt = rec.get("prompt", rec.get("question"))
@@ -309,53 +390,85 @@ class PromptStream:
         self._order = self._permutation()
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Rewards
-# ---------------------------------------------------------------------------------------------
-
-_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?|[-+]?\.\d+")
+SYSTEM_PROMPT = "Solve the problem step by step, then write the final answer as a number after '####'."
 
 
-def normalize_number(s: str) -> str | None:
-    """'1,234' -> '1234', '12.0' -> '12', '+5' -> '5'; None if `s` is not exactly one number."""
-    s = s.strip().replace("$", "")
-    if not _NUMBER.fullmatch(s):
-        return None
-    s = s.replace(",", "").lstrip("+")
-    if s.startswith((".", "-.")):  # '.5' -> '0.5', '-.5' -> '-0.5'
-        s = s.replace(".", "0.", 1)
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    if s in ("-0", "-", ""):
-        s = "0"
-    return s
+def encode_prompts(tok, examples) -> list[list[int]]:
+    """Token ids per prompt: through the chat template (with the answer-format instruction) when
+    the tokenizer has one, as plain text otherwise (the tiny model and base checkpoints)."""
+    if getattr(tok, "chat_template", None):
+        return [
+            tok.apply_chat_template(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex["prompt"]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            for ex in examples
+        ]
+    return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
 
 
-def extract_answer(completion: str) -> str | None:
-    """The final answer, strictly: the text after the last '####' if present, else the whole
-    completion, and it must be exactly one number. A completion that merely contains the right
-    number somewhere ("46 or 47", "I think 46") has no answer. Empty text has no answer."""
-    text = completion.rsplit("####", 1)[-1] if "####" in completion else completion
-    return normalize_number(text)
-
-
-def score(completion: str, answer: str) -> tuple[float, float]:
-    """(reward, format_ok): reward 1.0 iff the extracted answer equals the gold answer."""
-    pred = extract_answer(completion)
-    gold = normalize_number(answer)
-    if gold is None:  # non-numeric gold answers: exact string match after stripping
-        gold = answer.strip()
-        pred = completion.rsplit("####", 1)[-1].strip() or None
-    return float(pred is not None and pred == gold), float(pred is not None)
+def prompts_and_answers(tok, examples, group_size: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
+    `group_size` consecutive rows), and the gold answer of every row."""
+    prompts = [ids for ids in encode_prompts(tok, examples) for _ in range(group_size)]
+    return prompts, [ex["answer"] for ex in examples for _ in range(group_size)]
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The embedded tiny Qwen3 checkpoint
+# 4. Models: loading a checkpoint, its EOS ids, and the embedded tiny Qwen3 (built on first use)
 # ---------------------------------------------------------------------------------------------
+
+
+def load_model(name: str, device: torch.device, grad_checkpointing: bool = False, dtype=None):
+    """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
+    master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
+    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
+    grad_checkpointing: recompute activations in backward (in train mode), less memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoint(name) if name in TINY_MODELS else name
+    if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
+        # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
+        # only add synchronisation (and collapse when another process shares the cores).
+        torch.set_num_threads(1)
+    if "RLREF_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
+    if dtype is None:
+        dtype = torch.float32
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
+        if name in TINY_MODELS:
+            raise
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device), tok
+
+
+def eos_token_ids(model, tok) -> list[int]:
+    """Every id that ends a completion: the generation config may list several (Qwen3 does)."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(tok.eos_token_id)
+    return ids
+
 
 TINY_MODELS = ("tiny", "tiny-moe")
+
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
+
 TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: any JSONL text tokenizes
+
 TINY_CONFIG = dict(
     hidden_size=128,
     intermediate_size=384,
@@ -368,8 +481,11 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
     rms_norm_eps=1e-6,
 )
+
 TINY_WARMSTART = dict(seed=0, max_steps=1500, batch=64, lr=2e-3, target_accuracy=0.2, probe_every=25, probe_size=256)
+
 TINY_RECIPE_VERSION = 1
+
 # tiny-moe: the same attention stack with every MLP a sparse MoE block (GSPO paper section 5.3):
 # 8 experts, top-2, each expert half the dense MLP's width, so 2 active experts cost one dense MLP.
 TINY_MOE_CONFIG = dict(
@@ -383,6 +499,7 @@ TINY_MOE_CONFIG = dict(
     router_aux_loss_coef=0.0,
     output_router_logits=False,
 )
+
 TINY_SPECS = {  # name -> (cache-directory prefix, transformers class prefix, config)
     "tiny": ("tiny-qwen3", "Qwen3", TINY_CONFIG),
     "tiny-moe": ("tiny-qwen3moe", "Qwen3Moe", TINY_MOE_CONFIG),
@@ -481,86 +598,7 @@ def _warm_start_tiny(name: str = "tiny"):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Model loading and prompts
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
-    if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_model(name: str, device: torch.device, grad_checkpointing: bool = False, dtype=None):
-    """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
-    master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
-    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
-    grad_checkpointing: recompute activations in backward (in train mode), less memory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = tiny_checkpoint(name) if name in TINY_MODELS else name
-    if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
-        # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
-        # only add synchronisation (and collapse when another process shares the cores).
-        torch.set_num_threads(1)
-    if "RLREF_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
-    if dtype is None:
-        dtype = torch.float32
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    if grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device), tok
-
-
-def eos_token_ids(model, tok) -> list[int]:
-    """Every id that ends a completion: the generation config may list several (Qwen3 does)."""
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    return ids
-
-
-SYSTEM_PROMPT = "Solve the problem step by step, then write the final answer as a number after '####'."
-
-
-def encode_prompts(tok, examples) -> list[list[int]]:
-    """Token ids per prompt: through the chat template (with the answer-format instruction) when
-    the tokenizer has one, as plain text otherwise (the tiny model and base checkpoints)."""
-    if getattr(tok, "chat_template", None):
-        return [
-            tok.apply_chat_template(
-                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex["prompt"]}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            for ex in examples
-        ]
-    return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
-
-
-def prompts_and_answers(tok, examples, group_size: int) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
-    `group_size` consecutive rows), and the gold answer of every row."""
-    prompts = [ids for ids in encode_prompts(tok, examples) for _ in range(group_size)]
-    return prompts, [ex["answer"] for ex in examples for _ in range(group_size)]
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. Sampling
+# 5. Sampling: batched generation with a KV cache: left padding, temperature, top-p, several EOS ids
 # ---------------------------------------------------------------------------------------------
 
 
@@ -598,13 +636,66 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (nucleus sampling)."""
-    sorted_logits, order = logits.sort(-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens entirely beyond the nucleus
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+def sample(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator=None,
+) -> Rollout:
+    """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
+    samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
+    and every position after it is padding. Greedy output equals `model.generate`'s (tests:
+    test_common.py, test_speed.py; bench: tests/bench_sampler.py).
+
+    Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
+    once), dropping the rows that have finished whenever half of the batch is done. Any other
+    model runs through its own HF forward."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    B = len(prompts)
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(B, max_new_tokens, device=device)
+    roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
+    with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
+        rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
+        fast = _StaticKVDecoder.supports(model)
+        if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
+            distinct, copies = torch.unique(
+                torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True
+            )
+            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(
+                0, copies, rows
+            )  # a row of each
+            shared = len(distinct) < B
+            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens)
+            logits = decoder.prefill()
+            if shared:
+                logits = logits.index_select(0, copies)
+                decoder.keep(copies)
+        else:
+            decoder = _HFDecoder(model, roll, max_new_tokens)
+            logits = decoder.prefill()
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
+        for t in range(max_new_tokens):
+            token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
+            token = torch.where(alive, token, pad_id)
+            out[rows, t], mask[rows, t] = token, alive.float()
+            alive &= ~torch.isin(token, eos)
+            if t == max_new_tokens - 1 or not alive.any():
+                break
+            if fast and 2 * int(alive.sum()) <= len(rows):  # half done: drop finished rows
+                keep = alive.nonzero().squeeze(1)
+                decoder.keep(keep)
+                rows, alive, token = rows[keep], alive[keep], token[keep]
+            logits = decoder.step(token)
+    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1])
 
 
 def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
@@ -620,6 +711,15 @@ def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float,
     return (logits.softmax(-1) / noise[rows]).argmax(-1)
 
 
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (nucleus sampling)."""
+    sorted_logits, order = logits.sort(-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens entirely beyond the nucleus
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
 def _left_pad(prompts: list[list[int]], pad_id: int, device):
     """([B, P] ids left-padded with pad_id, [B, P] mask of the real tokens), one tensor call each."""
     P = max(map(len, prompts))
@@ -628,33 +728,23 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
     return ids, mask
 
 
-def _rms_norm(x, norm):
-    """`norm` (an HF RMSNorm module) applied as HF does: float32 statistics, cast back to x's
-    dtype, then the weight (for float32 x, inside the same call: bit for bit the same)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
-
-
 class _StaticKVDecoder:
     """Prefill and one-token decode steps of a Llama-family decoder (Qwen2, Qwen3, Llama), calling
     the model's own modules layer by layer, over buffers allocated per `sample` call:
       k, v    [B, kv_heads, C, head_dim] per layer; slot s holds sequence position s. C slots:
               room for the prompt and GROW more tokens, grown by GROW slots when full (one copy
               per GROW steps), so that a step attends over about as many slots as are written,
-              not over P + T mostly empty ones; with fixed_shapes all P + T from the start
+              not over P + T mostly empty ones
       bias    [B, 1, 1, P + T] additive attention mask: -inf on left padding and on slots not
               written yet; each step opens its own slot in place
       cos/sin RoPE for every slot, positions counted from each row's first real token
-      slot    the slot the next token goes to: a Python int, or with fixed_shapes a [1] tensor
-              advanced in place
+      slot    the slot the next token goes to
     A decode step attends over all C slots (masked: on CPU this beats slicing the written slots,
-    whose strided batches run slower in batched matmul). With fixed_shapes the slot is a tensor
-    and every step touches only these buffers: on CUDA it can be recorded once as a graph.
+    whose strided batches run slower in batched matmul).
     The arithmetic is the HF forward's, with RMSNorm as one call and q and k normalised and
     rotated together (both exact), and the attention done directly (float rounding differs)."""
 
-    GROW = 16  # cache slots added at a time (64 x 64 greedy on CPU: 4% faster than all P + T at once, 14-16% with EOS at ~4 tokens)
+    GROW = 16  # cache slots added at a time (fewer slots per step than allocating all P + T at once)
 
     MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -670,13 +760,13 @@ class _StaticKVDecoder:
             and layer_types == {"full_attention"}
         )  # sliding-window layers: HF forward instead
 
-    def __init__(self, model, roll: Rollout, max_new_tokens: int, fixed_shapes: bool = False):
+    def __init__(self, model, roll: Rollout, max_new_tokens: int):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
         self.prompt_ids = roll.prompt_ids  # only the prompts of `roll` are used
         (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-        kv_shape = (B, self.kv_heads, L if fixed_shapes else min(L, P + self.GROW), self.head_dim)
+        kv_shape = (B, self.kv_heads, min(L, P + self.GROW), self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
@@ -687,7 +777,7 @@ class _StaticKVDecoder:
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
-        self.slot = torch.tensor([P], device=device) if fixed_shapes else P
+        self.slot = P
         # Qwen3 normalises each head's query and key (q_norm, k_norm): both weights as one [heads + kv_heads, D]
         self.qk_norm = [
             None
@@ -703,7 +793,7 @@ class _StaticKVDecoder:
         # On CPU, the q, k, v projections as one matmul and the MLP's gate and up projections as
         # one, over weights concatenated here, save a few percent of a small model's decode step
         # (a copy of those weights, made per sample() call as they change between training steps;
-        # on CUDA the copy would cost memory, and a CUDA graph removes per-call costs instead)
+        # on CUDA the copy would cost memory)
         fuse = device.type == "cpu"
         self.qkv = [
             _concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
@@ -726,15 +816,12 @@ class _StaticKVDecoder:
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
-        if isinstance(self.slot, int):
-            if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots, a layer at a time
-                more = min(self.GROW, self.bias.shape[-1] - self.slot)  # up to P + T slots
-                for cache in (self.k, self.v):
-                    for i, c in enumerate(cache):
-                        cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
-            self.bias[..., self.slot] = 0.0  # the new token's slot becomes visible
-        else:
-            self.bias.index_fill_(-1, self.slot, 0.0)
+        if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots, a layer at a time
+            more = min(self.GROW, self.bias.shape[-1] - self.slot)  # up to P + T slots
+            for cache in (self.k, self.v):
+                for i, c in enumerate(cache):
+                    cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
+        self.bias[..., self.slot] = 0.0  # the new token's slot becomes visible
         logits = self._forward(token[:, None], self.slot, self.bias[..., : self.k[0].shape[2]])
         self.slot += 1
         return logits
@@ -747,17 +834,13 @@ class _StaticKVDecoder:
         self.bias, self.cos, self.sin = take(self.bias), take(self.cos), take(self.sin)
 
     def _forward(self, ids, first, bias):
-        """Tokens `ids` [B, S] into cache slots first..first+S-1 (`first` an int, or a [1] tensor),
+        """Tokens `ids` [B, S] into cache slots first..first+S-1,
         attending to slots 0..N-1 with `bias` [B, 1, G * S or 1, N]; returns the logits after the
         last of them (the last layer, once its keys and values are cached, runs for that token only)."""
         h = self.base.embed_tokens(ids)
         (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
-        if isinstance(first, int):  # slices and in-place copies: cheaper than index_select/index_copy_
-            cos, sin = self.cos[:, first : first + S, None], self.sin[:, first : first + S, None]
-            write = lambda cache, x: cache[:, :, first : first + S].copy_(x)  # noqa: E731
-        else:
-            cos, sin = self.cos.index_select(1, first)[:, :, None], self.sin.index_select(1, first)[:, :, None]
-            write = lambda cache, x: cache.index_copy_(2, first, x)  # noqa: E731
+        cos, sin = self.cos[:, first : first + S, None], self.sin[:, first : first + S, None]
+        write = lambda cache, x: cache[:, :, first : first + S].copy_(x)  # noqa: E731
         N, last = bias.shape[-1], self.base.layers[-1]
         for layer, qkv, gate_up, qk_norm, k_cache, v_cache in zip(
             self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v
@@ -794,6 +877,14 @@ class _StaticKVDecoder:
         return self.lm_head(self.base.norm(h[:, -1])).float()  # the module itself: its hooks run
 
 
+def _rms_norm(x, norm):
+    """`norm` (an HF RMSNorm module) applied as HF does: float32 statistics, cast back to x's
+    dtype, then the weight (for float32 x, inside the same call: bit for bit the same)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, eps=norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
+
+
 def _concat_linears(*linears) -> tuple:
     """(weight, bias) of one nn.Linear equal to `linears` applied side by side (outputs concatenated)."""
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
@@ -807,8 +898,8 @@ def _is_gated_mlp(mlp) -> bool:
 
 def _attention(q, k, v, bias, scale: float):
     """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias
-    broadcastable to [B, Hkv, M, N]. On CUDA the fused kernel (float32 scores for a bf16 model,
-    graph-safe); on CPU plain matmuls, which beat it for one-token queries."""
+    broadcastable to [B, Hkv, M, N]. On CUDA the fused kernel (float32 scores for a bf16 model);
+    on CPU plain matmuls, which beat it for one-token queries."""
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * scale + bias
@@ -849,285 +940,50 @@ class _HFDecoder:
         return self._forward(token[:, None], self.n - 1)
 
 
-class _GraphedStep:
-    """A decoder's `step` replayed as one CUDA graph: decoding a small batch on a GPU is bound by
-    kernel launches (a few dozen per layer), the graph launches them all at once. The first call
-    runs eagerly on a side stream (the warm-up capture requires) and then records the step; every
-    later call copies its input into the recorded one and replays."""
-
-    def __init__(self, step):
-        self.step, self.graph = step, None
-
-    def __call__(self, token):
-        if self.graph is not None:
-            self.token.copy_(token)
-            self.graph.replay()
-            return self.logits
-        self.token = token.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = self.step(self.token)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # records, does not run: the decoder's state is unchanged
-            self.logits = self.step(self.token)
-        return logits
-
-
-def sample(
-    model,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_ids: list[int],
-    pad_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    generator=None,
-    cuda_graph: bool = False,
-) -> Rollout:
-    """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
-    samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
-    and every position after it is padding. Greedy output equals `model.generate`'s (tests:
-    test_common.py, test_speed.py; bench: tests/bench_sampler.py).
-
-    Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once), dropping the rows that have finished whenever half of the batch is done; with
-    cuda_graph=True on CUDA, each decode step is instead a replayed CUDA graph (fixed batch; see
-    tests/gpu_bench.sh for what it gains). Any other model runs through its own HF forward."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = next(model.parameters()).device
-    B = len(prompts)
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(B, max_new_tokens, device=device)
-    roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
-    with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
-        rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
-        fast = _StaticKVDecoder.supports(model)
-        graphed = fast and cuda_graph and device.type == "cuda"
-        if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
-            distinct, copies = torch.unique(
-                torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True
-            )
-            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(
-                0, copies, rows
-            )  # a row of each
-            shared = len(distinct) < B
-            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens, fixed_shapes=graphed)
-            logits = decoder.prefill()
-            if shared:
-                logits = logits.index_select(0, copies)
-                decoder.keep(copies)
-        else:
-            decoder = _HFDecoder(model, roll, max_new_tokens)
-            logits = decoder.prefill()
-        step = _GraphedStep(decoder.step) if graphed else decoder.step
-        eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-        alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
-        for t in range(max_new_tokens):
-            token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
-            token = torch.where(alive, token, pad_id)
-            out[rows, t], mask[rows, t] = token, alive.float()
-            alive &= ~torch.isin(token, eos)
-            if t == max_new_tokens - 1 or not alive.any():
-                break
-            if fast and not graphed and 2 * int(alive.sum()) <= len(rows):  # half done: drop finished rows
-                keep = alive.nonzero().squeeze(1)
-                decoder.keep(keep)
-                rows, alive, token = rows[keep], alive[keep], token[keep]
-            logits = step(token)
-    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1])
+def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
+    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
+    return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Log-probs and entropy
+# 6. Rewards and evaluation: strict final-answer match, the format signal, greedy held-out accuracy
 # ---------------------------------------------------------------------------------------------
 
 
-def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions that predict each completion token."""
-    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
-    attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
-    positions = (attn.cumsum(1) - 1).clamp(min=0)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):  # bf16 compute, fp32 weights
-        hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
-    P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
-    return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?|[-+]?\.\d+")
 
 
-def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
-    logits = (hidden @ weight.T).float() / temperature  # [n, V] float32, one chunk only
-    logz = logits.logsumexp(-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    with torch.no_grad():  # entropy is a diagnostic here: no graph kept for it
-        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
-    return logp, entropy
+def normalize_number(s: str) -> str | None:
+    """'1,234' -> '1234', '12.0' -> '12', '+5' -> '5'; None if `s` is not exactly one number."""
+    s = s.strip().replace("$", "")
+    if not _NUMBER.fullmatch(s):
+        return None
+    s = s.replace(",", "").lstrip("+")
+    if s.startswith((".", "-.")):  # '.5' -> '0.5', '-.5' -> '-0.5'
+        s = s.replace(".", "0.", 1)
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    if s in ("-0", "-", ""):
+        s = "0"
+    return s
 
 
-LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits per chunk: 256 MB, ~440 tokens of Qwen's 151,936 vocabulary
+def extract_answer(completion: str) -> str | None:
+    """The final answer, strictly: the text after the last '####' if present, else the whole
+    completion, and it must be exactly one number. A completion that merely contains the right
+    number somewhere ("46 or 47", "I think 46") has no answer. Empty text has no answer."""
+    text = completion.rsplit("####", 1)[-1] if "####" in completion else completion
+    return normalize_number(text)
 
 
-def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
-    """Per-token log p(target) and the distribution's entropy from hidden states [..., H] and the
-    output projection `weight` [V, H], in float32 from logits / temperature. The vocabulary-sized
-    logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
-    [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
-    vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
-    shape = targets.shape
-    h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if chunk_tokens == "auto":
-        chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
-    if chunk_tokens is None or h.shape[0] <= chunk_tokens:
-        logp, ent = _logp_entropy_chunk(h, weight, y, temperature)
-        return logp.view(shape), ent.view(shape)
-    logps, ents = [], []
-    for s in range(0, h.shape[0], chunk_tokens):
-        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
-            lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
-        else:
-            lp, en = _logp_entropy_chunk(*args)
-        logps.append(lp)
-        ents.append(en)
-    return torch.cat(logps).view(shape), torch.cat(ents).view(shape)
-
-
-def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
-    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
-    Padding positions hold finite values; multiply by `roll.completion_mask` before use."""
-    hidden = completion_hidden_states(model.get_decoder(), roll)
-    weight = model.get_output_embeddings().weight
-    return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean of x over mask == 1 (same mask in numerator and denominator); 0 where mask is empty."""
-    mask = mask.to(x.dtype)
-    total = (x * mask).sum(dim) if dim is not None else (x * mask).sum()
-    count = mask.sum(dim) if dim is not None else mask.sum()
-    return total / count.clamp(min=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# 7b. Routing replay (Mixture-of-Experts models; GSPO paper, arXiv 2507.18071, section 5.3)
-# ---------------------------------------------------------------------------------------------
-
-
-class RoutingReplay:
-    """Record and replay the experts an MoE model routes each position to (Routing Replay).
-
-    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
-    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
-    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
-    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
-    are no-ops.
-
-    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
-    holds the expert ids each router chose at every position (prompt and completion) of the last
-    forward pass inside the block.
-
-    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
-    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
-    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
-    current router's softmax over all E experts, gathered at the recorded ids and renormalised
-    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
-    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
-    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
-    normaliser cancels and only the recorded experts' router rows get gradient; without it every
-    row does, through the normaliser. An expert not recorded for a position gets none from it.
-    With unchanged weights a replayed pass equals a plain one."""
-
-    def __init__(self, model, replay_updates: bool = False):
-        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-        self.indices, self._shape, self._layers = None, None, None
-        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
-
-    def for_update(self, rows):
-        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
-        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
-        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
-
-    def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
-        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
-        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
-        if not self.blocks:
-            return {}
-        before = self.indices
-        with torch.no_grad(), self.record():
-            completion_logprobs(model, roll, temperature)
-        return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}
-
-    @contextlib.contextmanager
-    def _hooked(self, router_hook):
-        handles = []
-        for layer, block in enumerate(self.blocks):
-            handles.append(block.register_forward_pre_hook(self._note_shape))
-            handles.append(block.gate.register_forward_hook(functools.partial(router_hook, layer)))
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _note_shape(self, block, inputs):
-        self._shape = inputs[0].shape[:-1]  # (B, S): the router sees them flattened
-
-    @contextlib.contextmanager
-    def record(self):
-        self._layers = [None] * len(self.blocks)
-        with self._hooked(self._record_hook):
-            yield self
-        self.indices = torch.stack(self._layers) if self.blocks else None
-
-    @staticmethod
-    def _check(router, output):
-        if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(
-                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
-                "as Qwen3-MoE's router does"
-            )
-
-    def _record_hook(self, layer, router, inputs, output):
-        self._check(router, output)
-        self._layers[layer] = output[2].detach().view(*self._shape, -1)
-
-    @contextlib.contextmanager
-    def replay(self, indices, rows=None):  # indices None: a plain forward (replay off)
-        if indices is None:
-            yield self
-            return
-        self._layers = indices if rows is None else indices[:, rows]
-        with self._hooked(self._replay_hook):
-            yield self
-
-    def _replay_hook(self, layer, router, inputs, output):
-        self._check(router, output)
-        logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
-        if ids.shape[0] != logits.shape[0]:
-            raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")
-        weights = logits.float().softmax(-1).gather(-1, ids)  # the router's own arithmetic, recorded ids
-        if getattr(router, "norm_topk_prob", False):
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(logits.dtype), ids
-
-
-def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
-    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
-    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
-    differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
-    if mask is None:
-        return differ.mean().item()
-    differ = differ[..., -mask.shape[-1] :]
-    m = mask.to(differ.dtype)[None].expand_as(differ)
-    return ((differ * m).sum() / m.sum().clamp(min=1)).item()
-
-
-# ---------------------------------------------------------------------------------------------
-# 8. Evaluation
-# ---------------------------------------------------------------------------------------------
+def score(completion: str, answer: str) -> tuple[float, float]:
+    """(reward, format_ok): reward 1.0 iff the extracted answer equals the gold answer."""
+    pred = extract_answer(completion)
+    gold = normalize_number(answer)
+    if gold is None:  # non-numeric gold answers: exact string match after stripping
+        gold = answer.strip()
+        pred = completion.rsplit("####", 1)[-1].strip() or None
+    return float(pred is not None and pred == gold), float(pred is not None)
 
 
 def score_rollout(tok, roll: Rollout, answers: list[str]):
@@ -1160,51 +1016,90 @@ def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -
 
 
 # ---------------------------------------------------------------------------------------------
-# 8b. Training-loop helpers: each one line in the loops of ppo.py, grpo.py and gspo.py
+# 7. Log-probs: per-token log-probs and entropy in float32, chunked over the vocabulary; the training forward
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Setup:
-    """What `setup` found out before any model is loaded."""
-
-    rank: int  # this process's rank under torchrun (0 without)
-    world: int  # number of processes (1 without torchrun)
-    device: torch.device
-    train_set: list  # training records {"prompt", "answer"}
-    eval_set: list  # held-out records, at most --eval-size, never overlapping train_set
-    resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
+def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
+    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
+    Padding positions hold finite values; multiply by `roll.completion_mask` before use."""
+    hidden = completion_hidden_states(model.get_decoder(), roll)
+    weight = model.get_output_embeddings().weight
+    return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens)
 
 
-def setup(args, algo: str, needs_group: bool) -> Setup:
-    """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
-    any output is written), torchrun's process group, the data, the --resume checkpoint, the
-    device and the seeds. The embedded checkpoint is built here on first use (not timed)."""
-    check_common_args(args, needs_group)
-    rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
-    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise UsageError(
-            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-            f"shares whose completions --minibatches {args.minibatches} divides"
-        )
-    train_set, eval_set = load_task(args.task, args.data)
-    resume_from = open_checkpoint(args, algo) if args.resume else None
-    device = resolve_device(args.device, local_rank)
-    if args.model in TINY_MODELS:
-        tiny_checkpoint(args.model)
-    seed_everything(args.seed)
-    return Setup(rank, world, device, train_set, eval_set[: args.eval_size], resume_from)
+class CompletionLogprobs(torch.nn.Module):
+    """`completion_logprobs(model, roll, temperature)` as a module's forward. DistributedDataParallel
+    averages the gradients of what runs through its wrapped module's forward, and the training
+    forward calls the decoder and the output projection directly, so the scripts wrap this."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, roll: Rollout, temperature: float = 1.0):
+        return completion_logprobs(self.model, roll, temperature)
 
 
-def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Under torchrun, `module` wrapped in DistributedDataParallel, which averages the gradients of
-    what runs through its forward over the ranks; without torchrun, `module` itself."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return module
-    from torch.nn.parallel import DistributedDataParallel
+def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
+    """[B, T, H] final hidden states at the positions that predict each completion token."""
+    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
+    attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
+    positions = (attn.cumsum(1) - 1).clamp(min=0)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):  # bf16 compute, fp32 weights
+        hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
+    P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
+    return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits per chunk: 256 MB, ~440 tokens of Qwen's 151,936 vocabulary
+
+
+def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
+    """Per-token log p(target) and the distribution's entropy from hidden states [..., H] and the
+    output projection `weight` [V, H], in float32 from logits / temperature. The vocabulary-sized
+    logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
+    [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
+    vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
+    shape = targets.shape
+    h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if chunk_tokens == "auto":
+        chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
+    if chunk_tokens is None or h.shape[0] <= chunk_tokens:
+        logp, ent = _logp_entropy_chunk(h, weight, y, temperature)
+        return logp.view(shape), ent.view(shape)
+    logps, ents = [], []
+    for s in range(0, h.shape[0], chunk_tokens):
+        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature)
+        if torch.is_grad_enabled():
+            lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
+        else:
+            lp, en = _logp_entropy_chunk(*args)
+        logps.append(lp)
+        ents.append(en)
+    return torch.cat(logps).view(shape), torch.cat(ents).view(shape)
+
+
+def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
+    logits = (hidden @ weight.T).float() / temperature  # [n, V] float32, one chunk only
+    logz = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    with torch.no_grad():  # entropy is a diagnostic here: no graph kept for it
+        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x over mask == 1 (same mask in numerator and denominator); 0 where mask is empty."""
+    mask = mask.to(x.dtype)
+    total = (x * mask).sum(dim) if dim is not None else (x * mask).sum()
+    count = mask.sum(dim) if dim is not None else mask.sum()
+    return total / count.clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Updates: minibatches, skipping rows without signal, the non-finite guard, the step's update metrics
+# ---------------------------------------------------------------------------------------------
 
 
 def minibatches(n: int, epochs: int, n_minibatches: int, device):
@@ -1230,6 +1125,37 @@ def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1) / mean_denominator(mask.sum())
 
 
+class NonFiniteError(Exception):
+    """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
+
+
+class NonFiniteGuard:
+    """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
+    update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
+    exactly as they were; `limit` skips in a row stop the run (NonFiniteError)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def ok(self, step: int, *values: torch.Tensor) -> bool:
+        if all(torch.isfinite(v).all() for v in values):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step {step}); "
+                f"stopping with the weights of the last finite update: lower --lr or check the data"
+            )
+        return False
+
+    def state_dict(self):
+        return {"in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state):
+        self.in_a_row = state["in_a_row"]
+
+
 def mean_over_updates(updates: list[dict], planned: int) -> dict:
     """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
     how many of the `planned` updates the non-finite guard skipped."""
@@ -1240,9 +1166,9 @@ def mean_over_updates(updates: list[dict], planned: int) -> dict:
     return out
 
 
-def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
-    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
-    return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
+# ---------------------------------------------------------------------------------------------
+# 9. The run: metrics.jsonl, evaluation when due, checkpoints, summary.json and final/
+# ---------------------------------------------------------------------------------------------
 
 
 class Run:
@@ -1355,23 +1281,22 @@ class Run:
         return progress.last_eval
 
 
-# ---------------------------------------------------------------------------------------------
-# 9. Seeding, logging, outputs
-# ---------------------------------------------------------------------------------------------
+@dataclass
+class Progress:
+    """What a training loop carries from step to step; checkpoints save it."""
 
+    step: int = 0
+    eval_before: dict | None = None
+    last_eval: dict | None = None
+    clip_fracs: list = field(default_factory=list)
+    wall_time_s: float = 0.0
 
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    def state_dict(self):
+        return dataclasses.asdict(self)
 
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+    def load_state_dict(self, state):
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 class RunLogger:
@@ -1410,22 +1335,27 @@ class RunLogger:
         self.metrics_file.close()
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
 def finite_or(x: float, default: float = float("nan")) -> float:
     return x if math.isfinite(x) else default
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Checkpoints, resume, interrupts, exit status
+# 10. Checkpoints, --resume and stop signals: atomic checkpoints, exact resume, SIGINT / SIGTERM
 # ---------------------------------------------------------------------------------------------
 
-EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130) or SIGTERM (143)
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = ("steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume")
-
-
-class NonFiniteError(Exception):
-    """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
 
 
 class Interrupted(Exception):
@@ -1435,51 +1365,6 @@ class Interrupted(Exception):
         super().__init__(
             f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; continue with --resume {out}"
         )
-
-
-class NonFiniteGuard:
-    """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
-    update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
-    exactly as they were; `limit` skips in a row stop the run (NonFiniteError)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row = limit, 0
-
-    def ok(self, step: int, *values: torch.Tensor) -> bool:
-        if all(torch.isfinite(v).all() for v in values):
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(
-                f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step {step}); "
-                f"stopping with the weights of the last finite update: lower --lr or check the data"
-            )
-        return False
-
-    def state_dict(self):
-        return {"in_a_row": self.in_a_row}
-
-    def load_state_dict(self, state):
-        self.in_a_row = state["in_a_row"]
-
-
-@dataclass
-class Progress:
-    """What a training loop carries from step to step; checkpoints save it."""
-
-    step: int = 0
-    eval_before: dict | None = None
-    last_eval: dict | None = None
-    clip_fracs: list = field(default_factory=list)
-    wall_time_s: float = 0.0
-
-    def state_dict(self):
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state):
-        for name, value in state.items():
-            setattr(self, name, value)
 
 
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
@@ -1666,31 +1551,6 @@ def load_checkpoint(found: Path, model, state: dict):
     set_rng_state(saved["rng"])
 
 
-def main(train, args_cls, algo: str, argv=None):
-    """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
-    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 stopped by SIGINT / SIGTERM
-    after finishing the step and saving a checkpoint (continue it with --resume)."""
-    previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
-    _stop["signum"] = None
-    try:
-        train(parse_args(args_cls, argv, algo))
-    except UsageError as e:
-        die(str(e), EXIT_USAGE)
-    except NonFiniteError as e:
-        die(str(e), EXIT_NON_FINITE)
-    except Interrupted as e:
-        print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
-        sys.exit(128 + _stop["signum"])
-    except KeyboardInterrupt:  # the second SIGINT / SIGTERM
-        print("interrupted: stopped at once, without a checkpoint", file=sys.stderr)
-        sys.exit(128 + (_stop["signum"] or signal.SIGINT))
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------------------------
 # 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE
 # ---------------------------------------------------------------------------------------------
@@ -1710,6 +1570,17 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return rank, world, local_rank
+
+
+def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Under torchrun, `module` wrapped in DistributedDataParallel, which averages the gradients of
+    what runs through its forward over the ranks; without torchrun, `module` itself."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -1740,14 +1611,116 @@ def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
     return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
 
 
-class CompletionLogprobs(torch.nn.Module):
-    """`completion_logprobs(model, roll, temperature)` as a module's forward. DistributedDataParallel
-    averages the gradients of what runs through its wrapped module's forward, and the training
-    forward calls the decoder and the output projection directly, so the scripts wrap this."""
+# ---------------------------------------------------------------------------------------------
+# 12. Mixture-of-Experts routing: record and replay each token's experts (GSPO paper section 5.3), routing drift
+# ---------------------------------------------------------------------------------------------
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
 
-    def forward(self, roll: Rollout, temperature: float = 1.0):
-        return completion_logprobs(self.model, roll, temperature)
+class RoutingReplay:
+    """Record and replay the experts an MoE model routes each position to (Routing Replay).
+
+    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
+    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
+    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
+    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
+    are no-ops.
+
+    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
+    holds the expert ids each router chose at every position (prompt and completion) of the last
+    forward pass inside the block.
+
+    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
+    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
+    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
+    current router's softmax over all E experts, gathered at the recorded ids and renormalised
+    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
+    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
+    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
+    normaliser cancels and only the recorded experts' router rows get gradient; without it every
+    row does, through the normaliser. An expert not recorded for a position gets none from it.
+    With unchanged weights a replayed pass equals a plain one."""
+
+    def __init__(self, model, replay_updates: bool = False):
+        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.indices, self._shape, self._layers = None, None, None
+        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
+
+    def for_update(self, rows):
+        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
+        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
+        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
+
+    def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
+        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
+        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
+        if not self.blocks:
+            return {}
+        before = self.indices
+        with torch.no_grad(), self.record():
+            completion_logprobs(model, roll, temperature)
+        return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}
+
+    @contextlib.contextmanager
+    def _hooked(self, router_hook):
+        handles = []
+        for layer, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(self._note_shape))
+            handles.append(block.gate.register_forward_hook(functools.partial(router_hook, layer)))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _note_shape(self, block, inputs):
+        self._shape = inputs[0].shape[:-1]  # (B, S): the router sees them flattened
+
+    @contextlib.contextmanager
+    def record(self):
+        self._layers = [None] * len(self.blocks)
+        with self._hooked(self._record_hook):
+            yield self
+        self.indices = torch.stack(self._layers) if self.blocks else None
+
+    @staticmethod
+    def _check(router, output):
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(
+                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                "as Qwen3-MoE's router does"
+            )
+
+    def _record_hook(self, layer, router, inputs, output):
+        self._check(router, output)
+        self._layers[layer] = output[2].detach().view(*self._shape, -1)
+
+    @contextlib.contextmanager
+    def replay(self, indices, rows=None):  # indices None: a plain forward (replay off)
+        if indices is None:
+            yield self
+            return
+        self._layers = indices if rows is None else indices[:, rows]
+        with self._hooked(self._replay_hook):
+            yield self
+
+    def _replay_hook(self, layer, router, inputs, output):
+        self._check(router, output)
+        logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
+        if ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")
+        weights = logits.float().softmax(-1).gather(-1, ids)  # the router's own arithmetic, recorded ids
+        if getattr(router, "norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+
+def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
+    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
+    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
+    differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
+    if mask is None:
+        return differ.mean().item()
+    differ = differ[..., -mask.shape[-1] :]
+    m = mask.to(differ.dtype)[None].expand_as(differ)
+    return ((differ * m).sum() / m.sum().clamp(min=1)).item()

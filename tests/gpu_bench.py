@@ -10,8 +10,8 @@ weights as the scripts keep them (the training forward under bf16 autocast), bui
 the pad and EOS ids). Sizes: --batch completions (64) of --new-tokens (256) after left-padded
 prompts of --prompt-len/2 .. --prompt-len (128) tokens.
 
-Rollout: common.sample with its CUDA-graph decode step, the same eagerly (cuda_graph=False), and
-Hugging Face's model.generate, greedy with EOS disabled (every row makes --new-tokens tokens),
+Rollout: common.sample and Hugging Face's model.generate, greedy with EOS disabled (every row
+makes --new-tokens tokens),
 plus common.sample at temperature 1 (the training setting); the median of --repeats after one
 warm-up each; and how many greedy rows are identical to generate's (bf16 kernels can break
 near-ties differently, so a few differing rows are not a bug).
@@ -135,24 +135,14 @@ def main():
     rollout_rows, train_rows = [], []
 
     # ---- rollout --------------------------------------------------------------------------
-    def ours(cuda_graph=True, **kw):
-        return lambda: common.sample(model, prompts, T, [], pad, greedy=True, cuda_graph=cuda_graph, **kw)
-
-    samplers = [
-        ("common.sample (CUDA graph)" if device.type == "cuda" else "common.sample", ours()),
-        ("common.sample eager", ours(cuda_graph=False)),
-    ]
-    if device.type != "cuda":
-        samplers = samplers[:1]
     gen = torch.Generator(device).manual_seed(0)
-    samplers.append(
+    samplers = [
+        ("common.sample", lambda: common.sample(model, prompts, T, [], pad, greedy=True)),
         (
             "common.sample, temperature 1",
-            lambda: common.sample(
-                model, prompts, T, [], pad, temperature=1.0, generator=gen, cuda_graph=device.type == "cuda"
-            ),
-        )
-    )
+            lambda: common.sample(model, prompts, T, [], pad, temperature=1.0, generator=gen),
+        ),
+    ]
     if not args.skip_generate:
         batch = common.Rollout.from_lists(prompts, [[]] * B, pad, device)
 
