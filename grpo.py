@@ -13,13 +13,18 @@ tokens of different sequences are weighted: "seq-mean-token-mean" (the paper: ev
 counts once), "token-mean" (DAPO: every token counts once), "seq-mean-token-sum-norm" (Dr. GRPO:
 a constant normaliser, no length bias).
 
-Defaults, by measurement on the tiny model (held-out accuracy from 0.216): the paper's
-seq-mean-token-mean with no KL term reached 0.704 / 0.726 / 0.670 after 600 steps (seeds 0-2).
---loss-agg token-mean looked better at 200 steps on seed 0 (0.572 against 0.474) but not at 400
-(0.634 / 0.610 on seeds 0 / 1, against 0.668 / 0.648), and --kl-coef 0.04 reached 0.520 at 200 steps on seed 0; so the
-defaults stay the paper's aggregation and beta = 0 (no reference model in memory). Completions
-here are 3-4 tokens long, so the aggregations differ little; they matter on long, variable-length
-completions.
+The defaults are the paper's aggregation and beta = 0 (no reference model in memory; the
+measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
+and adds nothing without a KL term; it stays in the batch but is not forwarded.
+
+What this file deliberately leaves out (what large frameworks add for scale): a separate
+inference engine (the policy samples itself, through common.sample, so sampling and training
+never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
+(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
+is the exact final-answer match of common.score).
+
+Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advantages`, then
+`train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
 
 Run (CPU, embedded tiny Qwen3, about 3 minutes):   python grpo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
@@ -60,7 +65,7 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
     minibatches: int = arg(
-        2, "minibatch updates per epoch over each rollout (2 learned faster than 4 here, see README)"
+        2, "minibatch updates per epoch over each rollout (every update after the first is off-policy)"
     )
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")

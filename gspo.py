@@ -9,7 +9,18 @@ Objective (paper Eq. 5), for G completions y_i of each prompt x, maximised:
 The importance ratio is one number per *sequence*, length-normalised, and the clip acts on whole
 sequences, where GRPO clips token by token. GSPO-token (section 4.3) gives every token the same
 ratio value, log s_it = sg[log s_i] + logp_t - sg[logp_t], so that per-token advantages can be
-used; with one advantage per sequence its loss and gradient equal GSPO's.
+used; with one advantage per sequence its loss and gradient equal GSPO's. As in the paper there
+is no KL term and no reference model. A group whose rewards are all equal has A_i = 0 and adds
+nothing; it stays in the batch (no DAPO-style resampling) but is not forwarded.
+
+What this file deliberately leaves out (what large frameworks add for scale): a separate
+inference engine (the policy samples itself, through common.sample, so sampling and training
+never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
+(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
+is the exact final-answer match of common.score).
+
+Where to read: `gspo_loss` (the objective), `seq_log_ratio`, `group_advantages`, then `train()`,
+whose numbered steps are the algorithm; `common.py` holds everything else.
 
 Run (CPU, embedded tiny Qwen3, about 3 minutes):   python gspo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
@@ -49,7 +60,8 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
     minibatches: int = arg(
-        2, "minibatch updates per epoch over each rollout (the paper uses 4; 2 learned faster here, see README)"
+        2,
+        "minibatch updates per epoch over each rollout (the paper uses 4; every update after the first is off-policy)",
     )
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")

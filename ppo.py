@@ -4,19 +4,28 @@ with PPO").
 
 Objective, per completion token t of completion y (policy loss minimised, critic regressed):
 
-    r_t  = -beta (old_t - ref_t)  [+ score(y) on the last real token]     (KL-in-reward)
-    A_t  = GAE(gamma, lambda) of r with the critic's V_t; A whitened over the batch
-    L_pi = token-mean of max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),
-           and for A_t < 0 the dual clip min(that, -c A_t)                (Ye et al. 2020)
-    L_V  = 0.5 token-mean of max((V - R)^2, (clip(V, V_old +- cv) - R)^2),  R = A + V_old
-    r_t  = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    r_t   = -beta (old_t - ref_t)  [+ score(y) on the last real token]   reward (KL-in-reward, InstructGPT)
+    A_t   = GAE(gamma, lambda) of r with the critic's V_t, whitened over the batch    (GAE paper Eq. 16)
+    rho_t = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t)                            importance ratio
+    L_pi  = token-mean of max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))  (PPO Eq. 7),
+            and for A_t < 0 the dual clip min(that, -c A_t)                          (Ye et al. 2020)
+    L_V   = 0.5 token-mean of max((V - R)^2, (clip(V, V_old +- cv) - R)^2),  R = A + V_old
 
 The critic is a *separate* transformer initialised from the policy checkpoint, with a scalar head,
 as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
 loss's scale then tunes the other) and makes the policy checkpoint non-standard. The price is a
 second model's weights, gradients and AdamW state (about 4x the parameter bytes again) plus its
 activations; the frozen reference adds one more copy of the weights. That memory is what GRPO
-and GSPO save by using the group as the baseline (see the README's table).
+and GSPO save by using the group as the baseline.
+
+What this file deliberately leaves out (what large frameworks add for scale): a separate
+inference engine (the policy samples itself, through common.sample, so sampling and training
+never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
+(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
+is the exact final-answer match of common.score).
+
+Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
+`train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
