@@ -1,4 +1,5 @@
-"""run_all.sh: the report from fabricated run directories, and loud failures (no torch, no training)."""
+"""run_all.sh and its report (tests/compare_report.py): the report from fabricated run directories,
+its functions on hand-worked cases, and loud failures (no torch, no training)."""
 
 import inspect
 import json
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import compare_report
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,19 +254,23 @@ if os.environ.get("FAKE_FAIL") == f"{script}-seed{opts['--seed']}":
 
 @pytest.fixture
 def fake_python(tmp_path):
-    """A PYTHON that runs a fake trainer for `PYTHON x.py ...` and the real interpreter otherwise."""
+    """A PYTHON that runs a fake trainer for `PYTHON {ppo,grpo,gspo}.py ...` and the real interpreter
+    otherwise (the report, tests/compare_report.py, runs for real)."""
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(
         FAKE_TRAINER
         + f"ALGOS, STEPS, EVAL_EVERY, EXTRA_KEYS = {ALGOS!r}, {STEPS}, {EVAL_EVERY}, {EXTRA_KEYS!r}\n"
         + inspect.getsource(fabricate)
-        + 'fabricate(Path(opts["--out"]).parent, script, int(opts["--seed"]), int(opts["--steps"]), '
-        'int(opts["--eval-every"]))\n'
+        + 'run, seed = Path(opts["--out"]), int(opts["--seed"])\n'
+        # fabricate() writes <dir>/<algo>-seed<k>; moved to --out, which is elsewhere under --moe
+        + 'fabricate(run.parent / "fake", script, seed, int(opts["--steps"]), int(opts["--eval-every"]))\n'
+        + '(run.parent / "fake" / f"{script}-seed{seed}").rename(run)\n'
     )
     stub = tmp_path / "python-fake"
     py = shlex.quote(sys.executable)
     stub.write_text(
-        f'#!/bin/bash\nif [[ "$1" == *.py ]]; then exec {py} {shlex.quote(str(trainer))} "$@"; fi\nexec {py} "$@"\n'
+        f'#!/bin/bash\nif [[ "$1" =~ /(ppo|grpo|gspo)\\.py$ ]]; then exec {py} {shlex.quote(str(trainer))} "$@"; fi\n'
+        f'exec {py} "$@"\n'
     )
     stub.chmod(0o755)
     calls = tmp_path / "calls.jsonl"
@@ -323,3 +329,175 @@ def test_help_and_bad_flag():
     assert res.returncode == 0 and "--report-only" in res.stdout and "GSPO_ARGS" in res.stdout
     res = run_all("--bogus")
     assert res.returncode == 2 and "--bogus" in res.stderr
+
+
+def moe_env(tmp_path, fake_env):
+    """run_all.sh --moe's own defaults: none of the settings run_all() sets for the comparison."""
+    env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "SEEDS", "EVAL_EVERY", "OUT", "MINIBATCHES")}
+    return {**env, "MPLBACKEND": "Agg", **fake_env, "OUT": str(tmp_path / "moe")}
+
+
+def test_moe_runs_three_configs_with_its_defaults_and_builds_its_report(tmp_path, fake_python):
+    env, calls = fake_python
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "--moe"],
+        env=moe_env(tmp_path, env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / "moe"
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    configs = [("grpo", False), ("grpo", True), ("gspo", False)]  # grpo, grpo-replay, gspo
+    assert [(c[0], c[c.index("--seed") + 1], "--routing-replay" in c) for c in recorded] == [
+        (script, seed, replay) for seed in ("0", "1") for script, replay in configs
+    ]
+    for c, name in zip(recorded, ["grpo", "grpo-replay", "gspo"] * 2):
+        flags = dict(zip(c[1::2], c[2::2])) if "--routing-replay" not in c else dict(zip(c[1:-1:2], c[2:-1:2]))
+        assert flags == {
+            "--model": "tiny-moe",
+            "--steps": "120",
+            "--seed": flags["--seed"],
+            "--prompts-per-step": "32",
+            "--group-size": "4",
+            "--minibatches": "4",
+            "--eval-every": "25",
+            "--out": str(out / name / f"seed{flags['--seed']}"),
+        }
+    for name in ("grpo", "grpo-replay", "gspo"):
+        assert all((out / name / f"seed{s}.log").is_file() for s in (0, 1))
+    md = (out / "moe_results.md").read_text()
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:5]] == ["grpo", "grpo-replay", "gspo"]
+    assert "seeds: 0 1; means over steps and seeds" in md
+    assert (out / "moe_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "results.md").exists()
+
+
+def test_moe_report_only_refuses_a_short_run(tmp_path, fake_python):
+    env, _ = fake_python
+    env = {**moe_env(tmp_path, env), "STEPS": str(STEPS)}
+    run = lambda *flags: subprocess.run(
+        ["bash", str(SCRIPT), "--moe", *flags], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert run().returncode == 0
+    metrics = tmp_path / "moe" / "grpo-replay" / "seed1" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))
+    res = run("--report-only")
+    assert res.returncode == 1 and "grpo-replay seed 1" in res.stderr, res.stderr
+    assert "grpo seed" not in res.stderr and "gspo seed" not in res.stderr
+    assert not (tmp_path / "moe" / "moe_results.md").exists()
+
+
+def test_help_documents_moe_and_quick_moe_is_a_usage_error():
+    res = run_all("--help")
+    assert "--moe" in res.stdout and "MINIBATCHES [4]" in res.stdout and "runs/moe" in res.stdout
+    res = run_all("--quick", "--moe")
+    assert res.returncode == 2 and "STEPS=20 bash run_all.sh --moe" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# tests/compare_report.py's functions, called directly
+# ------------------------------------------------------------------------------------------------
+
+
+def test_mean_std_is_the_sample_std_of_the_finite_values():
+    # [1, 2, 4]: mean 7/3; squared deviations 16/9 + 1/9 + 25/9 = 42/9, over n - 1 = 2: 7/3
+    got = compare_report.mean_std([1, None, 2, float("nan"), True, "3", 4])
+    assert got["n"] == 3 and got["mean"] == pytest.approx(7 / 3) and got["std"] == pytest.approx(math.sqrt(7 / 3))
+    assert compare_report.mean_std([0.5]) == {"mean": 0.5, "std": 0.0, "n": 1}
+    assert compare_report.mean_std([None, float("inf")]) == {"mean": None, "std": None, "n": 0}
+
+
+def test_per_seed_values_and_aggregate_hand_worked():
+    # 12 steps, reward = step / 10: the last 10 steps are 3..12, mean 7.5 / 10
+    def run(seed):
+        rows = [
+            {"step": s, "reward": s / 10, "tokens_per_s": 100.0 * (seed + 1), "entropy": 0.1 * s + seed}
+            for s in range(1, 13)
+        ]
+        rows[-1]["reward"] = None  # a missing value is skipped, not counted as 0: last 10 = 3..11
+        summary = {"eval_accuracy_before": 0.2, "eval_accuracy_after": [0.4, 0.6][seed], "wall_time_s": 10}
+        return summary, rows
+
+    runs = {("grpo", 0): run(0), ("grpo", 1): run(1)}
+    vals = compare_report.per_seed_values(runs, "grpo", [0, 1])
+    assert vals[0]["final_reward"] == pytest.approx(sum(range(3, 12)) / 9 / 10)
+    assert [v["tokens_per_s"] for v in vals] == [100.0, 200.0]
+    assert [v["final_entropy"] for v in vals] == pytest.approx([1.2, 2.2])
+    assert vals[0]["peak_mem_mb"] is None  # not in the summary
+    r = compare_report.aggregate(runs, ["grpo"], [0, 1])["grpo"]
+    assert r["eval_accuracy_after"]["mean"] == pytest.approx(0.5)
+    assert r["eval_accuracy_after"]["std"] == pytest.approx(math.sqrt(0.02))  # (0.1^2 + 0.1^2) / 1
+    assert r["before_after"] == [{"seed": 0, "before": 0.2, "after": 0.4}, {"seed": 1, "before": 0.2, "after": 0.6}]
+    table = compare_report.results_table({"grpo": r}, ["grpo"], 2)
+    assert table[2].startswith("| grpo | 0.200 +- 0.000 -> 0.500 +- 0.141 |") and "| n/a |" in table[2]
+
+
+def test_format_mean_std_smooth_and_band():
+    ms = {"mean": 0.5, "std": 0.1, "n": 2}
+    assert compare_report.format_mean_std(ms, 3, 2) == "0.500 +- 0.100"
+    assert compare_report.format_mean_std(ms, 0, 1) == "0"  # one seed: no spread shown
+    assert compare_report.format_mean_std({"mean": None, "std": None, "n": 0}, 3, 2) == "n/a"
+    assert compare_report.smooth([1.0, None, 3.0, 5.0], 2) == [1.0, 1.0, 3.0, 4.0]
+    assert compare_report.band([[1.0, 4.0], [3.0, 2.0]]) == ([2.0, 3.0], [1.0, 2.0], [3.0, 4.0])
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("missing_summary", "missing"),
+        ("wrong_steps", f"steps={STEPS - 5}, expected STEPS={STEPS}"),
+        ("wrong_algo", "algo='gspo', expected 'grpo'"),
+        ("short_metrics", f"has {STEPS - 1} step rows, expected steps 1..{STEPS}"),
+        ("bad_json", f"metrics.jsonl:{STEPS + 1} is not valid JSON"),
+    ],
+)
+def test_read_run_refuses_incomplete_runs(tmp_path, damage, message):
+    fabricate(tmp_path, "grpo", 1)
+    run_dir, log = compare_report.run_paths(tmp_path, "grpo", 1)
+    assert log == tmp_path / "grpo-seed1.log"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = run_dir / "metrics.jsonl"
+    if damage == "missing_summary":
+        (run_dir / "summary.json").unlink()
+    elif damage in ("wrong_steps", "wrong_algo"):
+        summary.update({"steps": STEPS - 5} if damage == "wrong_steps" else {"algo": "gspo"})
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    elif damage == "short_metrics":
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))
+    else:
+        metrics.write_text(metrics.read_text() + '{"step": \n')
+    with pytest.raises(compare_report.IncompleteRun, match="grpo seed 1") as e:
+        compare_report.read_run(run_dir, log, "grpo", 1, STEPS)
+    assert message in str(e.value)
+
+
+def test_load_runs_names_every_missing_run_and_main_refuses(tmp_path, capsys):
+    for algo in ALGOS:
+        fabricate(tmp_path, algo, 0)
+    runs, problems = compare_report.load_runs(tmp_path, list(ALGOS), [0, 1], STEPS)
+    assert sorted(runs) == [(algo, 0) for algo in sorted(ALGOS)]
+    assert [p.split(":")[0] for p in problems] == [f"{algo} seed 1" for algo in ALGOS]
+    assert all(str(tmp_path / f"{algo}-seed1.log") in p for p, algo in zip(problems, ALGOS))
+    argv = ["--out", str(tmp_path), "--configs", *ALGOS, "--seeds", "0", "1", "--steps", str(STEPS)]
+    with pytest.raises(SystemExit) as e:
+        compare_report.main(argv)
+    assert e.value.code == 1 and "ppo seed 1: missing" in capsys.readouterr().err
+    assert not (tmp_path / "results.md").exists() and not (tmp_path / "curves.png").exists()
+
+
+def test_moe_layout_and_table_hand_worked(tmp_path):
+    assert compare_report.run_paths(tmp_path, "grpo-replay", 2, moe=True) == (
+        tmp_path / "grpo-replay" / "seed2",
+        tmp_path / "grpo-replay" / "seed2.log",
+    )
+    rows = [
+        {"step": s, "reward": 1.0 if s > 2 else 0.0, "routing_drift": 0.01 * s, "ratio_std": 0.1} for s in (1, 2, 3)
+    ]
+    summary = {"eval_accuracy_before": 0.2, "eval_accuracy_after": 0.3, "wall_time_s": 99.6}
+    runs = {("gspo", 0): (summary, rows), ("gspo", 1): ({**summary, "eval_accuracy_after": 0.5}, rows)}
+    line = compare_report.moe_table(runs, ["gspo"], [0, 1])[2]
+    # reward over the last 10 (all 3) steps: 1/3; drift: mean of 0.01, 0.02, 0.03; no clip_frac logged
+    assert line == "| gspo | 0.200 | 0.400 | 0.333 | 0.0200 | 0.1000 | nan | 100 |"

@@ -1,0 +1,465 @@
+"""The report that `bash run_all.sh` writes after its runs: read every run's summary.json and
+metrics.jsonl, refuse unless every (config, seed) run finished the requested steps, then a table and
+curves. It trains nothing and imports none of the training scripts.
+
+    python tests/compare_report.py --out runs/compare --configs ppo grpo gspo --seeds 0 1 2 --steps 200 \
+        --command "bash run_all.sh"
+        runs in OUT/<config>-seed<k>/ (logs OUT/<config>-seed<k>.log); writes
+        OUT/results.md    one row per config: mean +- sample std over seeds, command, date, machine
+        OUT/results.json  the same numbers plus every seed's values
+        OUT/curves.png    eval accuracy and reward against step and against wall-clock
+
+    python tests/compare_report.py --moe --out runs/moe --configs grpo grpo-replay gspo --seeds 0 1 --steps 120
+        runs in OUT/<config>/seed<k>/ (logs OUT/<config>/seed<k>.log); writes
+        OUT/moe_results.md   one row per config: means over seeds (and over steps for the MoE metrics)
+        OUT/moe_curves.png   eval accuracy, reward, routing drift, ratio std, clip frac against step
+
+A config is named after the script it ran, with a suffix for a variant (grpo-replay: grpo.py
+--routing-replay), so each run's summary.json must name the algorithm before the first "-".
+Not collected by pytest; tests/test_run_all.py tests its functions directly and through run_all.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+LAST_N = 10  # "reward at the end" = mean reward of the last LAST_N steps
+METRICS = [
+    "eval_accuracy_before",
+    "eval_accuracy_after",
+    "final_reward",
+    "wall_time_s",
+    "tokens_per_s",
+    "peak_mem_mb",
+    "mean_clip_frac",
+    "final_entropy",
+]
+# Settings that must agree for the comparison to be fair (only warned about: *_ARGS may change them).
+SHARED_SETTINGS = ("model", "task", "prompts_per_step", "group_size", "max_new_tokens", "eval_size", "temperature")
+MOE_CURVES = ["reward", "routing_drift", "ratio_std", "clip_frac"]
+MOE_SUMMARY_KEYS = ["eval_accuracy_before", "eval_accuracy_after", "wall_time_s"]
+MOE_STEP_KEYS = ["routing_drift", "ratio_std", "clip_frac"]  # averaged over steps, then seeds
+COLORS = {"ppo": "tab:blue", "grpo": "tab:orange", "gspo": "tab:green"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading: every expected run, complete, or a list of what is wrong
+# ------------------------------------------------------------------------------------------------
+class IncompleteRun(Exception):
+    """A run that cannot enter the report; the message names the run and the file."""
+
+
+def run_paths(out: Path, config: str, seed: int, moe: bool = False) -> tuple[Path, Path]:
+    """(run directory, log file) of one run, in run_all.sh's layout."""
+    if moe:
+        run_dir = out / config / f"seed{seed}"
+        return run_dir, out / config / f"seed{seed}.log"
+    return out / f"{config}-seed{seed}", out / f"{config}-seed{seed}.log"
+
+
+def read_run(run_dir: Path, log: Path, config: str, seed: int, steps: int) -> tuple[dict, list[dict]]:
+    """(summary, metric rows sorted by step) of a run that finished all `steps` steps."""
+    name, algo = f"{config} seed {seed}", config.split("-")[0]
+    sp, mp = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if not sp.is_file():
+        raise IncompleteRun(f"{name}: missing {sp} (run not finished or failed; see {log})")
+    try:
+        summary = json.loads(sp.read_text())
+    except (OSError, ValueError) as e:
+        raise IncompleteRun(f"{name}: unreadable {sp} ({e})") from e
+    if summary.get("steps") != steps:
+        raise IncompleteRun(f"{name}: {sp} has steps={summary.get('steps')!r}, expected STEPS={steps}")
+    if "seed" in summary and summary["seed"] != seed:
+        raise IncompleteRun(f"{name}: {sp} has seed={summary['seed']!r}, expected {seed}")
+    if "algo" in summary and summary["algo"] != algo:
+        raise IncompleteRun(f"{name}: {sp} has algo={summary['algo']!r}, expected {algo!r}")
+    if not mp.is_file():
+        raise IncompleteRun(f"{name}: missing {mp}")
+    rows = []
+    for lineno, line in enumerate(mp.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise IncompleteRun(f"{name}: {mp}:{lineno} is not valid JSON") from e
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    rows.sort(key=lambda r: r["step"])
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        raise IncompleteRun(f"{name}: {mp} has {len(rows)} step rows, expected steps 1..{steps}")
+    return summary, rows
+
+
+def load_runs(out: Path, configs: list[str], seeds: list[int], steps: int, moe: bool = False):
+    """({(config, seed): (summary, rows)} of the complete runs, [one line per incomplete run])."""
+    runs, problems = {}, []
+    for config in configs:
+        for seed in seeds:
+            try:
+                runs[(config, seed)] = read_run(*run_paths(out, config, seed, moe), config, seed, steps)
+            except IncompleteRun as e:
+                problems.append(str(e))
+    return runs, problems
+
+
+def refuse(problems: list[str]):
+    print("run_all.sh: error: cannot build the report; incomplete or inconsistent runs:", file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+    print("run_all.sh: no results table written (re-run the runs named above).", file=sys.stderr)
+    sys.exit(1)
+
+
+def mismatched_settings(runs: dict) -> list[str]:
+    """One line per shared setting on which the runs' args differ."""
+    warnings = []
+    for key in SHARED_SETTINGS:
+        seen = {}
+        for (config, seed), (summary, _) in runs.items():
+            a = summary.get("args") or {}
+            if key in a:
+                seen.setdefault(json.dumps(a[key]), []).append(f"{config}-seed{seed}")
+        if len(seen) > 1:
+            detail = "; ".join(f"{k}: {', '.join(v)}" for k, v in seen.items())
+            warnings.append(f"runs differ in {key} ({detail})")
+    return warnings
+
+
+# ------------------------------------------------------------------------------------------------
+# Aggregation over steps and seeds
+# ------------------------------------------------------------------------------------------------
+def num(x) -> float | None:
+    """A finite float, or None (missing keys, null, NaN, strings)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def mean_or_none(values) -> float | None:
+    """Mean of the finite values, None if there are none."""
+    v = [x for x in map(num, values) if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def mean_std(values) -> dict:
+    """Mean and sample standard deviation (n - 1; 0 for a single value) of the finite values."""
+    v = [x for x in map(num, values) if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "n": 0}
+    m = sum(v) / len(v)
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
+    return {"mean": m, "std": sd, "n": len(v)}
+
+
+def per_seed_values(runs: dict, config: str, seeds: list[int]) -> list[dict]:
+    """One dict of METRICS per seed: the summary's numbers, and the rows' reduced to one value."""
+    vals = []
+    for seed in seeds:
+        summary, rows = runs[(config, seed)]
+        vals.append(
+            {
+                "seed": seed,
+                "eval_accuracy_before": num(summary.get("eval_accuracy_before")),
+                "eval_accuracy_after": num(summary.get("eval_accuracy_after")),
+                "final_reward": mean_or_none(r.get("reward") for r in rows[-LAST_N:]),
+                "wall_time_s": num(summary.get("wall_time_s")),
+                "tokens_per_s": mean_or_none(r.get("tokens_per_s") for r in rows),
+                "peak_mem_mb": num(summary.get("peak_mem_mb")),
+                "mean_clip_frac": num(summary.get("mean_clip_frac")),
+                "final_entropy": num(rows[-1].get("entropy")),
+            }
+        )
+    return vals
+
+
+def aggregate(runs: dict, configs: list[str], seeds: list[int]) -> dict:
+    """{config: {metric: mean_std over seeds, "before_after": [...], "per_seed": [...]}}."""
+    results = {}
+    for config in configs:
+        vals = per_seed_values(runs, config, seeds)
+        results[config] = {
+            **{k: mean_std([v[k] for v in vals]) for k in METRICS},
+            "before_after": [
+                {"seed": v["seed"], "before": v["eval_accuracy_before"], "after": v["eval_accuracy_after"]}
+                for v in vals
+            ],
+            "per_seed": vals,
+        }
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# The comparison report: results.md, results.json, curves.png
+# ------------------------------------------------------------------------------------------------
+def format_mean_std(ms: dict, digits: int, n_seeds: int) -> str:
+    """Mean +- std with `digits` decimals; the mean alone for one seed; n/a without a value."""
+    if ms["mean"] is None:
+        return "n/a"
+    s = f"{ms['mean']:.{digits}f}"
+    return s if n_seeds == 1 else f"{s} +- {ms['std']:.{digits}f}"
+
+
+def results_table(results: dict, configs: list[str], n_seeds: int) -> list[str]:
+    """The markdown table, one row per config."""
+    header = [
+        "algorithm",
+        "held-out acc before -> after",
+        f"reward (last {LAST_N} steps)",
+        "wall-clock (s)",
+        "tokens/s",
+        "peak mem (MB)",
+        "clip frac",
+        "final entropy",
+    ]
+    table = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for config in configs:
+        r, n = results[config], n_seeds
+        cells = [
+            config,
+            f"{format_mean_std(r['eval_accuracy_before'], 3, n)} -> {format_mean_std(r['eval_accuracy_after'], 3, n)}",
+            format_mean_std(r["final_reward"], 3, n),
+            format_mean_std(r["wall_time_s"], 0, n),
+            format_mean_std(r["tokens_per_s"], 0, n),
+            format_mean_std(r["peak_mem_mb"], 0, n),
+            format_mean_std(r["mean_clip_frac"], 3, n),
+            format_mean_std(r["final_entropy"], 3, n),
+        ]
+        table.append("| " + " | ".join(cells) + " |")
+    return table
+
+
+def settings_line(runs: dict, configs: list[str], seeds: list[int], steps: int) -> str:
+    """Seeds, steps, model, task and sizes, read from the first run's summary.json."""
+    first_summary = runs[(configs[0], seeds[0])][0]
+    first = first_summary.get("args") or {}
+    return (
+        f"{len(seeds)} seed(s) {' '.join(map(str, seeds))}; {steps} steps; "
+        f"model {first_summary.get('model', first.get('model', '?'))}; "
+        f"task {first_summary.get('task') or first.get('task') or 'arith'}; "
+        f"{first.get('prompts_per_step', '?')} prompts/step x {first.get('group_size', '?')} samples; "
+        f"max {first.get('max_new_tokens', '?')} new tokens"
+    )
+
+
+def machine_description() -> str:
+    """CPU model and core count, for the report's Machine line."""
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Processor", "cpu model") and value.strip():
+                cpu = value.strip()
+                break
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def smooth(y: list, w: int) -> list[float]:
+    """Trailing moving average of window w (shorter at the start); None values are skipped."""
+    out = []
+    for i in range(len(y)):
+        win = [v for v in y[max(0, i - w + 1) : i + 1] if v is not None]
+        out.append(sum(win) / len(win) if win else float("nan"))
+    return out
+
+
+def band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """series: per-seed lists of equal length -> mean, lower, upper (min-max over seeds)."""
+    cols = list(zip(*series))
+    mean = [sum(c) / len(c) for c in cols]
+    return mean, [min(c) for c in cols], [max(c) for c in cols]
+
+
+def plot_curves(path: Path, runs: dict, configs: list[str], seeds: list[int], steps: int, settings: str):
+    """2 x 2: eval accuracy and smoothed reward, against step and against training wall-clock."""
+    window = max(1, min(10, steps // 10))
+    fig = Figure(figsize=(12, 8.5))
+    axes = fig.subplots(2, 2)
+    for i, config in enumerate(configs):
+        c = COLORS.get(config, f"C{i}")
+        clocks, rewards, evals = [], [], []
+        for seed in seeds:
+            summary, rows = runs[(config, seed)]
+            t, clock = 0.0, [0.0]
+            for r in rows:
+                t += num(r.get("step_time_s")) or 0.0
+                clock.append(t)  # clock[s] = training seconds after step s
+            clocks.append(clock)
+            rewards.append(smooth([num(r.get("reward")) for r in rows], window))
+            ev = {0: num(summary.get("eval_accuracy_before"))}
+            ev.update({r["step"]: num(r.get("eval_accuracy")) for r in rows})
+            evals.append({s: a for s, a in ev.items() if a is not None})
+        label = f"{config} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+        # reward: one point per step, every seed has all steps
+        m, lo, hi = band(rewards)
+        clock_mean = band([c[1:] for c in clocks])[0]
+        for ax, x in ((axes[0][1], list(range(1, steps + 1))), (axes[1][1], clock_mean)):
+            ax.plot(x, m, color=c, label=label)
+            if len(seeds) > 1:
+                ax.fill_between(x, lo, hi, color=c, alpha=0.2, linewidth=0)
+        # eval accuracy: the steps evaluated in every seed
+        eval_steps = sorted(set.intersection(*(set(e) for e in evals)))
+        if eval_steps:
+            m, lo, hi = band([[e[s] for s in eval_steps] for e in evals])
+            eval_clock = [sum(c[s] for c in clocks) / len(clocks) for s in eval_steps]
+            for ax, x in ((axes[0][0], eval_steps), (axes[1][0], eval_clock)):
+                ax.plot(x, m, color=c, marker="o", markersize=3, label=label)
+                if len(seeds) > 1:
+                    ax.fill_between(x, lo, hi, color=c, alpha=0.2, linewidth=0)
+
+    spread = "band: min-max over seeds" if len(seeds) > 1 else "one seed"
+    titles = [
+        ["held-out eval accuracy vs step", f"training reward vs step (moving average of {window})"],
+        ["held-out eval accuracy vs wall-clock", f"training reward vs wall-clock (moving average of {window})"],
+    ]
+    for r in range(2):
+        for col in range(2):
+            ax = axes[r][col]
+            ax.set_title(titles[r][col], fontsize=10)
+            ax.set_xlabel("step" if r == 0 else "training wall-clock (s, sum of step_time_s; seed mean)")
+            ax.set_ylabel("eval accuracy" if col == 0 else "reward")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"PPO vs GRPO vs GSPO: {settings}\nline: mean over seeds; {spread}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_comparison_report(out: Path, runs: dict, configs: list[str], seeds: list[int], steps: int, command: str):
+    warnings = mismatched_settings(runs)
+    for w in warnings:
+        print(f"run_all.sh: warning: {w}", file=sys.stderr)
+    results = aggregate(runs, configs, seeds)
+    table = results_table(results, configs, len(seeds))
+    settings = settings_line(runs, configs, seeds, steps)
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    machine = machine_description()
+    md = [
+        "# PPO vs GRPO vs GSPO",
+        "",
+        f"Mean +- sample std over seeds. {settings}.",
+        "",
+        *table,
+        "",
+        f"reward: mean training reward of the last {LAST_N} steps; tokens/s: mean over steps of sampled "
+        "completion tokens per second of generation; clip frac: mean over steps; final entropy: last step's.",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {date}  ",
+        f"Machine: {machine}",
+    ]
+    md += [f"\nWarning: {w}" for w in warnings]
+    summary = {
+        "command": command,
+        "date": date,
+        "machine": machine,
+        "steps": steps,
+        "seeds": seeds,
+        "last_n_reward_steps": LAST_N,
+        "std": "sample (n-1); 0 for one seed",
+        "warnings": warnings,
+        "algos": results,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    plot_curves(out / "curves.png", runs, configs, seeds, steps, settings)
+
+    print()
+    print("\n".join(table))
+    print()
+    print(f"Wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'curves.png'}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The MoE report (run_all.sh --moe): moe_results.md, moe_curves.png
+# ------------------------------------------------------------------------------------------------
+def nan_mean(values) -> float:
+    """Mean of the finite values, NaN if there are none (printed as "nan" in the table)."""
+    m = mean_or_none(values)
+    return float("nan") if m is None else m
+
+
+def moe_table(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
+    """One row per config: the summary's numbers averaged over seeds, the MoE metrics over steps then seeds."""
+    lines = [
+        f"| config | eval acc before | eval acc after | reward (last {LAST_N} steps) | routing drift / step "
+        "| ratio std | clip frac | wall (s) |",
+        "|---" * 8 + "|",
+    ]
+    for config in configs:
+        summaries = [runs[(config, s)][0] for s in seeds]
+        seed_rows = [runs[(config, s)][1] for s in seeds]
+        over_seeds = {k: nan_mean(summary.get(k) for summary in summaries) for k in MOE_SUMMARY_KEYS}
+        over_steps = {k: nan_mean(nan_mean(r.get(k) for r in rows) for rows in seed_rows) for k in MOE_STEP_KEYS}
+        final_reward = nan_mean(nan_mean(r.get("reward") for r in rows[-LAST_N:]) for rows in seed_rows)
+        lines.append(
+            f"| {config} | {over_seeds['eval_accuracy_before']:.3f} | {over_seeds['eval_accuracy_after']:.3f} "
+            f"| {final_reward:.3f} | {over_steps['routing_drift']:.4f} | {over_steps['ratio_std']:.4f} "
+            f"| {over_steps['clip_frac']:.4f} | {over_seeds['wall_time_s']:.0f} |"
+        )
+    return lines
+
+
+def plot_moe_curves(path: Path, runs: dict, configs: list[str], seeds: list[int]):
+    """1 x 5: held-out accuracy and MOE_CURVES against step, one line per (config, seed)."""
+    fig = Figure(figsize=(22, 4))
+    axes = fig.subplots(1, 5)
+    for c, config in enumerate(configs):
+        for i, seed in enumerate(seeds):
+            summary, rows = runs[(config, seed)]
+            label = config if i == 0 else None
+            ev = [(0, summary.get("eval_accuracy_before"))]
+            ev += [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+            axes[0].plot(*zip(*ev), marker="o", label=label, color=f"C{c}")
+            for ax, key in zip(axes[1:], MOE_CURVES):
+                ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=label, color=f"C{c}", alpha=0.8)
+    for ax, title in zip(axes, ["held-out accuracy"] + MOE_CURVES):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_moe_report(out: Path, runs: dict, configs: list[str], seeds: list[int]):
+    lines = moe_table(runs, configs, seeds)
+    seed_list = " ".join(map(str, seeds))
+    (out / "moe_results.md").write_text("\n".join(lines) + f"\n\nseeds: {seed_list}; means over steps and seeds\n")
+    print("\n".join(lines))
+    plot_moe_curves(out / "moe_curves.png", runs, configs, seeds)
+    print(f"wrote {out / 'moe_results.md'} and {out / 'moe_curves.png'}")
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="the directory holding the runs; the report goes there")
+    p.add_argument("--configs", nargs="+", required=True, help="run names, in table order (ppo grpo gspo)")
+    p.add_argument("--seeds", nargs="+", type=int, required=True, help="every config must have run every seed")
+    p.add_argument("--steps", type=int, required=True, help="every run must have finished exactly this many steps")
+    p.add_argument("--command", default="", help="the command that reproduces the runs, quoted in results.md")
+    p.add_argument("--moe", action="store_true", help="the MoE experiment's layout and report (run_all.sh --moe)")
+    args = p.parse_args(argv)
+
+    runs, problems = load_runs(args.out, args.configs, args.seeds, args.steps, args.moe)
+    if problems:
+        refuse(problems)
+    if args.moe:
+        write_moe_report(args.out, runs, args.configs, args.seeds)
+    else:
+        write_comparison_report(args.out, runs, args.configs, args.seeds, args.steps, args.command)
+
+
+if __name__ == "__main__":
+    main()
