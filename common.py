@@ -2,14 +2,14 @@
 
 A script's train() calls into it in this order, and the sections follow that order:
    1. Command line     Args dataclass -> argparse, one-line errors with exit status 2, main()
-   2. Setup            setup(): checks, torchrun, data, --resume, device and seeds
-   3. Data             the built-in `arith` task, JSONL / GSM8K files, PromptStream, prompt token ids
+   2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
+   3. Data             the built-in `arith` task, JSONL / GSM8K files, --eval-data, PromptStream, prompts
    4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, cached)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
-   6. Rewards, eval    exact final-answer match, format signal, greedy held-out accuracy
+   6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
    8. Updates          minibatches, rows_with_signal, the non-finite guard, update metrics
-   9. The run          Run: metrics.jsonl, evaluation when due, checkpoints, summary, final/
+   9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
@@ -25,8 +25,10 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import math
+import numbers
 import os
 import random
 import re
@@ -105,9 +107,13 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
         description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0], argument_default=argparse.SUPPRESS
     )
     for f in dataclasses.fields(args_cls):
-        help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f.metadata.get("help", "") + f" (default: {default})"
         if f.type in (bool, "bool"):
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
+        elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike
+            kind = _number(float) if "float" in str(f.type) else str
+            parser.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
         else:
             type_name = str(f.type)  # "int", "float | None", ... (annotations are strings here)
             kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
@@ -157,6 +163,12 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--eval-every must be >= 0 (0 turns periodic evaluation off), got {args.eval_every}")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
+    if args.eval_samples < 0 or args.eval_samples == 1:
+        raise UsageError(f"--eval-samples must be 0 (off) or >= 2 (pass@n needs n samples), got {args.eval_samples}")
+    if args.report_to not in ("none", "tensorboard"):
+        raise UsageError(f"--report-to must be none or tensorboard, got {args.report_to!r}")
+    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     batch = args.prompts_per_step * args.group_size
@@ -232,7 +244,7 @@ def main(train, args_cls, algo: str, argv=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Setup: what a run needs before its model: checks, torchrun, data, --resume, device, seeds
+# 2. Setup: what a run needs before its model: checks, torchrun, data, rewards, --resume, device, seeds
 # ---------------------------------------------------------------------------------------------
 
 
@@ -243,15 +255,20 @@ class Setup:
     rank: int  # this process's rank under torchrun (0 without)
     world: int  # number of processes (1 without torchrun)
     device: torch.device
-    train_set: list  # training records {"prompt", "answer"}
-    eval_set: list  # held-out records, at most --eval-size, never overlapping train_set
+    train_set: list  # training records: "prompt", "answer" (where the task has one) and the file's other fields
+    eval_set: list  # evaluation records, at most --eval-size: --eval-data, or a held-out part of the training data
     resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
+    reward_fn: Rewards  # the run's reward: the --reward functions, weighted by --reward-weights
+    system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
+    eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
 
 
 def setup(args, algo: str, needs_group: bool) -> Setup:
     """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
-    any output is written), torchrun's process group, the data, the --resume checkpoint, the
-    device and the seeds. The embedded checkpoint is built here on first use (not timed)."""
+    any output is written), torchrun's process group, the data, the --reward functions (imported
+    here, so that one that cannot be imported stops the run before it writes anything), the
+    --resume checkpoint, the device and the seeds. The embedded checkpoint is built here on first
+    use (not timed)."""
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
     if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
@@ -259,13 +276,23 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
             f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
             f"shares whose completions --minibatches {args.minibatches} divides"
         )
-    train_set, eval_set = load_task(args.task, args.data)
+    needs_answer = any(spec in BUILTIN_REWARDS for spec in args.reward)
+    train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer)
+    eval_set = eval_set[: args.eval_size]
+    reward_fn = Rewards(args.reward, args.reward_weights, records=train_set + eval_set)
+    if args.eval_samples and not reward_fn.scores_answers:
+        raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
+    overlap = count_overlap(train_set, eval_set)
+    if overlap and rank == 0:
+        print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
+              f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
+    system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
     resume_from = open_checkpoint(args, algo) if args.resume else None
     device = resolve_device(args.device, local_rank)
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     seed_everything(args.seed)
-    return Setup(rank, world, device, train_set, eval_set[: args.eval_size], resume_from)
+    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -300,66 +327,92 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-def load_jsonl(path: str):
-    """Records {"prompt", "answer"} or GSM8K's {"question", "answer": "... #### N"}."""
+def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
+    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
+    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
+    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
+    have an answer (the built-in rewards compare against it); otherwise it is optional."""
     p = Path(path)
     if p.is_dir():
-        raise UsageError(f"--data {path}: is a directory, expected a JSONL file")
+        raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
     if not p.is_file():
-        raise UsageError(f"--data {path}: file not found")
+        raise UsageError(f"{flag} {path}: file not found")
     records = []
     try:
         lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--data {path}: cannot read ({e.__class__.__name__})") from e
+        raise UsageError(f"{flag} {path}: cannot read ({e.__class__.__name__})") from e
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"--data {path}:{lineno}: invalid JSON ({e.msg})") from e
+            raise UsageError(f"{flag} {path}:{lineno}: invalid JSON ({e.msg})") from e
         if not isinstance(rec, dict):
-            raise UsageError(f"--data {path}:{lineno}: expected a JSON object")
-        prompt = rec.get("prompt", rec.get("question"))
+            raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object")
+        gsm8k = "question" in rec and "prompt" not in rec  # GSM8K: the gold is what follows '####'
+        prompt = rec.pop("question") if gsm8k else rec.get("prompt")
         if not isinstance(prompt, str) or not prompt:
-            raise UsageError(f"--data {path}:{lineno}: missing field 'prompt' (or 'question')")
+            raise UsageError(f"{flag} {path}:{lineno}: missing field 'prompt' (or 'question')")
+        clash = {"prompts", "completions"} & rec.keys()
+        if clash:
+            raise UsageError(
+                f"{flag} {path}:{lineno}: field '{clash.pop()}' is the name of a reward function's own argument"
+            )
         answer = rec.get("answer")
         if isinstance(answer, (int, float)):
             answer = str(answer)
-        if not isinstance(answer, str) or not answer.strip():
-            raise UsageError(f"--data {path}:{lineno}: missing field 'answer'")
-        if "question" in rec and "prompt" not in rec:  # GSM8K: the gold is what follows '####'
+        if needs_answer and (not isinstance(answer, str) or not answer.strip()):
+            raise UsageError(f"{flag} {path}:{lineno}: missing field 'answer'")
+        if gsm8k and isinstance(answer, str) and (needs_answer or "####" in answer):
             if "####" not in answer:
-                raise UsageError(f"--data {path}:{lineno}: field 'answer' has no '#### N' final answer")
-            answer = answer.rsplit("####", 1)[-1].strip()
-        records.append({"prompt": prompt, "answer": answer.strip()})
+                raise UsageError(f"{flag} {path}:{lineno}: field 'answer' has no '#### N' final answer")
+            answer = answer.rsplit("####", 1)[-1]
+        if isinstance(answer, str):
+            rec["answer"] = answer.strip()
+        records.append({**rec, "prompt": prompt})
     if not records:
-        raise UsageError(f"--data {path}: no records")
+        raise UsageError(f"{flag} {path}: no records")
     return records
 
 
 TASKS = ("arith", "gsm8k", "jsonl")
 
 
-def load_task(task: str | None, data: str | None, eval_fraction: float = 0.1):
-    """Returns (train_examples, eval_examples); the eval set never overlaps training."""
+def load_task(
+    task: str | None, data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1, needs_answer=True
+):
+    """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
+    that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
+    out (arith: its fixed split), which never overlaps training."""
     if task is None:
         task = "jsonl" if data else "arith"
     if task not in TASKS:
         raise UsageError(f"--task {task!r} is unknown; expected one of {', '.join(TASKS)}")
+    held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
     if task == "arith":
         if data:
             raise UsageError("--data is not used by --task arith; drop it or choose --task jsonl/gsm8k")
-        return arith_split()
+        train, held = arith_split()
+        return train, held if held_out is None else held_out
     if not data:
         raise UsageError(f"--task {task} needs --data FILE.jsonl")
-    records = load_jsonl(data)
+    records = load_jsonl(data, "--data", needs_answer)
+    if held_out is not None:
+        return records, held_out
     if len(records) < 2:
         raise UsageError(f"--data {data}: needs at least 2 records (a training and a held-out part)")
     order = np.random.RandomState(ARITH_EVAL_SEED).permutation(len(records))
     n_eval = max(1, int(len(records) * eval_fraction))
     return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]
+
+
+def count_overlap(train_set, eval_set) -> int:
+    """How many evaluation records have a prompt that also occurs in the training records
+    (compared after stripping surrounding whitespace): those measure memory, not generalisation."""
+    seen = {ex["prompt"].strip() for ex in train_set}
+    return sum(ex["prompt"].strip() in seen for ex in eval_set)
 
 
 class PromptStream:
@@ -392,14 +445,22 @@ class PromptStream:
 
 SYSTEM_PROMPT = "Solve the problem step by step, then write the final answer as a number after '####'."
 
+# The instruction every prompt carries (through a chat template) is part of the task: it must ask for
+# the answer in the form the reward reads. --system-prompt replaces it; by default it follows --reward.
+SYSTEM_PROMPTS = {
+    "exact": SYSTEM_PROMPT,
+    "boxed": "Solve the problem step by step, then put the final answer in \\boxed{}.",
+}
 
-def encode_prompts(tok, examples) -> list[list[int]]:
-    """Token ids per prompt: through the chat template (with the answer-format instruction) when
+
+def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT) -> list[list[int]]:
+    """Token ids per prompt: through the chat template (after `system_prompt`, unless it is '') when
     the tokenizer has one, as plain text otherwise (the tiny model and base checkpoints)."""
     if getattr(tok, "chat_template", None):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return [
             tok.apply_chat_template(
-                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex["prompt"]}],
+                [*system, {"role": "user", "content": ex["prompt"]}],
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
@@ -409,11 +470,11 @@ def encode_prompts(tok, examples) -> list[list[int]]:
     return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
 
 
-def prompts_and_answers(tok, examples, group_size: int) -> tuple[list[list[int]], list[str]]:
+def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYSTEM_PROMPT):
     """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
-    `group_size` consecutive rows), and the gold answer of every row."""
-    prompts = [ids for ids in encode_prompts(tok, examples) for _ in range(group_size)]
-    return prompts, [ex["answer"] for ex in examples for _ in range(group_size)]
+    `group_size` consecutive rows), and every row's record (what the reward functions read)."""
+    prompts = [ids for ids in encode_prompts(tok, examples, system_prompt) for _ in range(group_size)]
+    return prompts, [ex for ex in examples for _ in range(group_size)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -946,7 +1007,7 @@ def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Rewards and evaluation: strict final-answer match, the format signal, greedy held-out accuracy
+# 6. Rewards and evaluation: the --reward functions (built-ins and your own), greedy evaluation, pass@k
 # ---------------------------------------------------------------------------------------------
 
 
@@ -976,43 +1037,303 @@ def extract_answer(completion: str) -> str | None:
     return normalize_number(text)
 
 
-def score(completion: str, answer: str) -> tuple[float, float]:
-    """(reward, format_ok): reward 1.0 iff the extracted answer equals the gold answer."""
-    pred = extract_answer(completion)
+def extract_boxed(completion: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced ("\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}");
+    None when there is none or the last one is never closed."""
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, first = 1, start + len("\\boxed{")
+    for i in range(first, len(completion)):
+        depth += {"{": 1, "}": -1}.get(completion[i], 0)
+        if depth == 0:
+            return completion[first:i]
+    return None
+
+
+def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, float]:
+    """(reward, format_ok): reward 1.0 iff the final answer that `parser` reads equals the gold
+    answer; format_ok 1.0 iff it reads one. parser "exact": the text after the last '####' (or the
+    whole completion); "boxed": the content of the last \\boxed{}. A numeric gold answer needs exactly
+    one number there, compared normalised ('1,234' = '1234.0'); any other gold, the stripped text."""
+    text = extract_boxed(completion) if parser == "boxed" else completion.rsplit("####", 1)[-1]
     gold = normalize_number(answer)
     if gold is None:  # non-numeric gold answers: exact string match after stripping
         gold = answer.strip()
-        pred = completion.rsplit("####", 1)[-1].strip() or None
+        pred = text.strip() or None if text is not None else None
+    else:
+        pred = normalize_number(text) if text is not None else None
     return float(pred is not None and pred == gold), float(pred is not None)
 
 
-def score_rollout(tok, roll: Rollout, answers: list[str]):
-    """(rewards [B], format_ok [B]) for a rollout whose row i answers answers[i]: the reward is 1
-    for a correct final answer, else 0 (`score`)."""
+def score_rollout(tok, roll: Rollout, answers: list[str], parser: str = "exact"):
+    """(correct [B], format_ok [B]) for a rollout whose row i answers answers[i] (`score`)."""
     texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
-    scored = [score(text, ans) for text, ans in zip(texts, answers)]
+    scored = [score(text, ans, parser) for text, ans in zip(texts, answers)]
     return torch.tensor([s[0] for s in scored]), torch.tensor([s[1] for s in scored])
 
 
+BUILTIN_REWARDS = {  # --reward NAME; each needs an "answer" in every record
+    "exact": "1 if the final answer (a number after the last '####', or the whole completion) is the answer",
+    "boxed": "1 if the content of the last \\boxed{...} is the answer (numbers normalised as for exact)",
+    "format": "1 if the answer parser in use (boxed's with --reward boxed, else exact's) finds a final answer",
+}
+
+
+class RewardError(UsageError):
+    """A --reward function failed or returned something that is not a reward: exit status 2."""
+
+
+def load_reward(spec: str):
+    """(name, function) of one --reward: a built-in name (function None: `Rewards` computes it with
+    score_rollout), "package.module:function", or "path/to/file.py:function" (no package needed)."""
+    if spec in BUILTIN_REWARDS:
+        return spec, None
+    source, _, attr = spec.rpartition(":")
+    if not source or not attr:
+        raise UsageError(
+            f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or file.py:function"
+        )
+    try:
+        if source.endswith(".py") or "/" in source or os.sep in source:
+            path = Path(source).expanduser()
+            if not path.is_file():
+                raise UsageError(f"--reward {spec}: file {source} not found")
+            module_spec = importlib.util.spec_from_file_location(f"reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+    except UsageError:
+        raise
+    except Exception as e:  # ImportError, SyntaxError, or whatever the module raised at import
+        raise UsageError(f"--reward {spec}: cannot import {source} ({_first_line(e)})") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UsageError(f"--reward {spec}: {source} has no function {attr!r}")
+    if not callable(fn):
+        raise UsageError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
+    return attr, fn
+
+
+def _first_line(e: Exception) -> str:
+    return f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _clip(text, width: int = 40) -> str:
+    """repr(text), its middle cut to keep it about `width` characters."""
+    text = repr(text)
+    return text if len(text) <= width else text[: width // 2 - 2] + "..." + text[-(width // 2 - 1) :]
+
+
+class Rewards:
+    """The run's reward: --reward f_1 .. f_K with --reward-weights w_1 .. w_K (default 1 each):
+
+        reward_i = sum_k w_k f_k(row i)       (None, "does not apply", counts as 0, as in TRL)
+
+    A function has TRL's signature and is called by keyword, once per batch of B completions:
+
+        f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B
+
+    `fields` holds every other column of the rows' records, one list per column under its own
+    name (answer=[...], and whatever else the JSONL file has; None where a record lacks it).
+    Completions are decoded without special tokens. NaN, infinity, a value that is not a number,
+    a list of the wrong length or an exception inside it stop the run: RewardError, one line
+    naming the function, the problem and the row, exit status 2.
+
+    The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer". The answer
+    parser of the run is boxed's when --reward boxed is given, else exact's; `accuracy` (the
+    exact match by that parser) and `format_rate` are reported whenever every record has an
+    answer, so that a curve's "correct" means the same in training and in evaluation."""
+
+    def __init__(self, specs=("exact",), weights=(), records=()):
+        if not specs:
+            raise UsageError("--reward: give at least one reward function")
+        loaded = [load_reward(spec) for spec in specs]
+        names = [name for name, _ in loaded]
+        names = [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]  # a.py:f, b.py:f
+        if len(set(names)) < len(names):
+            raise UsageError(f"--reward: {', '.join(specs)} names a function twice; weigh it with --reward-weights")
+        weights = list(weights) or [1.0] * len(specs)
+        if len(weights) != len(specs):
+            raise UsageError(f"--reward-weights: {len(weights)} weights for {len(specs)} rewards ({', '.join(specs)})")
+        if not all(math.isfinite(w) for w in weights):
+            raise UsageError(f"--reward-weights must be finite numbers, got {' '.join(map(str, weights))}")
+        self.names, self.fns, self.weights = names, [fn for _, fn in loaded], weights
+        self.parser = "boxed" if "boxed" in specs else "exact"
+        self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields
+        self.scores_answers = all(isinstance(r.get("answer"), str) for r in records)
+
+    def __call__(self, tok, roll: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict]:
+        """(rewards [B], parts) for a rollout whose row i comes from records[i]: parts holds each
+        component as "reward/<name>" [B] and, when records have answers, "accuracy" and
+        "format_rate" [B]. Under torchrun, a failure on any rank stops every rank."""
+        error, result = None, None
+        try:
+            result = self.score(tok, roll, records)
+        except RewardError as e:
+            error = e
+        raise_on_every_rank(error)  # the other ranks would wait forever in the next all-reduce
+        return result
+
+    def score(self, tok, roll: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict]:
+        """`__call__` on this rank alone (raises RewardError here only)."""
+        answers = [r.get("answer") for r in records]
+        by_parser = {}  # (correct, format_ok) per answer parser, computed once
+
+        def answer_scores(parser):
+            if parser not in by_parser:  # score_rollout(tok, roll, answers) is also what tests patch to fix rewards
+                by_parser[parser] = score_rollout(tok, roll, answers, *([parser] if parser != "exact" else []))
+            return by_parser[parser]
+
+        texts = None
+        parts = {}
+        for name, fn in zip(self.names, self.fns):
+            if fn is None:  # a built-in
+                correct, formats = answer_scores(self.parser if name == "format" else name)
+                parts[f"reward/{name}"] = formats if name == "format" else correct
+                continue
+            if texts is None:
+                texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
+            parts[f"reward/{name}"] = self._call(name, fn, records, texts)
+        rewards = sum(w * parts[f"reward/{name}"].double() for name, w in zip(self.names, self.weights)).float()
+        if self.scores_answers:
+            parts["accuracy"], parts["format_rate"] = answer_scores(self.parser)
+        return rewards, parts
+
+    def _call(self, name, fn, records, completions) -> torch.Tensor:
+        prompts = [r["prompt"] for r in records]
+        columns = self.columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
+        fields = {k: [r.get(k) for r in records] for k in columns}
+        B = len(completions)
+
+        def at(i):
+            return f"row {i} (prompt {_clip(prompts[i])}, completion {_clip(completions[i])})"
+
+        try:
+            values = fn(prompts=prompts, completions=completions, **fields)
+        except Exception as e:
+            row = next((i for i in range(B) if self._raises(fn, prompts, completions, fields, i)), None)
+            where = f"on {at(row)}" if row is not None else f"on a batch of {B} (no single row raises alone)"
+            raise RewardError(f"--reward {name} raised {_first_line(e)} {where}") from e
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(
+                f"--reward {name} returned {type(values).__name__}, expected a list of {B} numbers or None"
+            )
+        if len(values) != B:
+            raise RewardError(f"--reward {name} returned {len(values)} values for {B} completions (one per completion)")
+        for i, v in enumerate(values):
+            if v is not None and not isinstance(v, numbers.Real):
+                raise RewardError(
+                    f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a number or None"
+                )
+            if v is not None and not math.isfinite(v):
+                raise RewardError(
+                    f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not applicable)"
+                )
+        return torch.tensor([0.0 if v is None else float(v) for v in values])
+
+    @staticmethod
+    def _raises(fn, prompts, completions, fields, i) -> bool:
+        """Does `fn` raise on row i alone? (to name the row an exception came from)"""
+        try:
+            fn(
+                prompts=prompts[i : i + 1],
+                completions=completions[i : i + 1],
+                **{k: v[i : i + 1] for k, v in fields.items()},
+            )
+        except Exception:
+            return True
+        return False
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of Chen et al. 2021 (Codex paper, Eq. 1) from n samples of which c are
+    correct: 1 - C(n - c, k) / C(n, k), as a product so that no binomial is ever formed."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
 @torch.no_grad()
-def evaluate(model, tok, examples, max_new_tokens: int, batch_size: int = 256) -> dict:
-    """Greedy held-out accuracy and format rate. Under torchrun each rank evaluates every
-    world-th example and the means are taken over all ranks."""
+def evaluate(
+    model,
+    tok,
+    examples,
+    max_new_tokens: int,
+    reward_fn: Rewards | None = None,
+    system_prompt: str = SYSTEM_PROMPT,
+    n_samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator=None,
+    show: int = 0,
+    batch_size: int = 256,
+) -> dict:
+    """What evaluation reports, on greedy completions of `examples`:
+      reward        the training reward (`reward_fn`, default exact: every component, weighted)
+      accuracy      exact match of the final answer by reward_fn's answer parser  } when records
+      format_rate   share of completions in which that parser finds a final answer   } have answers
+      pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
+                    `top_p` from `generator`; pass@1 is their mean accuracy, pass@n the unbiased
+                    estimator (`pass_at_k`) averaged over prompts
+      samples       with show = k > 0: the first k examples' prompt, greedy completion, reward,
+                    reward components, answer and whether the completion was truncated
+    Under torchrun each rank evaluates every world-th example and the means are over all ranks."""
+    reward_fn = reward_fn or Rewards()
     was_training = model.training
     model.eval()
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         examples = examples[dist.get_rank() :: dist.get_world_size()]
-    rewards, formats = [torch.zeros(0)], [torch.zeros(0)]
-    eos = eos_token_ids(model, tok)
-    for s in range(0, len(examples), batch_size):
-        batch = examples[s : s + batch_size]
-        roll = sample(model, encode_prompts(tok, batch), max_new_tokens, eos, tok.pad_token_id, greedy=True)
-        r, f = score_rollout(tok, roll, [ex["answer"] for ex in batch])
-        rewards.append(r)
-        formats.append(f)
+    keys = ["accuracy", "format_rate"] * reward_fn.scores_answers + ["reward"]
+    keys += ["pass@1", f"pass@{n_samples}"] if n_samples else []
+    per_row = {k: [torch.zeros(0)] for k in keys}  # the same keys on every rank, however few its examples
+    eos, error, samples = eos_token_ids(model, tok), None, []
+    per_batch = max(1, batch_size // max(1, n_samples))
+    try:
+        for s in range(0, len(examples), per_batch):
+            batch = examples[s : s + per_batch]
+            prompts = encode_prompts(tok, batch, system_prompt)
+            roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
+            rewards, parts = reward_fn.score(tok, roll, batch)
+            for k, v in {"reward": rewards, **parts}.items():
+                if k in per_row:
+                    per_row[k].append(v.float())
+            if s == 0 and show:
+                samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
+            if n_samples:
+                roll = sample(model, [p for p in prompts for _ in range(n_samples)], max_new_tokens, eos,
+                              tok.pad_token_id, temperature, top_p, generator=generator)  # fmt: skip
+                _, parts = reward_fn.score(tok, roll, [ex for ex in batch for _ in range(n_samples)])
+                correct = parts["accuracy"].view(-1, n_samples).sum(1).long().tolist()  # per prompt
+                per_row["pass@1"].append(torch.tensor([c / n_samples for c in correct]))
+                per_row[f"pass@{n_samples}"].append(torch.tensor([pass_at_k(n_samples, c, n_samples) for c in correct]))
+    except RewardError as e:
+        error = e
+    raise_on_every_rank(error)
     model.train(was_training)
-    return {"accuracy": global_mean(torch.cat(rewards)), "format_rate": global_mean(torch.cat(formats))}
+    result = {k: global_mean(torch.cat(v)) for k, v in per_row.items()}
+    return {**result, "samples": samples} if show else result
+
+
+def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
+    texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
+    ends = completion_ends(roll, eos).tolist()
+    components = {k.removeprefix("reward/"): v for k, v in parts.items() if k.startswith("reward/")}
+    return [
+        {
+            "prompt": rec["prompt"],
+            "completion": text,
+            "reward": rewards[i].item(),
+            "rewards": {name: v[i].item() for name, v in components.items()},
+            "answer": rec.get("answer"),
+            "truncated": not ends[i],
+        }
+        for i, (rec, text) in enumerate(zip(records, texts))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1167,15 +1488,16 @@ def mean_over_updates(updates: list[dict], planned: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. The run: metrics.jsonl, evaluation when due, checkpoints, summary.json and final/
+# 9. The run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints, summary.json, final/
 # ---------------------------------------------------------------------------------------------
 
 
 class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
-    the algorithm: held-out evaluation (before training, every --eval-every steps and after the
-    last), the progress bar, OUT/metrics.jsonl, checkpoints (every --save-every steps, and on
-    SIGINT / SIGTERM, which then end the run), --resume, and at the end OUT/final/ and
+    the algorithm: evaluation (before training, every --eval-every steps and after the last), the
+    progress bar, OUT/metrics.jsonl (and TensorBoard with --report-to tensorboard), a few of each
+    evaluation's completions printed and kept in OUT/samples.jsonl, checkpoints (every --save-every
+    steps, and on SIGINT / SIGTERM, which then end the run), --resume, and at the end OUT/final/ and
     OUT/summary.json. `state` names the objects a checkpoint saves besides the policy's weights
     (optimizers, the prompt stream, the sampling generator, ...). Only rank 0 writes files.
 
@@ -1188,25 +1510,48 @@ class Run:
     """
 
     SHOWN = ("reward", "clip_frac", "explained_variance")  # printed beside each evaluation
+    SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
 
     def __init__(self, algo: str, args, env: Setup, model, tok, **state):
         self.algo, self.args, self.env, self.model, self.tok = algo, args, env, model, tok
         self.progress = Progress()
         self.state = {**state, "progress": self.progress}
         t_start = time.perf_counter()
+        samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
             load_checkpoint(env.resume_from, model, self.state)
         else:
-            self.progress.eval_before = self.progress.last_eval = self.evaluate()
-            tqdm.write(
-                f"step 0: eval accuracy {self.progress.eval_before['accuracy']:.3f}  "
-                f"format {self.progress.eval_before['format_rate']:.3f}"
-            )
+            self.progress.eval_before, samples = self.evaluate(0)
+            self.progress.last_eval = self.progress.eval_before
+            tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
         self.t_start = t_start - self.progress.wall_time_s
-        self.logger = RunLogger(args.out, env.resume_from, enabled=env.rank == 0)
+        self.logger = RunLogger(
+            args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
+        )
+        self.show(samples)
 
-    def evaluate(self) -> dict:
-        return evaluate(self.model, self.tok, self.env.eval_set, self.args.max_new_tokens)
+    def evaluate(self, step: int) -> tuple[dict, list]:
+        """(metrics, samples) of `evaluate` on the evaluation set. --eval-samples draws from a generator
+        of its own, seeded by --seed and the step: evaluating never moves training's random streams."""
+        args, env = self.args, self.env
+        generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
+        metrics = evaluate(self.model, self.tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
+                           args.eval_samples, args.temperature, args.top_p, generator, self.SAMPLES_SHOWN)  # fmt: skip
+        samples = [{"step": step, **s} for s in metrics.pop("samples")]
+        return metrics, samples
+
+    def show(self, samples: list):
+        """Print each sample on one line and append them to samples.jsonl (rank 0)."""
+        if self.env.rank > 0:
+            return
+        for s in samples:
+            parts = ", ".join(f"{k} {v:g}" for k, v in s["rewards"].items())
+            answer = f"  answer {_clip(s['answer'], 24)}" if s["answer"] is not None else ""
+            cut = "  (truncated)" if s["truncated"] else ""
+            tqdm.write(
+                f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
+            )
+        self.logger.log_samples(samples)
 
     def steps(self):
         """The step numbers still to run (from the checkpoint's step + 1 when resumed); stops early
@@ -1227,18 +1572,22 @@ class Run:
                 return
 
     def log(self, row: dict):
-        """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the held-out
-        eval_accuracy and eval_format_rate."""
+        """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the evaluation's
+        (eval_accuracy, eval_format_rate, eval_reward, eval_pass@1, ...)."""
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.progress.clip_fracs.append(row.get("clip_frac", 0.0))
+        samples = []
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            last = self.progress.last_eval = self.evaluate()
-            row.update({"eval_accuracy": last["accuracy"], "eval_format_rate": last["format_rate"]})
+            last, samples = self.evaluate(step)
+            self.progress.last_eval = last
+            row.update({f"eval_{k}": v for k, v in last.items()})
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in self.SHOWN if k in row and k != "reward")
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  eval accuracy {last['accuracy']:.3f}  {shown}")
+            tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
         self.logger.log(row)
-        self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{self.progress.last_eval['accuracy']:.3f}")
+        self.show(samples)
+        last = self.progress.last_eval
+        self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{last.get('accuracy', last.get('reward')):.3f}")
         self.progress.step, self.progress.wall_time_s = step, time.perf_counter() - self.t_start
 
     def save_checkpoint_if_due(self, step: int):
@@ -1257,6 +1606,7 @@ class Run:
             for name, state_dict in also_save.items():
                 if self.logger.enabled:
                     torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
+        before, after = progress.eval_before, progress.last_eval
         self.logger.summary(
             {
                 "algo": self.algo,
@@ -1266,9 +1616,13 @@ class Run:
                 "steps": args.steps,
                 "step": progress.step,
                 "interrupted": interrupted,
-                "eval_accuracy_before": progress.eval_before["accuracy"],
-                "eval_accuracy_after": progress.last_eval["accuracy"],
-                "eval_format_rate_after": progress.last_eval["format_rate"],
+                "eval_accuracy_before": before.get("accuracy"),
+                "eval_accuracy_after": after.get("accuracy"),
+                "eval_format_rate_after": after.get("format_rate"),
+                "eval_reward_before": before.get("reward"),
+                "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
+                "eval_size": len(self.env.eval_set),
+                "eval_overlap": self.env.eval_overlap,  # evaluation prompts also in the training data
                 "wall_time_s": time.perf_counter() - self.t_start,
                 "peak_mem_mb": peak_memory_mb(self.env.device),
                 "mean_clip_frac": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
@@ -1279,6 +1633,12 @@ class Run:
         if interrupted:
             raise Interrupted(progress.step, self.logger.out)
         return progress.last_eval
+
+
+def describe_eval(metrics: dict) -> str:
+    """One evaluation as "eval accuracy 0.412  format 0.953  reward 0.412  pass@1 ..." for the console."""
+    names = {"accuracy": "eval accuracy", "format_rate": "format", "reward": "eval reward"}
+    return "  ".join(f"{names.get(k, k)} {v:.3f}" for k, v in metrics.items())
 
 
 @dataclass
@@ -1300,27 +1660,51 @@ class Progress:
 
 
 class RunLogger:
-    """Writes metrics.jsonl (one object per step), summary.json and final/ into `out`. Resuming from
-    a checkpoint, metrics.jsonl starts with the checkpoint's rows (any later rows are dropped)."""
+    """Writes metrics.jsonl (one object per step), samples.jsonl (a few completions per evaluation),
+    with --report-to tensorboard every metric also to TensorBoard event files in tensorboard/,
+    summary.json and final/ into `out`. metrics.jsonl is the record; TensorBoard a view of it.
+    Resuming from a checkpoint, metrics.jsonl and samples.jsonl start with the checkpoint's rows
+    and TensorBoard drops the events logged after the checkpoint's step (purge_step), so a crash
+    after the last checkpoint leaves no duplicated steps behind."""
 
-    def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True):
-        self.out, self.enabled = Path(out), enabled
+    def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
+        self.out, self.enabled, self.tensorboard = Path(out), enabled, None
         if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
-            self.metrics_file = open(os.devnull, "w")
+            self.metrics_file, self.samples_file = open(os.devnull, "w"), open(os.devnull, "w")
             return
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.out / "metrics.jsonl", "w")
+        self.samples_file = open(self.out / "samples.jsonl", "w")
+        last_step = 0
         if resume_from is not None:
             last_step = json.loads((resume_from / "meta.json").read_text())["step"]
-            for line in (resume_from / "metrics.jsonl").read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= last_step:
-                    self.metrics_file.write(line + "\n")
-            self.metrics_file.flush()
+            for name, file in (("metrics.jsonl", self.metrics_file), ("samples.jsonl", self.samples_file)):
+                saved = resume_from / name
+                for line in saved.read_text().splitlines() if saved.is_file() else []:
+                    if line.strip() and json.loads(line)["step"] <= last_step:
+                        file.write(line + "\n")
+                file.flush()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(
+                str(self.out / "tensorboard"), purge_step=last_step + 1 if resume_from else None
+            )
 
     def log(self, metrics: dict):
         clean = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
         self.metrics_file.write(json.dumps(clean) + "\n")
         self.metrics_file.flush()
+        if self.tensorboard is not None:  # the very values metrics.jsonl holds
+            for k, v in clean.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tensorboard.add_scalar(k, v, clean["step"])
+            self.tensorboard.flush()
+
+    def log_samples(self, samples: list):
+        for s in samples:
+            self.samples_file.write(json.dumps(s) + "\n")
+        self.samples_file.flush()
 
     def summary(self, summary: dict):
         if self.enabled:
@@ -1333,6 +1717,9 @@ class RunLogger:
 
     def close(self):
         self.metrics_file.close()
+        self.samples_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -1355,7 +1742,9 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
-RESUME_MAY_CHANGE = ("steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume")
+RESUME_MAY_CHANGE = (
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to"
+)  # fmt: skip
 
 
 class Interrupted(Exception):
@@ -1440,7 +1829,7 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
-      metrics.jsonl  the metrics rows up to this step
+      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples)
       meta.json      algorithm, step, model name and config essentials, args"""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
@@ -1449,6 +1838,8 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
     tok.save_pretrained(tmp / "policy")
     torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}, tmp / "trainer.pt")
     shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
+    if (out / "samples.jsonl").is_file():
+        shutil.copyfile(out / "samples.jsonl", tmp / "samples.jsonl")
     meta = {
         "algo": algo,
         "step": state["progress"].step,
@@ -1599,6 +1990,31 @@ def global_mean(x: torch.Tensor) -> float:
     """Mean of `x` over every element on every rank (ranks may hold different numbers of elements)."""
     total = all_reduce_sum(torch.stack([x.float().sum(), torch.tensor(float(x.numel()), device=x.device)]))
     return (total[0] / total[1].clamp(min=1)).item()
+
+
+def global_means(values: dict) -> dict:
+    """{name: mean over all ranks' elements} of tensors that all have one length, in one all-reduce."""
+    if not values:
+        return {}
+    x = torch.stack([v.float().sum() for v in values.values()])
+    count = torch.tensor(float(next(iter(values.values())).numel()))
+    total = all_reduce_sum(torch.cat([x.cpu(), count[None]]))
+    return {name: (total[i] / total[-1].clamp(min=1)).item() for i, name in enumerate(values)}
+
+
+def raise_on_every_rank(error: Exception | None):
+    """Raise `error` if there is one; under torchrun, every other rank raises too (a UsageError
+    naming the rank that failed), so that one rank's failure stops the job instead of leaving the
+    others waiting in their next all-reduce. Every rank must call it at the same point."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        failed = torch.zeros(dist.get_world_size())
+        failed[dist.get_rank()] = float(error is not None)
+        failed = all_reduce_sum(failed)
+        if error is None and failed.any():
+            raise UsageError(f"stopped because rank {int(failed.nonzero()[0])} failed (its error is above)")
+    if error is not None:
+        raise error
 
 
 def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:

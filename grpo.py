@@ -21,7 +21,7 @@ What this file deliberately leaves out (what large frameworks add for scale): a 
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
 (FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
-is the exact final-answer match of common.score).
+is a function of the completion's text: --reward, common.Rewards, docs/rewards.md).
 
 Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advantages`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
@@ -54,7 +54,12 @@ class Args:
         "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
-    data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
+    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
+    reward: list[str] = arg(["exact"], "exact, boxed, format, module:function or file.py:function; several add up")
+    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    system_prompt: str = arg(
+        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+    )
     steps: int = arg(600, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
@@ -75,11 +80,17 @@ class Args:
         "seq-mean-token-mean", "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)"
     )
     scale_rewards: str = arg("std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)")
+    mask_truncated: bool = arg(
+        False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
+    )
     seed: int = arg(0, "random seed (data order, sampling, init)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
+    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
+    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
     out: str = arg("runs/grpo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
+    report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
@@ -200,7 +211,7 @@ def train(args: Args):
         raise common.UsageError(f"--scale-rewards must be std or none, got {args.scale_rewards!r}")
     if args.kl_coef < 0:
         raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
-    env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --resume, seeds
+    env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     eos_ids = common.eos_token_ids(model, tok)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
@@ -222,7 +233,7 @@ def train(args: Args):
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, answers = common.prompts_and_answers(tok, examples, args.group_size)  # a group: G rows in a row
+        prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)  # G rows each
         t0 = time.perf_counter()
         roll = common.sample(
             model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
@@ -230,8 +241,11 @@ def train(args: Args):
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: 1 for a correct final answer, else 0.
-        rewards, formats = common.score_rollout(tok, roll, answers)  # [B], [B]
+        # 2. Score: the --reward functions' weighted sum (by default 1 for a correct final answer, else 0).
+        rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
+        truncated = ~common.completion_ends(roll, eos_ids)  # [B] cut at --max-new-tokens, no EOS
+        # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
+        loss_mask = mask * ~truncated[:, None] if args.mask_truncated else mask
 
         # 3. Advantages: each completion against its group.
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
@@ -251,11 +265,12 @@ def train(args: Args):
             # rows with A = 0 add nothing (unless the KL term pulls them): not forwarded
             rows = idx if ref_model is not None else common.rows_with_signal(idx, advantages)
             ref = ref_logp[rows] if ref_model is not None else None
-            denominator = loss_denominator(args.loss_agg, mask[idx], args.max_new_tokens)  # the whole minibatch's
+            denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
                 logp, _ = policy(roll[rows], args.temperature)
-                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], mask[rows], args.eps_low, args.eps_high,
-                                        ref, args.kl_coef, args.loss_agg, args.max_new_tokens, denominator)  # fmt: skip
+                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
+                                        args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
+                                        denominator)  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -268,8 +283,8 @@ def train(args: Args):
             {
                 "step": step,
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
-                "accuracy": common.global_mean(rewards),
-                "format_rate": common.global_mean(formats),
+                **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
+                "truncated_frac": common.global_mean(truncated.float()),
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac*, kl, ratio_*
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
                 "entropy": masked_mean(entropy, mask).item(),

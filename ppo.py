@@ -22,7 +22,7 @@ What this file deliberately leaves out (what large frameworks add for scale): a 
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
 (FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
-is the exact final-answer match of common.score).
+is a function of the completion's text: --reward, common.Rewards, docs/rewards.md).
 
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
@@ -55,7 +55,12 @@ class Args:
         "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
-    data: str = arg(None, "JSONL file of {prompt, answer} or GSM8K {question, answer} records")
+    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
+    reward: list[str] = arg(["exact"], "exact, boxed, format, module:function or file.py:function; several add up")
+    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    system_prompt: str = arg(
+        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+    )
     steps: int = arg(150, "number of rollout + update steps (about 3-4 minutes on a 2-core CPU)")
     prompts_per_step: int = arg(256, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
@@ -80,8 +85,11 @@ class Args:
     seed: int = arg(0, "random seed (data order, sampling, init)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
+    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
+    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
     out: str = arg("runs/ppo", "output directory")
     device: str = arg("auto", "auto, cpu or cuda")
+    report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
@@ -208,7 +216,7 @@ def train(args: Args):
         raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
-    env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --resume, seeds
+    env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     eos_ids = common.eos_token_ids(model, tok)
     ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)  # frozen initial policy
@@ -231,7 +239,7 @@ def train(args: Args):
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, answers = common.prompts_and_answers(tok, examples, args.group_size)
+        prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)
         t0 = time.perf_counter()
         roll = common.sample(
             model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
@@ -239,10 +247,11 @@ def train(args: Args):
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: 1 for a correct final answer, else 0; minus --missing-eos-penalty for a completion without EOS.
-        correct, formats = common.score_rollout(tok, roll, answers)  # [B], [B]
+        # 2. Score: the --reward functions' weighted sum (by default 1 for a correct final answer, else 0);
+        #    minus --missing-eos-penalty for a completion without EOS.
+        rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         ends = common.completion_ends(roll, eos_ids)  # [B]
-        scores = correct.to(env.device) - args.missing_eos_penalty * (~ends).float()
+        scores = rewards.to(env.device) - args.missing_eos_penalty * (~ends).float()
 
         # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout; then the
         #    per-token rewards (score - beta * KL) and their GAE advantages.
@@ -250,8 +259,8 @@ def train(args: Args):
             old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
             ref_logp, _ = common.completion_logprobs(ref_model, roll, args.temperature)  # [B, T]
             old_values = critic(roll) * mask  # [B, T]
-            rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
-            advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+            per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
+            advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
 
         # 4. Updates of the policy and the critic: epochs x minibatches.
@@ -283,9 +292,8 @@ def train(args: Args):
         run.log(
             {
                 "step": step,
-                "reward": common.global_mean(correct),  # means over all ranks' completions
-                "accuracy": common.global_mean(correct),
-                "format_rate": common.global_mean(formats),
+                "reward": common.global_mean(rewards),  # means over all ranks' completions
+                **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
                 "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
@@ -293,6 +301,7 @@ def train(args: Args):
                 "entropy": masked_mean(entropy, mask).item(),
                 "response_len": mask.sum(1).mean().item(),
                 "eos_rate": ends.float().mean().item(),
+                "truncated_frac": common.global_mean((~ends).float()),  # cut at --max-new-tokens
                 "tokens_per_s": mask.sum().item() / sample_time,
             }
         )
