@@ -1,0 +1,297 @@
+"""Evaluation, what the model writes, and where the metrics go:
+
+  - pass@k (Chen et al. 2021) against a brute-force enumeration of every k-subset of n samples;
+    evaluate()'s eval_pass@1 / eval_pass@n on a constructed precondition (which samples are correct
+    is fixed by the row, not by what the model samples);
+  - --eval-data: training uses all of --data, evaluation the other file (GSM8K's form too), and
+    prompts found in both are counted and warned about;
+  - samples.jsonl: the first evaluation prompts at every evaluation, their greedy completions (the
+    last step's checked against Hugging Face generate on the final weights), rewards and answers;
+  - --report-to tensorboard: the event files hold exactly the values of metrics.jsonl; a resumed run
+    continues the curves without duplicated steps (purge_step), and samples.jsonl is cut back to
+    the checkpoint's step;
+  - --mask-truncated: a hand case for GRPO's and GSPO's losses (truncated rows get zero gradient, the
+    denominator is what the aggregation says), and end to end: with every completion marked
+    truncated the weights do not move, while without the flag they do.
+
+Runs are in-process and tiny (4 prompts x 2 samples, 6 new tokens, 8 evaluation prompts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import grpo  # noqa: E402
+import gspo  # noqa: E402
+
+SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
+         "--minibatches", "2"]  # fmt: skip
+
+# 1 for odd rows, 0 for even ones: every group of 2 has a spread, whatever the model samples
+ROWS = "def alternate(prompts, completions, **kwargs):\n    return [float(i % 2) for i in range(len(completions))]\n"
+
+
+def train_in_process(module, *argv):
+    common.main(module.train, module.Args, module.__name__, [*SMALL, *map(str, argv)])
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# pass@k and evaluate()
+# ---------------------------------------------------------------------------------------------
+
+
+@given(n=st.integers(1, 9), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_pass_at_k_equals_brute_force(n, data):
+    c = data.draw(st.integers(0, n))
+    k = data.draw(st.integers(1, n))
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+    assert common.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_hand_cases():
+    assert common.pass_at_k(4, 2, 1) == pytest.approx(0.5)
+    assert common.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert common.pass_at_k(4, 0, 4) == 0.0 and common.pass_at_k(4, 1, 4) == 1.0
+
+
+def test_evaluate_reports_pass_at_1_and_pass_at_n(tiny_path, monkeypatch):
+    """Which completions are correct is fixed by the row: greedy [1, 0, 1]; the 4 samples of each
+    prompt [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0] (c = 2, 0, 1), so pass@1 = (2/4 + 0 + 1/4) / 3
+    and pass@4 = (1 + 0 + 1) / 3."""
+    fixed = {3: [1, 0, 1], 12: [1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]}
+
+    def by_row(tok, roll, answers, parser="exact"):
+        correct = torch.tensor(fixed[len(answers)], dtype=torch.float32)
+        return correct, torch.ones(len(answers))
+
+    monkeypatch.setattr(common, "score_rollout", by_row)
+    model, tok = common.load_model(tiny_path, torch.device("cpu"))
+    examples = common.arith_split()[1][:3]
+    gen = torch.Generator().manual_seed(0)
+    result = common.evaluate(model, tok, examples, 5, common.Rewards(), n_samples=4, generator=gen, show=2)
+    assert result["accuracy"] == pytest.approx(2 / 3) and result["reward"] == pytest.approx(2 / 3)
+    assert result["format_rate"] == 1.0
+    assert result["pass@1"] == pytest.approx((0.5 + 0 + 0.25) / 3)
+    assert result["pass@4"] == pytest.approx(2 / 3)
+    assert [s["prompt"] for s in result["samples"]] == [ex["prompt"] for ex in examples[:2]]
+    assert [s["rewards"] for s in result["samples"]] == [{"exact": 1.0}, {"exact": 0.0}]
+
+
+# ---------------------------------------------------------------------------------------------
+# --eval-data
+# ---------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def setup_with(*argv):
+    args = common.parse_args(gspo.Args, [*SMALL, *map(str, argv)])
+    return common.setup(args, "gspo", needs_group=True)
+
+
+def test_eval_data_replaces_the_held_out_part_and_overlap_is_counted(tmp_path, capsys):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)])
+    # GSM8K's form; two questions also in training ("q3", and "q8" with surrounding spaces)
+    test = write_jsonl(
+        tmp_path / "test.jsonl",
+        [{"question": q, "answer": f"work #### {i}"} for i, q in enumerate(["q3", "e1", " q8 ", "e2", "e3", "q9"])],
+    )
+    env = setup_with("--data", train, "--eval-data", test, "--eval-size", "5", "--out", tmp_path / "run")
+    assert [r["prompt"] for r in env.train_set] == [f"q{i}" for i in range(10)]  # all of --data
+    assert env.eval_set == [{"prompt": q, "answer": str(i)} for i, q in enumerate(["q3", "e1", " q8 ", "e2", "e3"])]
+    assert env.eval_overlap == 2  # "q9" is beyond --eval-size 5
+    err = capsys.readouterr().err
+    assert f"warning: 2 of the 5 evaluation prompts also occur in the training data (--eval-data {test})" in err
+
+    disjoint = write_jsonl(tmp_path / "disjoint.jsonl", [{"prompt": f"e{i}", "answer": "1"} for i in range(4)])
+    env = setup_with("--data", train, "--eval-data", disjoint, "--out", tmp_path / "run")
+    assert env.eval_overlap == 0 and "warning" not in capsys.readouterr().err
+    env = setup_with("--data", train, "--out", tmp_path / "run")  # no --eval-data: a held-out 10%
+    assert len(env.train_set) == 9 and len(env.eval_set) == 1 and env.eval_overlap == 0
+
+
+def test_eval_data_errors_name_the_flag(tmp_path):
+    with pytest.raises(common.UsageError, match="--eval-data .*missing.jsonl: file not found"):
+        setup_with("--eval-data", tmp_path / "missing.jsonl", "--out", tmp_path / "run")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1="}])
+    with pytest.raises(common.UsageError, match=r"--eval-data .*bad.jsonl:1: missing field 'answer'"):
+        setup_with("--eval-data", bad, "--out", tmp_path / "run")
+    with pytest.raises(common.UsageError, match="--eval-samples must be 0"):
+        setup_with("--eval-samples", "1", "--out", tmp_path / "run")
+
+
+# ---------------------------------------------------------------------------------------------
+# samples.jsonl
+# ---------------------------------------------------------------------------------------------
+
+
+def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rewards = tmp_path / "task_rewards.py"
+    rewards.write_text("def prompt_len(prompts, completions, **kwargs):\n    return [len(p) % 3 for p in prompts]\n")
+    out = tmp_path / "run"
+    train_in_process(gspo, "--steps", "2", "--eval-every", "1", "--reward", "exact", f"{rewards}:prompt_len",
+                     "--reward-weights", "1", "2", "--out", out)  # fmt: skip
+    samples = rows(out / "samples.jsonl")
+    eval_set = common.arith_split()[1][:3]
+    assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [(s["prompt"], s["answer"]) for s in samples] == [(ex["prompt"], ex["answer"]) for ex in eval_set] * 3
+    for s in samples:
+        assert s["rewards"]["prompt_len"] == len(s["prompt"]) % 3
+        assert s["rewards"]["exact"] in (0.0, 1.0)
+        assert s["reward"] == pytest.approx(s["rewards"]["exact"] + 2 * s["rewards"]["prompt_len"])
+    # the last evaluation's completions are the final policy's greedy ones: Hugging Face generate agrees
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final", padding_side="left")
+    batch = tok([ex["prompt"] for ex in eval_set], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        generated = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = generated[:, batch["input_ids"].shape[1] :]
+    assert [s["completion"] for s in samples[-3:]] == tok.batch_decode(new, skip_special_tokens=True)
+    assert [s["truncated"] for s in samples[-3:]] == [bool((row != tok.eos_token_id).all()) for row in new]
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard
+# ---------------------------------------------------------------------------------------------
+
+
+def tensorboard_scalars(log_dir) -> dict:
+    """{tag: [(step, value), ...]} as TensorBoard shows it (orphaned events purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_tensorboard_equals_metrics(out):
+    metrics = rows(out / "metrics.jsonl")
+    scalars = tensorboard_scalars(out / "tensorboard")
+    expected = {}
+    for row in metrics:
+        for k, v in row.items():
+            if k != "step":
+                expected.setdefault(k, []).append((row["step"], v))
+    assert scalars.keys() == expected.keys()
+    for tag, points in expected.items():
+        got = scalars[tag]
+        assert [s for s, _ in got] == [s for s, _ in points], tag  # each step once, in order
+        for (_, value), (_, want) in zip(got, points):
+            want32 = np.float32(want)  # event files store float32
+            assert value == want32 or (math.isnan(value) and math.isnan(want32)), (tag, value, want)
+
+
+def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_path):
+    out = tmp_path / "run"
+    train_in_process(gspo, "--steps", "3", "--save-every", "3", "--eval-every", "2", "--report-to", "tensorboard",
+                     "--out", out)  # fmt: skip
+    assert_tensorboard_equals_metrics(out)
+    assert {r["step"] for r in rows(out / "samples.jsonl")} == {0, 2, 3}
+
+    # what a crash after step 5 of a longer run would leave beyond the step-3 checkpoint
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(out / "tensorboard"))
+    for step in (4, 5):
+        writer.add_scalar("reward", -1.0, step)
+    writer.close()
+    with open(out / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "prompt": "stale", "completion": "", "reward": -1.0}) + "\n")
+    time.sleep(1.1)  # event files are ordered by their names' timestamps, in seconds
+
+    common.main(gspo.train, gspo.Args, "gspo", ["--resume", str(out), "--steps", "5"])
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert_tensorboard_equals_metrics(out)  # steps 4 and 5 once each, the resumed run's values
+    samples = rows(out / "samples.jsonl")
+    assert [s["step"] for s in samples] == [0] * 3 + [2] * 3 + [3] * 3 + [4] * 3 + [5] * 3  # 3: the first run's last
+    assert all(s["prompt"] != "stale" for s in samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# --mask-truncated
+# ---------------------------------------------------------------------------------------------
+
+
+def hand_batch():
+    """Row 0 truncated (3 tokens, no EOS), row 1 ended (2 tokens); pi_old = pi, so every ratio is 1."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    truncated = torch.tensor([True, False])
+    return logp, logp.detach().clone(), torch.tensor([1.0, -0.5], dtype=torch.float64), mask * ~truncated[:, None]
+
+
+@pytest.mark.parametrize(
+    "agg, grad_row1",
+    [
+        ("seq-mean-token-mean", 0.5 / (2 * 2)),  # -A r / (B |y_1|): B = 2 counts the truncated row too
+        ("token-mean", 0.5 / 2),  # -A r / (kept tokens): 2, the truncated row's 3 not counted (DAPO)
+    ],
+)
+def test_mask_truncated_grpo_hand_case(agg, grad_row1):
+    logp, old, adv, loss_mask = hand_batch()
+    denominator = grpo.loss_denominator(agg, loss_mask, 3)
+    loss, _ = grpo.grpo_loss(logp, old, adv, loss_mask, 0.2, 0.2, agg=agg, denominator=denominator)
+    loss.backward()
+    assert logp.grad[0].tolist() == [0.0, 0.0, 0.0]
+    assert logp.grad[1].tolist() == pytest.approx([grad_row1, grad_row1, 0.0], abs=1e-15)
+    assert loss.item() == pytest.approx(0.5 / 2 if agg == "seq-mean-token-mean" else 0.5, abs=1e-15)
+
+
+def test_mask_truncated_gspo_hand_case():
+    logp, old, adv, loss_mask = hand_batch()
+    loss, _ = gspo.gspo_loss(logp, old, adv, loss_mask, denominator=2)
+    loss.backward()
+    assert logp.grad[0].tolist() == [0.0, 0.0, 0.0]
+    # -A s / |y_1| / B with s = 1: 0.5 / 2 / 2 on each of row 1's tokens
+    assert logp.grad[1].tolist() == pytest.approx([0.125, 0.125, 0.0], abs=1e-15)
+    assert loss.item() == pytest.approx(0.25, abs=1e-15)
+
+
+@pytest.mark.parametrize("module", [gspo, grpo])
+def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(module, tmp_path, monkeypatch, tiny_path):
+    """Rewards alternate by row (every advantage nonzero) and every completion is marked truncated:
+    with --mask-truncated no row is left in the loss and the weights stay the initial ones bit for
+    bit; without it the same run moves them."""
+    rewards = tmp_path / "rows.py"
+    rewards.write_text(ROWS)
+    monkeypatch.setattr(common, "completion_ends", lambda roll, eos_ids: torch.zeros(len(roll), dtype=torch.bool))
+    initial = load_file(str(Path(tiny_path) / "model.safetensors"))
+    flags = ["--steps", "1", "--eval-every", "0", "--reward", f"{rewards}:alternate"]
+    train_in_process(module, *flags, "--mask-truncated", "--out", tmp_path / "masked")
+    row = rows(tmp_path / "masked" / "metrics.jsonl")[0]
+    assert row["truncated_frac"] == 1.0 and row["reward"] == 0.5 and row["skipped_updates"] == 0
+    masked = load_file(str(tmp_path / "masked" / "final" / "model.safetensors"))
+    assert all(torch.equal(masked[k], initial[k]) for k in initial)
+    if module is gspo:  # the precondition: the same step without the flag does train
+        train_in_process(module, *flags, "--out", tmp_path / "plain")
+        plain = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+        assert any(not torch.equal(plain[k], initial[k]) for k in initial)
