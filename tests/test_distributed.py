@@ -163,3 +163,35 @@ def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
     assert [r["step"] for r in rows] == [1, 2]  # one writer: rank 0
     assert (out / "final" / "config.json").is_file() and (out / "checkpoint" / "meta.json").is_file()
     assert "eval_accuracy_after" in json.loads((out / "summary.json").read_text())
+
+
+RANK_ONE_FAILS = """
+import os
+
+def rank_one_fails(prompts, completions, **kwargs):
+    if os.environ["RANK"] == "1" and len(completions) == 4:  # a training batch (2 prompts x 2) on rank 1 only
+        raise RuntimeError("lookup table missing on this node")
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_a_reward_failing_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's reward raises in step 1; rank 0's did not and would wait in its next all-reduce
+    forever: both must stop with exit status 2 (the reward call is a collective check)."""
+    reward = tmp_path / "rank_reward.py"
+    reward.write_text(RANK_ONE_FAILS)
+    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
+           "--reward", f"{reward}:rank_one_fails", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
+           "--minibatches", "2", "--max-new-tokens", "4", "--eval-size", "2", "--device", "cpu",
+           "--out", str(tmp_path / "run")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(errors) == [
+        "error: --reward rank_one_fails raised RuntimeError: lookup table missing on this node on a batch of 4 "
+        "(no single row raises alone)",
+        "error: stopped because rank 1 failed (its error is above)",
+    ], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the failed ranks
