@@ -585,17 +585,32 @@ def build_char_tokenizer():
     )
 
 
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+
+
 def tiny_checkpoint(name: str = "tiny") -> str:
-    """Path of an embedded checkpoint: built (about a minute on 2 CPU cores) and cached on first
-    call, reused afterwards. "tiny": a real Qwen3ForCausalLM with a small config; "tiny-moe": a
-    Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started by SFT on
-    `arith` training pairs until a probe of *training* prompts reaches the target accuracy, so
-    the held-out accuracy starts in a band that leaves room for RL."""
+    """Path of an embedded checkpoint. "tiny": a real Qwen3ForCausalLM with a small config;
+    "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started
+    by SFT on `arith` training pairs until a probe of *training* prompts reaches the target
+    accuracy, so the held-out accuracy starts in a band that leaves room for RL.
+
+    "tiny" ships in checkpoints/ (3 MB), so that every machine starts from the same weights: the
+    recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere
+    in the band. A checkpoint not shipped (tiny-moe, or a changed recipe: the directory name holds
+    the recipe's hash) is built on first use (about a minute on 2 CPU cores) and cached."""
     prefix, _, config = TINY_SPECS[name]
     recipe = json.dumps([config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION], sort_keys=True)
-    path = cache_root() / f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if (path / "config.json").is_file():
-        return str(path)
+    key = f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    if (SHIPPED_CHECKPOINTS / key / "config.json").is_file():
+        return str(SHIPPED_CHECKPOINTS / key)
+    path = cache_root() / key
+    if not (path / "config.json").is_file():
+        build_tiny_checkpoint(name, path)
+    return str(path)
+
+
+def build_tiny_checkpoint(name: str, path: Path):
+    """Run the warm-start recipe of `name` and save the checkpoint at `path` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     threads = torch.get_num_threads()
@@ -613,7 +628,6 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
 
 
 def _warm_start_tiny(name: str = "tiny"):

@@ -122,9 +122,24 @@ def sampled_roll(rand_model, prompts, char_tok):
 # ---------------------------------------------------------------------------------------------
 
 
+# sha256 of checkpoints/tiny-qwen3-*/model.safetensors: the weights every machine starts from
+SHIPPED_TINY_SHA256 = "bbfaeb4fd9fab884f80d7e76b794d1d0a96380f4c8a9e1cb529fe45bd079fef4"
+
+
+def test_the_shipped_tiny_checkpoint_is_the_one_used_and_unchanged(tiny_path):
+    """'tiny' resolves to the checkpoint in checkpoints/ (not a per-machine build): its directory
+    name carries the current recipe's hash (change the recipe and this fails until the checkpoint
+    is rebuilt and shipped again), and its weights are byte for byte the shipped ones."""
+    import hashlib
+    from pathlib import Path
+
+    assert Path(tiny_path).parent == common.SHIPPED_CHECKPOINTS
+    digest = hashlib.sha256((Path(tiny_path) / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == SHIPPED_TINY_SHA256
+
+
 def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
-    assert common.tiny_checkpoint() == tiny_path  # second call: the cached path, no rebuild
-    assert tiny_path.startswith(str(common.cache_root()))
+    assert common.tiny_checkpoint() == tiny_path  # second call: the same path, no rebuild
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_path)
     assert type(model).__name__ == "Qwen3ForCausalLM"
@@ -140,7 +155,7 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
 
     _, held_out = common.arith_split()
     result = common.evaluate(model, tok, held_out, max_new_tokens=5)
-    assert 0.10 <= result["accuracy"] <= 0.50, result
+    assert 0.20 <= result["accuracy"] <= 0.24, result  # 0.222 where it was built (AMD EPYC); greedy ties may differ
 
     # independent check of evaluate's accuracy: Hugging Face greedy generate + plain string compare
     tok.padding_side = "left"
@@ -153,6 +168,19 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     hf_acc = sum(t.strip() == ex["answer"] for t, ex in zip(texts, held_out[:100])) / 100
     ours = common.evaluate(model, tok, held_out[:100], max_new_tokens=5)["accuracy"]
     assert ours == pytest.approx(hf_acc, abs=1e-6)  # evaluate averages in float32
+
+
+def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
+    """The recipe that made the shipped checkpoint, run again: a checkpoint whose held-out accuracy
+    lies in the band that leaves room for RL (10-35%; it stops at the first probe of training
+    prompts past 20%, mid-rise, so where exactly depends on the CPU's rounding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common.build_tiny_checkpoint("tiny", tmp_path / "rebuilt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "rebuilt")
+    _, held_out = common.arith_split()
+    assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
 
 
 FAST_RECIPE = "common.TINY_WARMSTART = dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
