@@ -1196,8 +1196,9 @@ class Rewards:
         by_parser = {}  # (correct, format_ok) per answer parser, computed once
 
         def answer_scores(parser):
-            if parser not in by_parser:  # score_rollout(tok, roll, answers) is also what tests patch to fix rewards
-                by_parser[parser] = score_rollout(tok, roll, answers, *([parser] if parser != "exact" else []))
+            if parser not in by_parser:  # exact's call is also what tests patch (3 arguments) to fix the rewards
+                args = (tok, roll, answers) if parser == "exact" else (tok, roll, answers, parser)
+                by_parser[parser] = score_rollout(*args)
             return by_parser[parser]
 
         texts = None
