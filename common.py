@@ -7,6 +7,8 @@ A script's train() calls into it in this order, and the sections follow that ord
    4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, cached)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
+  6b. Reward models    --reward-model (a learned reward, one Rewards component), Bradley-Terry training,
+                       the embedded tiny-rm, kl_to_init; CLI: python common.py train-reward-model --help
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
    8. Updates          minibatches, rows_with_signal, the non-finite guard, update metrics
    9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
@@ -14,7 +16,7 @@ A script's train() calls into it in this order, and the sections follow that ord
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
 
-The tiny checkpoint is cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
+The tiny checkpoints (and tiny-rm) are cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
 of its recipe, so changing the recipe builds a new one and never reuses a stale one.
 """
 
@@ -276,10 +278,16 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
             f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
             f"shares whose completions --minibatches {args.minibatches} divides"
         )
-    needs_answer = any(spec in BUILTIN_REWARDS for spec in args.reward)
+    specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
+    needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
     train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer)
     eval_set = eval_set[: args.eval_size]
-    reward_fn = Rewards(args.reward, args.reward_weights, records=train_set + eval_set)
+    device = resolve_device(args.device, local_rank)
+    reward_model = None
+    if args.reward_model:  # checked (one line, exit 2) before anything is written; tiny-rm built on first use
+        check_reward_model(args.reward_model)
+        reward_model = RewardModel(args.reward_model, device, args.reward_model_norm)
+    reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
     if args.eval_samples and not reward_fn.scores_answers:
         raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
     overlap = count_overlap(train_set, eval_set)
@@ -288,7 +296,6 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
     resume_from = open_checkpoint(args, algo) if args.resume else None
-    device = resolve_device(args.device, local_rank)
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     seed_everything(args.seed)
@@ -686,9 +693,12 @@ class Rollout:
     prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
     completion_ids: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T] 1 on generated tokens, the EOS token included
+    entropy: torch.Tensor | None = None  # [B, T] the sampling distribution's entropy at each token (sample())
 
     def __getitem__(self, idx):
-        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx])
+        entropy = None if self.entropy is None else self.entropy[idx]
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
+                       entropy)  # fmt: skip
 
     def __len__(self):
         return self.prompt_ids.shape[0]
@@ -758,10 +768,13 @@ def sample(
             logits = decoder.prefill()
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
+        entropy = None if greedy else torch.zeros(B, max_new_tokens, device=device)
         for t in range(max_new_tokens):
             token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
             token = torch.where(alive, token, pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
+            if entropy is not None:  # of logits / temperature before top-p, as completion_logprobs computes it
+                entropy[rows, t] = _entropy(logits.float() / temperature) * alive
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1 or not alive.any():
                 break
@@ -770,7 +783,8 @@ def sample(
                 decoder.keep(keep)
                 rows, alive, token = rows[keep], alive[keep], token[keep]
             logits = decoder.step(token)
-    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1])
+    entropy = None if entropy is None else entropy[:, : t + 1]
+    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1], entropy)
 
 
 def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
@@ -784,6 +798,11 @@ def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float,
         logits = _top_p_filter(logits, top_p)
     noise = torch.empty(batch_size, logits.shape[-1], device=logits.device).exponential_(generator=generator)
     return (logits.softmax(-1) / noise[rows]).argmax(-1)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the entropy of softmax(logits), log Z - sum p * logits."""
+    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -1160,8 +1179,8 @@ class Rewards:
     exact match by that parser) and `format_rate` are reported whenever every record has an
     answer, so that a curve's "correct" means the same in training and in evaluation."""
 
-    def __init__(self, specs=("exact",), weights=(), records=()):
-        if not specs:
+    def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
+        if not specs and reward_model is None:
             raise UsageError("--reward: give at least one reward function")
         loaded = [load_reward(spec) for spec in specs]
         names = [name for name, _ in loaded]
@@ -1174,6 +1193,11 @@ class Rewards:
         if not all(math.isfinite(w) for w in weights):
             raise UsageError(f"--reward-weights must be finite numbers, got {' '.join(map(str, weights))}")
         self.names, self.fns, self.weights = names, [fn for _, fn in loaded], weights
+        if reward_model is not None:  # --reward-model: one more component, weighed like the others
+            if not math.isfinite(reward_model_weight):
+                raise UsageError(f"--reward-model-weight must be a finite number, got {reward_model_weight}")
+            self.names, self.fns = self.names + ["reward_model"], self.fns + [reward_model]
+            self.weights = weights + [reward_model_weight]
         self.parser = "boxed" if "boxed" in specs else "exact"
         self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields
         self.scores_answers = all(isinstance(r.get("answer"), str) for r in records)
@@ -1214,6 +1238,8 @@ class Rewards:
         rewards = sum(w * parts[f"reward/{name}"].double() for name, w in zip(self.names, self.weights)).float()
         if self.scores_answers:
             parts["accuracy"], parts["format_rate"] = answer_scores(self.parser)
+            if "reward/reward_model" in parts:  # how well the learned reward ranks this batch's answers
+                parts["reward_model_pair_acc"] = pair_accuracy(parts["reward/reward_model"], parts["accuracy"])
         return rewards, parts
 
     def _call(self, name, fn, records, completions) -> torch.Tensor:
@@ -1262,6 +1288,15 @@ class Rewards:
         except Exception:
             return True
         return False
+
+
+def pair_accuracy(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """[B] filled with the share of (correct, wrong) pairs of rows in the batch whose correct row
+    scores strictly higher (the reward model's accuracy on the policy's own samples); 0.5 when the
+    batch has no such pair. [B] so that it averages over ranks like the other parts."""
+    good, bad = scores[correct.bool()], scores[~correct.bool()]
+    acc = (good[:, None] > bad[None, :]).float().mean().item() if len(good) and len(bad) else 0.5
+    return torch.full_like(scores, acc, dtype=torch.float32)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -1349,6 +1384,306 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
         }
         for i, (rec, text) in enumerate(zip(records, texts))
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# 6b. Reward models: --reward-model (a learned reward, one --reward component), the Bradley-Terry
+#     trainer (`python common.py train-reward-model`), the embedded tiny-rm, kl_to_init
+# ---------------------------------------------------------------------------------------------
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """[N], [N] -> scalar: mean of -log sigmoid(r_chosen - r_rejected) (InstructGPT; TRL's
+    RewardTrainer), the negative log-likelihood of the preference under the Bradley-Terry model.
+    Its gradient on r_chosen is -sigmoid(r_rejected - r_chosen) / N."""
+    return -F.logsigmoid(chosen - rejected).mean()
+
+
+def reward_model_text(tok, prompt: str, completion: str) -> str:
+    """What a reward model reads: the prompt and the completion in the reward model's own chat
+    template when its tokenizer has one (a user turn, then an assistant turn), else concatenated."""
+    if getattr(tok, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return tok.apply_chat_template(messages, tokenize=False)
+    return prompt + completion
+
+
+def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64) -> torch.Tensor:
+    """[N] float32: the scalar head of a sequence classifier on each (prompt, completion), re-tokenised
+    with the reward model's tokenizer. Right padding, whatever the tokenizer's padding side: every
+    real token keeps the position it has alone, so a score does not depend on the rest of the batch.
+    Gradients flow when called with them (training); scoring wraps it in no_grad."""
+    device = next(model.parameters()).device
+    texts = [reward_model_text(tok, p, c) for p, c in zip(prompts, completions)]
+    special = not getattr(tok, "chat_template", None)  # a chat template writes its own special tokens
+    scores = []
+    for s in range(0, len(texts), batch_size):
+        enc = tok(texts[s : s + batch_size], padding=True, padding_side="right", add_special_tokens=special,
+                  return_tensors="pt").to(device)  # fmt: skip
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits  # [b, 1]
+        scores.append(logits[:, 0].float())
+    return torch.cat(scores) if scores else torch.zeros(0, device=device)
+
+
+TINY_RM = "tiny-rm"
+
+# tiny-rm: the warm-started tiny policy's trunk plus a scalar head, trained by Bradley-Terry on
+# arithmetic preference pairs (`arith_preference_pairs`); built on first use, cached by this hash.
+TINY_RM_RECIPE = dict(seed=0, prompts=3000, policy_prompts=500, policy_samples=4, steps=300, batch=32, lr=2e-3,
+                      eval_frac=0.1, max_new_tokens=8)  # fmt: skip
+
+
+def check_reward_model(spec: str):
+    """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output.
+    AutoModelForSequenceClassification would load a causal LM without complaint (with a random
+    head), so the config's architectures and label count are checked here, before anything loads."""
+    if spec == TINY_RM:
+        return
+    from transformers import AutoConfig
+
+    path = Path(spec).expanduser()
+    local = path.exists() or spec.startswith(("/", ".", "~")) or Path(spec.split("/")[0]).is_dir()
+    if local and not (path / "config.json").is_file():
+        raise UsageError(f"--reward-model {spec}: no such checkpoint directory (expected tiny-rm or a directory "
+                         "with config.json)")  # fmt: skip
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except Exception as e:
+        raise UsageError(f"--reward-model {spec}: cannot load its config ({_describe(e)})") from e
+    archs = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise UsageError(f"--reward-model {spec}: is a {'/'.join(archs) or 'model of unknown class'}, not a sequence "
+                         "classifier (train one: python common.py train-reward-model)")  # fmt: skip
+    if config.num_labels != 1:
+        raise UsageError(f"--reward-model {spec}: has {config.num_labels} labels; a reward model has one output")
+
+
+def _tiny_attention(tiny: bool) -> dict:
+    """The tiny models' padded batches run about 10x faster on CPU with eager attention than with sdpa."""
+    return {"attn_implementation": "eager"} if tiny else {}
+
+
+def load_reward_model(spec: str, device: torch.device):
+    """(model, tokenizer) of a checked --reward-model, frozen, in eval mode."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    check_reward_model(spec)
+    path = tiny_reward_model() if spec == TINY_RM else spec
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=torch.float32, **_tiny_attention(spec == TINY_RM)
+        )
+    except Exception as e:
+        raise UsageError(f"--reward-model {spec}: cannot load it ({_describe(e)})") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if model.config.pad_token_id is None:  # the head reads the last non-pad token of each row
+        model.config.pad_token_id = tok.pad_token_id
+    return model.to(device).eval().requires_grad_(False), tok
+
+
+class RewardModel:
+    """--reward-model as a reward function with TRL's signature, so that `Rewards` weighs it like
+    any other component: the reward is the classifier's score of (prompt, completion) in the reward
+    model's own tokenizer and chat template; with whiten=True, (score - mean) / std over the batch
+    (one rank's rollout, or one evaluation batch)."""
+
+    def __init__(self, spec: str, device: torch.device, whiten: bool = False, batch_size: int = 64):
+        self.model, self.tok = load_reward_model(spec, device)
+        self.whiten, self.batch_size = whiten, batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **fields) -> list[float]:
+        scores = reward_model_scores(self.model, self.tok, prompts, completions, self.batch_size).double()
+        if self.whiten and len(scores) > 1:
+            scores = (scores - scores.mean()) / (scores.std() + 1e-8)
+        return scores.tolist()
+
+
+def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float = 1.0) -> dict:
+    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of the
+    sequence-level KL(pi || pi_init): the x-axis of Gao et al. 2022's over-optimisation curves.
+    {} when init_model is None (logged only with --reward-model)."""
+    if init_model is None:
+        return {}
+    with torch.no_grad():
+        init_logp = completion_logprobs(init_model, roll, temperature)[0]  # [B, T]
+    return {"kl_to_init": global_mean(((logp - init_logp) * roll.completion_mask).sum(1))}
+
+
+def load_pairs(path: str) -> list[dict]:
+    """JSONL preference pairs {"prompt", "chosen", "rejected"} (all strings)."""
+    pairs = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UsageError(f"--data {path}: {_describe(e)}") from e
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--data {path}: line {i} is not JSON ({e.msg})") from e
+        if not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
+            raise UsageError(f"--data {path}: line {i} needs string fields prompt, chosen and rejected")
+        pairs.append(rec)
+    if len(pairs) < 2:
+        raise UsageError(f"--data {path}: needs at least 2 pairs (one to train on, one held out)")
+    return pairs
+
+
+def split_pairs(pairs: list[dict], eval_frac: float, seed: int) -> tuple[list, list]:
+    """(train, held-out): whole prompts go to one side, so the held-out pairs ask unseen questions."""
+    prompts = sorted({p["prompt"] for p in pairs})
+    np.random.RandomState(seed).shuffle(prompts)
+    held = set(prompts[: max(1, round(len(prompts) * eval_frac))])
+    train = [p for p in pairs if p["prompt"] not in held]
+    return (train, [p for p in pairs if p["prompt"] in held]) if train else (pairs[1:], pairs[:1])
+
+
+@torch.no_grad()
+def pairwise_accuracy(model, tok, pairs: list[dict], batch_size: int = 64) -> float:
+    """Share of pairs whose chosen completion the reward model scores strictly above the rejected one."""
+    was_training = model.training
+    model.eval()
+    prompts = [p["prompt"] for p in pairs]
+    chosen = reward_model_scores(model, tok, prompts, [p["chosen"] for p in pairs], batch_size)
+    rejected = reward_model_scores(model, tok, prompts, [p["rejected"] for p in pairs], batch_size)
+    model.train(was_training)
+    return (chosen > rejected).float().mean().item()
+
+
+def train_reward_model(pairs, model_name: str, out, steps: int = 400, batch_size: int = 32, lr: float = 1e-3,
+                       eval_frac: float = 0.1, seed: int = 0, log=print) -> dict:  # fmt: skip
+    """Bradley-Terry training of a reward model from a causal-LM checkpoint ('tiny' or a directory /
+    hub id): its trunk plus a new scalar head (AutoModelForSequenceClassification, num_labels=1),
+    every weight trained by `bradley_terry_loss` with AdamW, minibatches of `batch_size` pairs drawn
+    with `seed`. Saves a standard sequence-classification checkpoint (weights and tokenizer) at `out`
+    and returns {"pairwise_accuracy" (held-out), "train_pairs", "eval_pairs", "steps", "time_s"}."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    t0 = time.perf_counter()
+    path = tiny_checkpoint(model_name) if model_name in TINY_MODELS else model_name
+    train, held_out = split_pairs(pairs, eval_frac, seed)
+    torch.manual_seed(seed)  # the new head's initialisation
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # not the "newly initialized: score.weight" notice: that is the point
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, **_tiny_attention(model_name in TINY_MODELS)
+        )
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    model.config.pad_token_id = tok.pad_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = np.random.RandomState(seed)
+    model.train()
+    for step in range(1, steps + 1):
+        batch = [train[i] for i in rng.randint(0, len(train), batch_size)]
+        prompts = [p["prompt"] for p in batch] * 2
+        scores = reward_model_scores(model, tok, prompts, [p["chosen"] for p in batch] + [p["rejected"] for p in batch],
+                                     batch_size=2 * batch_size)  # fmt: skip
+        loss = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log and (step % 100 == 0 or step == steps):
+            log(f"reward model step {step}/{steps}: loss {loss.item():.4f}")
+    acc = pairwise_accuracy(model, tok, held_out)
+    model.config.architectures = [type(model).__name__]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    result = {"pairwise_accuracy": acc, "train_pairs": len(train), "eval_pairs": len(held_out), "steps": steps,
+              "time_s": time.perf_counter() - t0}  # fmt: skip
+    (Path(out) / "reward_model.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def wrong_sums(a: int, b: int) -> list[str]:
+    """Plausible wrong answers to a+b: each digit of the sum off by one, and the sum without its carries."""
+    right = str(a + b)
+    wrong = []
+    for i, d in enumerate(right):
+        for delta in (-1, 1):
+            if 0 <= int(d) + delta <= 9 and not (i == 0 and int(d) + delta == 0 and len(right) > 1):
+                wrong.append(right[:i] + str(int(d) + delta) + right[i + 1 :])
+    no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:03d}", f"{b:03d}")))
+    if str(no_carry) != right:
+        wrong.append(str(no_carry))
+    return wrong
+
+
+def arith_preference_pairs(examples, seed: int = 0, policy=None, tok=None, policy_samples: int = 4,
+                           policy_prompts: int = 0, max_new_tokens: int = 8) -> list[dict]:  # fmt: skip
+    """Preference pairs on `arith` records: chosen the right sum; rejected a plausible wrong sum
+    (a digit off by one, a dropped carry), or a failure shape a policy produces: an empty answer,
+    extra text, a completion cut at max_new_tokens without EOS (the answer repeated); and, with
+    `policy`, that policy's own wrong samples (temperature 1) on the first `policy_prompts` records."""
+    rng = np.random.RandomState(seed)
+    pairs = []
+    for ex in examples:
+        a, b = map(int, ex["prompt"].rstrip("=").split("+"))
+        right = ex["answer"]
+        shapes = wrong_sums(a, b) + ["", f"{right}+{b}", f"{right}={right}", (right * max_new_tokens)[:max_new_tokens]]
+        pairs.append({"prompt": ex["prompt"], "chosen": right, "rejected": shapes[rng.randint(len(shapes))]})
+    if policy is not None and policy_prompts:
+        chosen = examples[:policy_prompts]
+        prompts = [tok(ex["prompt"])["input_ids"] for ex in chosen for _ in range(policy_samples)]
+        gen = torch.Generator().manual_seed(seed)
+        roll = sample(policy, prompts, max_new_tokens, eos_token_ids(policy, tok), tok.pad_token_id, generator=gen)
+        texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
+        for i, text in enumerate(texts):
+            ex = chosen[i // policy_samples]
+            if not score(text, ex["answer"])[0]:
+                pairs.append({"prompt": ex["prompt"], "chosen": ex["answer"], "rejected": text})
+    return pairs
+
+
+def tiny_reward_model() -> str:
+    """Path of the embedded tiny-rm, built on first use (`build_tiny_reward_model`) and cached under
+    a hash of its recipe and of the tiny policy it starts from."""
+    recipe = json.dumps([TINY_RM_RECIPE, Path(tiny_checkpoint("tiny")).name], sort_keys=True)
+    path = cache_root() / f"tiny-rm-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    if not (path / "config.json").is_file():
+        build_tiny_reward_model(path)
+    return str(path)
+
+
+def build_tiny_reward_model(path: Path, recipe: dict | None = None) -> dict:
+    """Pairs from `arith` training prompts (and the warm-started policy's own wrong samples), then
+    `train_reward_model` from the tiny checkpoint; saved atomically at `path`. The caller's random
+    state is untouched. Returns the trainer's report (held-out pairwise accuracy, time)."""
+    r = recipe or TINY_RM_RECIPE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        with torch.random.fork_rng(devices=[]):
+            train, _ = arith_split()
+            examples = [train[i] for i in np.random.RandomState(r["seed"]).permutation(len(train))[: r["prompts"]]]
+            policy, tok = load_model("tiny", torch.device("cpu"))
+            torch.set_num_threads(min(2, os.cpu_count() or 1))  # load_model sets 1 thread for tiny's sampling
+            pairs = arith_preference_pairs(examples, r["seed"], policy.eval(), tok, r["policy_samples"],
+                                           r["policy_prompts"], r["max_new_tokens"])  # fmt: skip
+            report = train_reward_model(pairs, "tiny", tmp, r["steps"], r["batch"], r["lr"], r["eval_frac"],
+                                        r["seed"], log=None)  # fmt: skip
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1443,6 +1778,29 @@ def minibatches(n: int, epochs: int, n_minibatches: int, device):
     into `n_minibatches` equal minibatches."""
     for _ in range(epochs):
         yield from torch.randperm(n, device=device).chunk(n_minibatches)
+
+
+def plan_updates(n: int, epochs: int, n_minibatches: int, device, advantages=None) -> list[tuple]:
+    """The updates of one rollout of n rows, drawn up front (`minibatches`): for each, (idx, rows),
+    the minibatch's row indices and the rows its update forwards. With `advantages`, only the rows
+    whose advantage is not 0 (`rows_with_signal`); without, all of idx."""
+    plan = []
+    for idx in minibatches(n, epochs, n_minibatches, device):
+        plan.append((idx, idx if advantages is None else rows_with_signal(idx, advantages)))
+    return plan
+
+
+def logprobs_of_forwarded_rows(model, roll: Rollout, plan: list[tuple], temperature: float = 1.0, every_row=False):
+    """[B, T] log-probs of pi_old (call it before any update, under no_grad) for the rows that the
+    updates of `plan` (from `minibatches`) forward, 0 on the others: a row whose advantage is 0
+    is never forwarded, so its log-probs are never needed. every_row: all rows (an MoE model
+    records every row's experts in this pass)."""
+    rows = torch.arange(len(roll), device=roll.completion_ids.device)
+    if not every_row:
+        rows = torch.cat([r for _, r in plan]).unique()  # sorted, each once
+    logp = torch.zeros(roll.completion_ids.shape, device=roll.completion_ids.device)
+    logp[rows] = completion_logprobs(model, roll if every_row else roll[rows], temperature)[0]
+    return logp
 
 
 def rows_with_signal(idx: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -2155,3 +2513,39 @@ def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.
     differ = differ[..., -mask.shape[-1] :]
     m = mask.to(differ.dtype)[None].expand_as(differ)
     return ((differ * m).sum() / m.sum().clamp(min=1)).item()
+
+
+def reward_model_cli(argv=None):
+    """python common.py train-reward-model --data pairs.jsonl --model tiny --out DIR: Bradley-Terry
+    training (`train_reward_model`); prints the held-out pairwise accuracy. docs/reward_model.md."""
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            die(message)
+
+    parser = Parser(prog="python common.py train-reward-model", description=reward_model_cli.__doc__.split(":")[0])
+    parser.add_argument("--data", required=True, help="JSONL preference pairs {prompt, chosen, rejected}")
+    parser.add_argument("--model", default="tiny", help="causal-LM checkpoint to start from: tiny, a dir or a hub id")
+    parser.add_argument("--out", required=True, help="where to save the sequence-classification checkpoint")
+    parser.add_argument("--steps", type=_number(int), default=400, help="AdamW steps (default: 400)")
+    parser.add_argument("--batch-size", type=_number(int), default=32, help="pairs per step (default: 32)")
+    parser.add_argument("--lr", type=_number(float), default=1e-3, help="learning rate (default: 1e-3; a 0.5B: 1e-5)")
+    parser.add_argument("--eval-frac", type=_number(float), default=0.1, help="prompts held out (default: 0.1)")
+    parser.add_argument("--seed", type=_number(int), default=0, help="held-out split, batches, head init")
+    a = parser.parse_args(argv)
+    try:
+        if a.steps < 1 or a.batch_size < 1 or not 0 < a.eval_frac < 1:
+            raise UsageError("--steps and --batch-size must be >= 1 and --eval-frac in (0, 1)")
+        check_model_name(a.model)
+        pairs = load_pairs(a.data)
+        result = train_reward_model(pairs, a.model, a.out, a.steps, a.batch_size, a.lr, a.eval_frac, a.seed)
+    except UsageError as e:
+        die(str(e))
+    print(f"held-out pairwise accuracy {result['pairwise_accuracy']:.3f} on {result['eval_pairs']} pairs "
+          f"({result['train_pairs']} trained on, {result['time_s']:.0f} s); saved {a.out}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["train-reward-model"]:
+        die("usage: python common.py train-reward-model --data PAIRS.jsonl --model tiny --out DIR (see --help)")
+    reward_model_cli(sys.argv[2:])

@@ -20,8 +20,9 @@ and adds nothing without a KL term; it stays in the batch but is not forwarded.
 What this file deliberately leaves out (what large frameworks add for scale): a separate
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
-(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
-is a function of the completion's text: --reward, common.Rewards, docs/rewards.md).
+(FSDP, tensor parallelism: torchrun here is plain data parallel). The reward is a function of the
+completion's text (--reward, common.Rewards, docs/rewards.md) or a learned reward model, one more
+component of that sum (--reward-model, docs/reward_model.md).
 
 Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advantages`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
@@ -55,8 +56,17 @@ class Args:
     )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    reward: list[str] = arg(["exact"], "exact, boxed, format, module:function or file.py:function; several add up")
+    reward: list[str] = arg(
+        [],
+        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
+        "with --reward-model)",
+    )
     reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_model: str = arg(
+        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
+    )
+    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
+    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
     system_prompt: str = arg(
         None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
     )
@@ -220,7 +230,7 @@ def train(args: Args):
     if args.routing_replay and not routing.blocks:
         raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
     ref_model = None
-    if args.kl_coef > 0:  # a frozen copy of the initial policy; none in memory when beta = 0
+    if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
         ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
@@ -241,7 +251,7 @@ def train(args: Args):
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: the --reward functions' weighted sum (by default 1 for a correct final answer, else 0).
+        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right).
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         truncated = ~common.completion_ends(roll, eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
@@ -250,21 +260,25 @@ def train(args: Args):
         # 3. Advantages: each completion against its group.
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
 
-        # 4. Log-probs of pi_old (and of the reference), once per rollout, without gradient.
-        with torch.no_grad(), routing.record():
-            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+        # 4. Log-probs of pi_old (and of the reference), once per rollout, without gradient, for the rows the
+        #    updates will forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing
+        #    unless the KL term pulls it, so without one it is left out.
+        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device,
+                                   advantages if args.kl_coef == 0 else None)  # [(idx, rows)]  # fmt: skip
+        with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
+            old_logp = common.logprobs_of_forwarded_rows(
+                model, roll, plan, args.temperature, every_row=bool(routing.blocks or args.reward_model)
+            )  # kl_to_init (with --reward-model) needs every row
         ref_logp = None
-        if ref_model is not None:
+        if args.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
 
         # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
         updates = []
-        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
-            # rows with A = 0 add nothing (unless the KL term pulls them): not forwarded
-            rows = idx if ref_model is not None else common.rows_with_signal(idx, advantages)
-            ref = ref_logp[rows] if ref_model is not None else None
+        for idx, rows in plan:
+            ref = ref_logp[rows] if args.kl_coef > 0 else None
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
                 logp, _ = policy(roll[rows], args.temperature)
@@ -285,9 +299,10 @@ def train(args: Args):
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 "truncated_frac": common.global_mean(truncated.float()),
+                **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac*, kl, ratio_*
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
-                "entropy": masked_mean(entropy, mask).item(),
+                "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
                 "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
                 "tokens_per_s": mask.sum().item() / sample_time,

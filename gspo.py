@@ -16,8 +16,9 @@ nothing; it stays in the batch (no DAPO-style resampling) but is not forwarded.
 What this file deliberately leaves out (what large frameworks add for scale): a separate
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
-(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
-is a function of the completion's text: --reward, common.Rewards, docs/rewards.md).
+(FSDP, tensor parallelism: torchrun here is plain data parallel). The reward is a function of the
+completion's text (--reward, common.Rewards, docs/rewards.md) or a learned reward model, one more
+component of that sum (--reward-model, docs/reward_model.md).
 
 Where to read: `gspo_loss` (the objective), `seq_log_ratio`, `group_advantages`, then `train()`,
 whose numbered steps are the algorithm; `common.py` holds everything else.
@@ -50,8 +51,17 @@ class Args:
     )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    reward: list[str] = arg(["exact"], "exact, boxed, format, module:function or file.py:function; several add up")
+    reward: list[str] = arg(
+        [],
+        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
+        "with --reward-model)",
+    )
     reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_model: str = arg(
+        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
+    )
+    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
+    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
     system_prompt: str = arg(
         None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
     )
@@ -172,6 +182,10 @@ def train(args: Args):
     eos_ids = common.eos_token_ids(model, tok)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     routing = common.RoutingReplay(model)  # MoE models: notes each token's experts, for routing_drift
+    # with --reward-model, a frozen initial policy for kl_to_init (the over-optimisation axis); else none
+    init_model = (
+        common.load_model(args.model, env.device)[0].eval().requires_grad_(False) if args.reward_model else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
@@ -191,7 +205,7 @@ def train(args: Args):
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: the --reward functions' weighted sum (by default 1 for a correct final answer, else 0).
+        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right).
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         truncated = ~common.completion_ends(roll, eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
@@ -200,15 +214,18 @@ def train(args: Args):
         # 3. Advantages: each completion against its group (Eq. 6).
         advantages = group_advantages(rewards, args.group_size).to(env.device)  # [B]
 
-        # 4. Log-probs of pi_old, once per rollout, without gradient.
-        with torch.no_grad(), routing.record():
-            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+        # 4. Log-probs of pi_old, once per rollout, without gradient, for the rows the updates will forward:
+        #    the minibatches are drawn first, and a row whose advantage is 0 adds nothing, so it is left out.
+        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, advantages)  # [(idx, rows)]
+        with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
+            old_logp = common.logprobs_of_forwarded_rows(
+                model, roll, plan, args.temperature, bool(routing.blocks) or init_model is not None
+            )
 
         # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
         updates = []
-        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
-            rows = common.rows_with_signal(idx, advantages)  # rows with A = 0 add nothing: not forwarded
+        for idx, rows in plan:
             logp, _ = policy(roll[rows], args.temperature)
             # divided by the whole minibatch's size, len(idx)
             loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
@@ -227,9 +244,10 @@ def train(args: Args):
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 "truncated_frac": common.global_mean(truncated.float()),
+                **common.kl_to_init(init_model, roll, old_logp, args.temperature),
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac, ratio_*
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
-                "entropy": masked_mean(entropy, mask).item(),
+                "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
                 "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
                 "tokens_per_s": mask.sum().item() / sample_time,

@@ -21,8 +21,9 @@ and GSPO save by using the group as the baseline.
 What this file deliberately leaves out (what large frameworks add for scale): a separate
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
-(FSDP, tensor parallelism: torchrun here is plain data parallel), and reward models (the reward
-is a function of the completion's text: --reward, common.Rewards, docs/rewards.md).
+(FSDP, tensor parallelism: torchrun here is plain data parallel). The reward is a function of the
+completion's text (--reward, common.Rewards, docs/rewards.md) or a learned reward model, one more
+component of that sum (--reward-model, docs/reward_model.md).
 
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
@@ -56,8 +57,17 @@ class Args:
     )
     task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    reward: list[str] = arg(["exact"], "exact, boxed, format, module:function or file.py:function; several add up")
+    reward: list[str] = arg(
+        [],
+        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
+        "with --reward-model)",
+    )
     reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_model: str = arg(
+        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
+    )
+    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
+    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
     system_prompt: str = arg(
         None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
     )
@@ -247,7 +257,7 @@ def train(args: Args):
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: the --reward functions' weighted sum (by default 1 for a correct final answer, else 0);
+        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right);
         #    minus --missing-eos-penalty for a completion without EOS.
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         ends = common.completion_ends(roll, eos_ids)  # [B]
@@ -296,6 +306,7 @@ def train(args: Args):
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
                 "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
+                **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
                 "value_mean": masked_mean(old_values, mask).item(),
                 "entropy": masked_mean(entropy, mask).item(),

@@ -1,0 +1,327 @@
+"""--reward-model and the Bradley-Terry trainer (common.py section 6b): the loss against a hand case
+and float64, scores independent of batch and padding, re-tokenisation across tokenizers, the saved
+checkpoint through AutoModelForSequenceClassification, the bad-checkpoint messages, tiny-rm's build
+(a few-step recipe) and a short run of each script. Every model is tiny and built here."""
+
+import json
+import math
+import random
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import ROOT
+
+import common
+
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
+
+
+def small_config(tok, **kw):
+    return transformers.Qwen3Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                    eos_token_id=tok.eos_token_id, bos_token_id=None, **SMALL, **kw)  # fmt: skip
+
+
+def save_classifier(path, tok, num_labels=1, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForSequenceClassification(small_config(tok, num_labels=num_labels))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def save_causal_lm(path, tok, seed=0):
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(small_config(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+PROMPTS = ["3+4=", "12+30=", "99+99=", "0+0=", "7+15="]
+COMPLETIONS = ["7", "42 or 43", "", "0000000000", "22"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The Bradley-Terry loss
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bradley_terry_loss_hand_case():
+    """chosen [1, 0], rejected [0, 2]: loss = (log(1 + e^-1) + log(1 + e^2)) / 2; its gradient on
+    r_chosen is -sigmoid(r_rejected - r_chosen) / 2 and on r_rejected the opposite."""
+    chosen = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    rejected = torch.tensor([0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    loss = common.bradley_terry_loss(chosen, rejected)
+    loss.backward()
+    expected = (math.log1p(math.exp(-1)) + math.log1p(math.exp(2))) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert loss.item() == pytest.approx(1.2200948, abs=1e-7)
+    sig = [1 / (1 + math.exp(1)), 1 / (1 + math.exp(-2))]  # sigmoid(r - c)
+    assert chosen.grad.tolist() == pytest.approx([-sig[0] / 2, -sig[1] / 2], abs=1e-12)
+    assert rejected.grad.tolist() == pytest.approx([sig[0] / 2, sig[1] / 2], abs=1e-12)
+
+
+def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(257, generator=g, dtype=torch.float64) * 30  # gaps up to ~100: log-sigmoid must not overflow
+    r = torch.randn(257, generator=g, dtype=torch.float64) * 30
+    c32, r32 = c.float().requires_grad_(), r.float().requires_grad_()
+    c64, r64 = c.clone().requires_grad_(), r.clone().requires_grad_()
+    loss32, loss64 = common.bradley_terry_loss(c32, r32), common.bradley_terry_loss(c64, r64)
+    loss32.backward()
+    loss64.backward()
+    assert torch.isfinite(loss32) and loss32.item() == pytest.approx(loss64.item(), rel=1e-5)
+    torch.testing.assert_close(c32.grad.double(), c64.grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(r32.grad.double(), -c64.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_pair_accuracy_hand_case():
+    scores = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0])  # pairs (3,2) (3,0) (1,2) (1,0): 3 of 4 ordered rightly
+    assert common.pair_accuracy(scores, correct).tolist() == [0.75] * 4
+    assert common.pair_accuracy(scores, torch.ones(4)).tolist() == [0.5] * 4  # no wrong row: no pair
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def classifier(tmp_path, char_tok):
+    path = save_classifier(tmp_path / "rm", char_tok)
+    return common.load_reward_model(path, torch.device("cpu"))
+
+
+def test_scores_do_not_depend_on_batch_composition_or_padding_side(classifier):
+    model, tok = classifier
+    together = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    alone = torch.cat([common.reward_model_scores(model, tok, [p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)])
+    reversed_ = common.reward_model_scores(model, tok, PROMPTS[::-1], COMPLETIONS[::-1]).flip(0)
+    in_pairs = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS, batch_size=2)
+    tok.padding_side = "left"  # the tokenizer's own side does not matter: scoring pads on the right
+    left = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    for other in (alone, reversed_, in_pairs, left):
+        torch.testing.assert_close(together, other, atol=1e-5, rtol=1e-5)
+    assert together.std() > 0  # a random head still tells the texts apart
+
+
+class SpyScorer(torch.nn.Module):
+    """Stands in for a classifier: records what it is given; scores a row by the sum of its ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def forward(self, input_ids, attention_mask):
+        self.seen.append((input_ids, attention_mask))
+        return types.SimpleNamespace(logits=(input_ids * attention_mask).sum(1, keepdim=True).float())
+
+
+def other_tokenizer():
+    """A different tokenizer from the policy's: other ids for the same characters, and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = ["<pad>", "</s>", "<unk>"] + common.TINY_CHARS[::-1]
+    core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>",
+                                               unk_token="<unk>")  # fmt: skip
+    tok.chat_template = "{% for m in messages %}{{ m.role[0] | upper }}:{{ m.content }}\n{% endfor %}"
+    return tok
+
+
+def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
+    """A rollout in the policy's tokenizer, scored through Rewards by a reward model with another
+    tokenizer: the reward model reads exactly its chat template around the decoded prompt and
+    completion, in its own ids; the reward is its score."""
+    rm_tok = other_tokenizer()
+    rm = object.__new__(common.RewardModel)
+    rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), rm_tok, False, 64
+    records = [{"prompt": p, "answer": "7"} for p in PROMPTS]
+    eos = char_tok.eos_token_id
+    completions = [char_tok(c)["input_ids"] + [eos] for c in COMPLETIONS]
+    roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
+    rewards, parts = common.Rewards([], (), records, rm)(char_tok, roll, records)
+
+    (ids, attention), = rm.model.seen  # fmt: skip
+    texts = [rm_tok.decode(row[m.bool()]) for row, m in zip(ids, attention)]
+    assert texts == [f"U:{p}\nA:{c}\n" for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert texts[0] == common.reward_model_text(rm_tok, PROMPTS[0], COMPLETIONS[0])
+    assert rm_tok("7")["input_ids"] != char_tok("7")["input_ids"]  # really another vocabulary
+    assert rewards.tolist() == parts["reward/reward_model"].tolist() == (ids * attention).sum(1).float().tolist()
+    assert set(parts) == {"reward/reward_model", "accuracy", "format_rate", "reward_model_pair_acc"}
+    assert parts["accuracy"].tolist() == [1, 0, 0, 0, 0]  # accuracy is still the exact match, not the proxy
+
+
+def test_reward_model_is_one_weighted_component(char_tok):
+    rm = object.__new__(common.RewardModel)
+    rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), other_tokenizer(), True, 64
+    records = [{"prompt": p, "answer": c} for p, c in zip(PROMPTS, ["7", "1", "2", "0", "22"])]
+    completions = [char_tok(c)["input_ids"] for c in COMPLETIONS]
+    roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
+    rewards, parts = common.Rewards(["exact"], [2.0], records, rm, 0.5)(char_tok, roll, records)
+    whitened = parts["reward/reward_model"].double()
+    assert whitened.mean().item() == pytest.approx(0, abs=1e-6) and whitened.std().item() == pytest.approx(1, 1e-6)
+    expected = 2.0 * parts["reward/exact"].double() + 0.5 * whitened
+    torch.testing.assert_close(rewards, expected.float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+def write_pairs(path, n=24):
+    rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_tok):
+    base = save_causal_lm(tmp_path / "lm", char_tok)
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    out = tmp_path / "rm"
+    result = common.train_reward_model(pairs, base, out, steps=3, batch_size=4, eval_frac=0.25, log=None)
+    assert 0 <= result["pairwise_accuracy"] <= 1 and result["eval_pairs"] == 6 and result["train_pairs"] == 18
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(loaded).__name__ == "Qwen3ForSequenceClassification" and loaded.config.num_labels == 1
+    common.check_reward_model(str(out))  # what --reward-model accepts
+    model, tok = common.load_reward_model(str(out), torch.device("cpu"))
+    base_lm = transformers.AutoModelForCausalLM.from_pretrained(base)
+    assert not torch.equal(model.model.embed_tokens.weight, base_lm.model.embed_tokens.weight)  # trained
+    with torch.no_grad():
+        a = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+        b = common.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(a, b)
+    assert common.pairwise_accuracy(model, tok, pairs) == pytest.approx(
+        float(
+            np.mean(
+                [
+                    x > y
+                    for x, y in zip(
+                        *[
+                            common.reward_model_scores(
+                                model, tok, [p["prompt"] for p in pairs], [p[k] for p in pairs]
+                            ).tolist()
+                            for k in ("chosen", "rejected")
+                        ]
+                    )
+                ]
+            )
+        )  # fmt: skip
+    )
+
+
+def test_train_reward_model_command_line(tmp_path, char_tok):
+    base = save_causal_lm(tmp_path / "lm", char_tok)
+    write_pairs(tmp_path / "pairs.jsonl")
+    cmd = [sys.executable, "common.py", "train-reward-model", "--data", str(tmp_path / "pairs.jsonl"), "--model",
+           base, "--out", str(tmp_path / "rm"), "--steps", "2", "--batch-size", "4"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out pairwise accuracy" in proc.stdout
+    assert (tmp_path / "rm" / "config.json").is_file()
+    bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --data") and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind", ["missing", "causal-lm", "two-labels", "not-a-checkpoint"])
+def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
+    path = {
+        "missing": lambda: str(tmp_path / "nowhere"),
+        "causal-lm": lambda: save_causal_lm(tmp_path / "lm", char_tok),
+        "two-labels": lambda: save_classifier(tmp_path / "rm2", char_tok, num_labels=2),
+        "not-a-checkpoint": lambda: (tmp_path / "empty").mkdir() or str(tmp_path / "empty"),
+    }[kind]()
+    with pytest.raises(common.UsageError) as e:  # the check itself, in process
+        common.check_reward_model(path)
+    expected = {"missing": "no such", "causal-lm": "Qwen3ForCausalLM, not a sequence classifier",
+                "two-labels": "has 2 labels", "not-a-checkpoint": "no such"}[kind]  # fmt: skip
+    assert expected in str(e.value)
+    if kind in ("causal-lm", "two-labels"):  # and through a script: exit 2, one line, nothing written
+        out = tmp_path / "out"
+        proc = subprocess.run([sys.executable, "grpo.py", "--reward-model", path, "--steps", "1", "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.startswith("error: --reward-model") and proc.stderr.count("\n") == 1
+        assert expected in proc.stderr and not out.exists()
+
+
+def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, char_tok):
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_causal_lm(tmp_path / "lm", char_tok))
+    completions = [char_tok(c or "1")["input_ids"] for c in COMPLETIONS]
+    roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
+    logp = common.completion_logprobs(model, roll)[0]
+    assert common.kl_to_init(model, roll, logp) == {"kl_to_init": 0.0}
+    assert common.kl_to_init(None, roll, logp) == {}
+    shifted = common.kl_to_init(model, roll, logp + 0.5 * roll.completion_mask)["kl_to_init"]
+    assert shifted == pytest.approx(0.5 * roll.completion_mask.sum(1).float().mean().item(), rel=1e-6)
+
+
+FAST_RM_RECIPE = dict(common.TINY_RM_RECIPE, prompts=16, policy_prompts=4, policy_samples=2, steps=2, batch=4)
+
+
+def test_building_tiny_rm_leaves_the_random_state_alone(tmp_path):
+    """A two-step recipe: the build is deterministic, saves a checkpoint --reward-model loads, and
+    the caller's torch, numpy and Python random streams continue as if nothing had run."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    threads = torch.get_num_threads()
+    report = common.build_tiny_reward_model(tmp_path / "a", FAST_RM_RECIPE)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert torch.get_num_threads() == threads
+    assert 0 <= report["pairwise_accuracy"] <= 1 and report["steps"] == 2
+    common.build_tiny_reward_model(tmp_path / "b", FAST_RM_RECIPE)
+    a = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "a")
+    b = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "b")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    common.check_reward_model(str(tmp_path / "a"))
+
+
+def test_preference_pairs_cover_the_failure_shapes():
+    examples = [{"prompt": "58+67=", "answer": "125"}] * 200
+    pairs = common.arith_preference_pairs(examples, seed=0)
+    rejected = {p["rejected"] for p in pairs}
+    assert {p["chosen"] for p in pairs} == {"125"}
+    assert {"", "115", "124", "126", "135", "15", "125+67", "125=125", "12512512"} <= rejected  # "15": no carries
+    assert all(not common.score(r, "125")[0] for r in rejected)  # every rejected answer is wrong
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
+def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
+    rm = save_classifier(tmp_path / "rm", char_tok)
+    out = tmp_path / "run"
+    cmd = [sys.executable, script, "--reward-model", rm, "--steps", "2", "--prompts-per-step", "4", "--group-size",
+           "2", "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "RLREF_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["reward/reward_model"], abs=1e-5)  # alone: weight 1, nothing else
+        assert "reward/exact" not in r and 0 <= r["accuracy"] <= 1  # the true metric stays
+        assert math.isfinite(r["kl_to_init"]) and 0 <= r["reward_model_pair_acc"] <= 1
+        assert math.isfinite(r["eval_reward"]) and 0 <= r["eval_accuracy"] <= 1
+    assert rows[0]["kl_to_init"] == pytest.approx(0, abs=1e-4)  # step 1 samples from the initial policy
