@@ -2,6 +2,7 @@
 # Run PPO, GRPO and GSPO on the same model, task, seeds and sample budget, one run at a time,
 # then build one comparison table ($OUT/results.md, $OUT/results.json) and curves ($OUT/curves.png).
 # --moe: the MoE experiment instead (GRPO, GRPO with --routing-replay, GSPO on --model tiny-moe).
+# --reward-model: each script with the learned reward tiny-rm against the same script with the rule reward.
 # `bash run_all.sh --help` lists the settings; the report is tests/compare_report.py.
 set -euo pipefail
 
@@ -9,7 +10,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 usage() {
     cat <<'EOF'
-Usage: bash run_all.sh [--quick] [--moe] [--report-only] [--help]
+Usage: bash run_all.sh [--quick] [--moe | --reward-model] [--report-only] [--help]
 
 Trains ppo.py, grpo.py and gspo.py with identical settings (model, task, seeds, prompts per step,
 samples per prompt, max new tokens, steps), one run after another, then writes
@@ -34,6 +35,16 @@ Flags:
                   Defaults: STEPS [120] SEEDS ["0 1"] PROMPTS_PER_STEP [32] GROUP_SIZE [4]
                   MINIBATCHES [4] EVAL_EVERY [25] OUT [runs/moe]; MODEL is tiny-moe; MAX_NEW_TOKENS
                   and TASK are not passed (the scripts' defaults).
+  --reward-model  the reward-model experiment (docs/reward_model.md): configs ppo, ppo-rm, grpo,
+                  grpo-rm, gspo, gspo-rm, where <algo>-rm adds --reward-model tiny-rm (the embedded
+                  learned reward, built on first use; alone it is the whole reward) and <algo> keeps
+                  the rule reward; same seeds and budget. Writes, besides the runs ($OUT/<config>-seed<k>/),
+                    $OUT/rm_results.md   eval accuracy before/after, the reward model's eval score,
+                                         kl_to_init, its pairwise accuracy on the policy's samples at
+                                         the first and last step, step time and peak memory
+                    $OUT/rm_curves.png   eval accuracy and reward-model score against step, and
+                                         against kl_to_init (Gao et al. 2022's axis)
+                  Default OUT [runs/rm]; the other settings as without it.
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
                   (with the STEPS and SEEDS of the runs)
   --help          this text
@@ -55,11 +66,13 @@ EOF
 
 QUICK=0
 MOE=0
+RM=0
 REPORT_ONLY=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=1 ;;
         --moe) MOE=1 ;;
+        --reward-model) RM=1 ;;
         --report-only) REPORT_ONLY=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "run_all.sh: unknown argument '$a' (see --help)" >&2; exit 2 ;;
@@ -69,6 +82,13 @@ if [[ $QUICK == 1 && $MOE == 1 ]]; then
     echo "run_all.sh: --quick and --moe do not combine; a first look at the MoE experiment: STEPS=20 bash run_all.sh --moe" >&2
     exit 2
 fi
+
+if [[ $MOE == 1 && $RM == 1 ]]; then
+    echo "run_all.sh: --moe and --reward-model are separate experiments; run one, then the other" >&2
+    exit 2
+fi
+[[ $RM == 1 && $QUICK == 1 ]] && : "${OUT:=runs/rm-quick}"
+[[ $RM == 1 ]] && : "${OUT:=runs/rm}"
 
 if [[ $QUICK == 1 ]]; then
     : "${SEEDS:=0}" "${STEPS:=100}" "${EVAL_EVERY:=20}" "${OUT:=runs/compare-quick}"
@@ -80,6 +100,10 @@ if [[ $MOE == 1 ]]; then
     : "${STEPS:=120}" "${SEEDS:=0 1}" "${PROMPTS_PER_STEP:=32}" "${OUT:=runs/moe}"
     MODEL=tiny-moe
     TASK=""
+elif [[ $RM == 1 ]]; then
+    CONFIGS=(ppo ppo-rm grpo grpo-rm gspo gspo-rm)
+    declare -A VARIANT_FLAGS=([ppo-rm]="--reward-model tiny-rm" [grpo-rm]="--reward-model tiny-rm"
+                              [gspo-rm]="--reward-model tiny-rm")
 else
     CONFIGS=(ppo grpo gspo)
     declare -A VARIANT_FLAGS=()
@@ -116,6 +140,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found on PATH"
 # and OUT only; the report's settings line is read from the runs' own summary.json.
 MODE_FLAG=""
 [[ $MOE == 1 ]] && MODE_FLAG=" --moe"
+[[ $RM == 1 ]] && MODE_FLAG=" --reward-model"
 if [[ $REPORT_ONLY == 1 ]]; then
     CMD="STEPS=$STEPS SEEDS=\"$SEEDS\" OUT=$OUT bash run_all.sh$MODE_FLAG --report-only"
 else
@@ -143,6 +168,8 @@ mkdir -p "$OUT"
 # Never leave a table from an earlier invocation next to runs it does not describe.
 if [[ $MOE == 1 ]]; then
     rm -f "$OUT/moe_results.md" "$OUT/moe_curves.png"
+elif [[ $RM == 1 ]]; then
+    rm -f "$OUT/rm_results.md" "$OUT/rm_curves.png"
 else
     rm -f "$OUT/results.md" "$OUT/results.json" "$OUT/curves.png"
 fi
@@ -204,4 +231,5 @@ fi
 report=("$PYTHON" "$ROOT/tests/compare_report.py" --out "$OUT" --configs "${CONFIGS[@]}"
         --seeds "${SEED_LIST[@]}" --steps "$STEPS" --command "$CMD")
 [[ $MOE == 1 ]] && report+=(--moe)
+[[ $RM == 1 ]] && report+=(--reward-model)
 "${report[@]}"

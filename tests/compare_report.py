@@ -14,6 +14,13 @@ curves. It trains nothing and imports none of the training scripts.
         OUT/moe_results.md   one row per config: means over seeds (and over steps for the MoE metrics)
         OUT/moe_curves.png   eval accuracy, reward, routing drift, ratio std, clip frac against step
 
+    python tests/compare_report.py --reward-model --out runs/rm --configs ppo ppo-rm grpo grpo-rm gspo gspo-rm \
+        --seeds 0 1 2 --steps 200
+        runs in OUT/<config>-seed<k>/ (<algo>-rm: --reward-model tiny-rm); writes
+        OUT/rm_results.md    one row per config: eval accuracy, the reward model's eval score,
+                             kl_to_init, its accuracy on the policy's samples, step time, memory
+        OUT/rm_curves.png    eval accuracy and reward-model score against step and against kl_to_init
+
 A config is named after the script it ran, with a suffix for a variant (grpo-replay: grpo.py
 --routing-replay), so each run's summary.json must name the algorithm before the first "-".
 Not collected by pytest; tests/test_run_all.py tests its functions directly and through run_all.sh.
@@ -442,6 +449,105 @@ def write_moe_report(out: Path, runs: dict, configs: list[str], seeds: list[int]
     print(f"wrote {out / 'moe_results.md'} and {out / 'moe_curves.png'}")
 
 
+# ------------------------------------------------------------------------------------------------
+# The reward-model report (run_all.sh --reward-model): rm_results.md, rm_curves.png
+# ------------------------------------------------------------------------------------------------
+def fmt(x, digits: int = 3) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def rm_table(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
+    """One row per config, means over seeds. For an -rm config eval_reward is the reward model's score
+    of greedy held-out completions; kl_to_init and reward_model_pair_acc exist only there."""
+    lines = [
+        "| config | eval acc before | eval acc after | RM eval score before | RM eval score after "
+        "| kl_to_init (last) | RM pair acc (step 1) | RM pair acc (last) | step time (s) | peak mem (MB) |",
+        "|---" * 10 + "|",
+    ]
+    for config in configs:
+        summaries = [runs[(config, s)][0] for s in seeds]
+        seed_rows = [runs[(config, s)][1] for s in seeds]
+        rm = config.endswith("-rm")
+
+        def over_seeds(values):
+            return mean_or_none([num(v) for v in values])
+
+        evals = [[r for r in rows if "eval_reward" in r] for rows in seed_rows]
+        cells = [
+            over_seeds(s.get("eval_accuracy_before") for s in summaries),
+            over_seeds(s.get("eval_accuracy_after") for s in summaries),
+            over_seeds(s.get("eval_reward_before") for s in summaries) if rm else None,
+            over_seeds(e[-1]["eval_reward"] if e else None for e in evals) if rm else None,
+            over_seeds(rows[-1].get("kl_to_init") for rows in seed_rows),
+            over_seeds(rows[0].get("reward_model_pair_acc") for rows in seed_rows),
+            over_seeds(rows[-1].get("reward_model_pair_acc") for rows in seed_rows),
+            over_seeds(nan_mean(r.get("step_time_s") for r in rows) for rows in seed_rows),
+        ]
+        mem = over_seeds(s.get("peak_mem_mb") for s in summaries)
+        lines.append(f"| {config} | " + " | ".join(fmt(c) for c in cells) + f" | {fmt(mem, 0)} |")
+    return lines
+
+
+def plot_rm_curves(path: Path, runs: dict, configs: list[str], seeds: list[int]):
+    """1 x 3: held-out accuracy against step (every config); the reward model's held-out score against
+    step (-rm configs); held-out accuracy (solid) and reward-model score (dashed, right axis) against
+    kl_to_init (-rm configs): Gao et al. 2022's over-optimisation plot."""
+    fig = Figure(figsize=(18, 4.5))
+    axes = fig.subplots(1, 3)
+    score_axis = axes[2].twinx()
+    for c, config in enumerate(configs):
+        color = COLORS.get(config.split("-")[0], f"C{c}")
+        style = "-" if config.endswith("-rm") else ":"
+        for i, seed in enumerate(seeds):
+            summary, rows = runs[(config, seed)]
+            label = config if i == 0 else None
+            acc = [(0, summary.get("eval_accuracy_before"))] + [(r["step"], r["eval_accuracy"]) for r in rows
+                                                                  if "eval_accuracy" in r]  # fmt: skip
+            axes[0].plot(*zip(*acc), style, color=color, marker="o", markersize=3, label=label)
+            if not config.endswith("-rm"):
+                continue
+            ev = [r for r in rows if "eval_reward" in r and "kl_to_init" in r]
+            score = [(0, summary.get("eval_reward_before"))] + [(r["step"], r["eval_reward"]) for r in ev]
+            score = [p for p in score if p[1] is not None]
+            if score:
+                axes[1].plot(*zip(*score), style, color=color, marker="o", markersize=3, label=label)
+            kl = [0.0] + [r["kl_to_init"] for r in ev]
+            accuracy = [summary.get("eval_accuracy_before")] + [r["eval_accuracy"] for r in ev]
+            axes[2].plot(kl, accuracy, "-", color=color, marker="o", markersize=3,
+                         label=f"{config} accuracy" if i == 0 else None)  # fmt: skip
+            if summary.get("eval_reward_before") is not None:
+                score_axis.plot(kl, [summary["eval_reward_before"]] + [r["eval_reward"] for r in ev], "--",
+                                color=color, marker="x", markersize=3,
+                                label=f"{config} RM score" if i == 0 else None)  # fmt: skip
+    titles = ["held-out accuracy (true metric) vs step", "reward model's held-out score vs step",
+              "held-out accuracy (solid) and RM score (dashed) vs KL to the start"]  # fmt: skip
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[2].set_xlabel("kl_to_init (nats per completion)")
+    score_axis.set_ylabel("RM score")
+    score_axis.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_rm_report(out: Path, runs: dict, configs: list[str], seeds: list[int], command: str):
+    lines = rm_table(runs, configs, seeds)
+    note = (
+        f"\nMeans over seeds {' '.join(map(str, seeds))}. RM eval score: tiny-rm's score of greedy held-out "
+        "completions (the -rm runs' eval reward); kl_to_init: mean over the last step's completions of "
+        "sum_t log pi/pi_init; RM pair acc: share of (correct, wrong) completion pairs of a step's batch "
+        "that tiny-rm orders rightly.\n"
+    )
+    machine = machine_description()
+    (out / "rm_results.md").write_text("\n".join(lines) + note + f"\nCommand: `{command}`  \nMachine: {machine}\n")
+    print("\n".join(lines))
+    plot_rm_curves(out / "rm_curves.png", runs, configs, seeds)
+    print(f"wrote {out / 'rm_results.md'} and {out / 'rm_curves.png'}")
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the directory holding the runs; the report goes there")
@@ -450,6 +556,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--steps", type=int, required=True, help="every run must have finished exactly this many steps")
     p.add_argument("--command", default="", help="the command that reproduces the runs, quoted in results.md")
     p.add_argument("--moe", action="store_true", help="the MoE experiment's layout and report (run_all.sh --moe)")
+    p.add_argument("--reward-model", action="store_true", help="the reward-model report (run_all.sh --reward-model)")
     args = p.parse_args(argv)
 
     runs, problems = load_runs(args.out, args.configs, args.seeds, args.steps, args.moe)
@@ -457,6 +564,8 @@ def main(argv: list[str] | None = None):
         refuse(problems)
     if args.moe:
         write_moe_report(args.out, runs, args.configs, args.seeds)
+    elif args.reward_model:
+        write_rm_report(args.out, runs, args.configs, args.seeds, args.command)
     else:
         write_comparison_report(args.out, runs, args.configs, args.seeds, args.steps, args.command)
 

@@ -501,3 +501,54 @@ def test_moe_layout_and_table_hand_worked(tmp_path):
     line = compare_report.moe_table(runs, ["gspo"], [0, 1])[2]
     # reward over the last 10 (all 3) steps: 1/3; drift: mean of 0.01, 0.02, 0.03; no clip_frac logged
     assert line == "| gspo | 0.200 | 0.400 | 0.333 | 0.0200 | 0.1000 | nan | 100 |"
+
+
+def test_reward_model_runs_six_configs_and_builds_its_report(tmp_path, fake_python):
+    """--reward-model: each script with --reward-model tiny-rm (<algo>-rm) and without, same settings;
+    rm_results.md has one row per config, rm_curves.png is a PNG, no comparison table is written."""
+    env, calls = fake_python
+    out = tmp_path / "rm"
+    res = run_all("--reward-model", env={**env, "OUT": str(out)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    configs = ["ppo", "ppo-rm", "grpo", "grpo-rm", "gspo", "gspo-rm"]
+    assert [(c[0], c[c.index("--seed") + 1], "--reward-model" in c) for c in recorded] == [
+        (name.split("-")[0], str(seed), name.endswith("-rm")) for seed in SEEDS for name in configs
+    ]
+    for c, name in zip(recorded, configs * len(SEEDS)):
+        if name.endswith("-rm"):
+            assert c[c.index("--reward-model") + 1] == "tiny-rm"
+        assert c[c.index("--out") + 1] == str(out / f"{name}-seed{c[c.index('--seed') + 1]}")
+        assert c[c.index("--steps") + 1] == str(STEPS)
+    md = (out / "rm_results.md").read_text()
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:8]] == configs
+    assert "bash run_all.sh --reward-model" in md
+    assert (out / "rm_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "results.md").exists()
+    res = run_all("--reward-model", "--moe")
+    assert res.returncode == 2 and "separate experiments" in res.stderr
+
+
+def test_rm_table_hand_worked(tmp_path):
+    out = tmp_path / "rm"
+    for name in ("grpo", "grpo-rm"):
+        for seed in (0, 1):
+            summary, rows = fabricate(out / "tmp", "grpo", seed, steps=2, eval_every=2)
+            if name.endswith("-rm"):
+                summary["eval_reward_before"] = 1.0 + seed
+                for r in rows:
+                    r.update(kl_to_init=0.5 * r["step"] + seed, reward_model_pair_acc=0.9 - 0.1 * r["step"])
+                rows[-1]["eval_reward"] = 3.0 + seed
+            d = out / f"{name}-seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps(summary))
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs, problems = compare_report.load_runs(out, ["grpo", "grpo-rm"], [0, 1], 2)
+    assert not problems
+    rule, rm = compare_report.rm_table(runs, ["grpo", "grpo-rm"], [0, 1])[2:]
+    cells = [c.strip() for c in rm.split("|")[1:-1]]
+    # RM score before 1.5, after 3.5; kl_to_init at the last step (1 + 2) / 2; pair acc 0.8 then 0.7
+    assert cells[0] == "grpo-rm" and cells[3:8] == ["1.500", "3.500", "1.500", "0.800", "0.700"]
+    assert [c.strip() for c in rule.split("|")[4:9]] == ["-"] * 5  # the rule reward has no RM columns
+    compare_report.plot_rm_curves(out / "rm_curves.png", runs, ["grpo", "grpo-rm"], [0, 1])
+    assert (out / "rm_curves.png").is_file()
