@@ -377,6 +377,53 @@ def test_completion_logprobs_padding_invariant(rand_model, sampled_roll):
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all()  # padding positions stay finite
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok, temperature, top_p):
+    """The entropy the sampler records at each token (the scripts log it as `entropy`) is the one a
+    separate no-grad pass computes (logits / temperature, before top-p), 0 on padding; computed
+    here again in float64 from the full forward's logits."""
+    roll = common.sample(rand_model, prompts, 6, [char_tok.eos_token_id, 40], char_tok.pad_token_id, temperature,
+                         top_p, generator=torch.Generator().manual_seed(3))  # fmt: skip
+    with torch.no_grad():
+        _, ent = common.completion_logprobs(rand_model, roll, temperature)
+        ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
+        attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = rand_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits.double() / temperature
+    P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
+    p = logits[:, P - 1 : P + T - 1].softmax(-1)
+    by_hand = -(p * p.clamp(min=1e-300).log()).sum(-1) * roll.completion_mask
+    torch.testing.assert_close(roll.entropy.double(), by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(roll.entropy, ent * roll.completion_mask, atol=1e-5, rtol=0)
+    assert common.sample(rand_model, prompts, 6, [], char_tok.pad_token_id, greedy=True).entropy is None
+
+
+def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_roll):
+    """plan_updates: every row once per epoch, each update forwarding its rows with A != 0 (or its
+    first row when it has none); logprobs_of_forwarded_rows fills exactly those rows, with the
+    full pass's values, and leaves the others 0."""
+    B = len(sampled_roll)
+    advantages = torch.tensor([0.0, 1.0] * (B // 2) + [0.0] * (B % 2))
+    advantages[:4] = 0.0  # the first rows: groups without signal
+    plan = common.plan_updates(B, 2, 2, "cpu", advantages)
+    assert len(plan) == 4
+    for epoch in (plan[:2], plan[2:]):
+        assert sorted(torch.cat([idx for idx, _ in epoch]).tolist()) == list(range(B))
+    for idx, rows in plan:
+        signal = [i for i in idx.tolist() if advantages[i] != 0]
+        assert rows.tolist() == (signal or idx[:1].tolist())
+    assert all(torch.equal(idx, rows) for idx, rows in common.plan_updates(B, 1, 2, "cpu"))  # no advantages: all
+    forwarded = sorted(set(torch.cat([rows for _, rows in plan]).tolist()))
+    with torch.no_grad():
+        full, _ = common.completion_logprobs(rand_model, sampled_roll)
+        logp = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan)
+        every = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan, every_row=True)
+    others = [i for i in range(B) if i not in forwarded]
+    torch.testing.assert_close(logp[forwarded], full[forwarded], atol=1e-6, rtol=0)
+    assert others and (logp[others] == 0).all()
+    torch.testing.assert_close(every, full, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. EOS handling and max_new_tokens
 # ---------------------------------------------------------------------------------------------
