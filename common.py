@@ -4,20 +4,21 @@ A script's train() calls into it in this order, and the sections follow that ord
    1. Command line     Args dataclass -> argparse, one-line errors with exit status 2, main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, JSONL / GSM8K files, --eval-data, PromptStream, prompts
-   4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, cached)
+   4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, shipped)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
   6b. Reward models    --reward-model (a learned reward, one Rewards component), Bradley-Terry training,
                        the embedded tiny-rm, kl_to_init; CLI: python common.py train-reward-model --help
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
-   8. Updates          minibatches, rows_with_signal, the non-finite guard, update metrics
+   8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
    9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
 
-The tiny checkpoints (and tiny-rm) are cached under $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash
-of its recipe, so changing the recipe builds a new one and never reuses a stale one.
+The tiny policy ships in checkpoints/; tiny-moe, tiny-rm and any rebuilt recipe are cached under
+$RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash of the recipe, so changing a recipe
+builds a new one and never reuses a stale one.
 """
 
 from __future__ import annotations
