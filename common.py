@@ -1666,12 +1666,13 @@ def build_tiny_reward_model(path: Path, recipe: dict | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
         with torch.random.fork_rng(devices=[]):
             train, _ = arith_split()
             examples = [train[i] for i in np.random.RandomState(r["seed"]).permutation(len(train))[: r["prompts"]]]
             policy, tok = load_model("tiny", torch.device("cpu"))
-            torch.set_num_threads(min(2, os.cpu_count() or 1))  # load_model sets 1 thread for tiny's sampling
+            # One thread: batches of 64 rows of ~12 tokens are too small to split, and on a shared 2-core
+            # machine two threads made a step 3-40x slower (0.3-5 s against 0.1 s).
+            torch.set_num_threads(1)
             pairs = arith_preference_pairs(examples, r["seed"], policy.eval(), tok, r["policy_samples"],
                                            r["policy_prompts"], r["max_new_tokens"])  # fmt: skip
             report = train_reward_model(pairs, "tiny", tmp, r["steps"], r["batch"], r["lr"], r["eval_frac"],
