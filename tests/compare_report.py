@@ -491,7 +491,8 @@ def rm_table(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
 def plot_rm_curves(path: Path, runs: dict, configs: list[str], seeds: list[int]):
     """1 x 3: held-out accuracy against step (every config); the reward model's held-out score against
     step (-rm configs); held-out accuracy (solid) and reward-model score (dashed, right axis) against
-    kl_to_init (-rm configs): Gao et al. 2022's over-optimisation plot."""
+    kl_to_init (-rm configs): Gao et al. 2022's over-optimisation plot. kl_to_init is measured on each
+    step's samples, so the evaluation after step s is placed at step s + 1's KL (the last has none)."""
     fig = Figure(figsize=(18, 4.5))
     axes = fig.subplots(1, 3)
     score_axis = axes[2].twinx()
@@ -506,12 +507,15 @@ def plot_rm_curves(path: Path, runs: dict, configs: list[str], seeds: list[int])
             axes[0].plot(*zip(*acc), style, color=color, marker="o", markersize=3, label=label)
             if not config.endswith("-rm"):
                 continue
-            ev = [r for r in rows if "eval_reward" in r and "kl_to_init" in r]
+            ev = [r for r in rows if "eval_reward" in r]
             score = [(0, summary.get("eval_reward_before"))] + [(r["step"], r["eval_reward"]) for r in ev]
             score = [p for p in score if p[1] is not None]
             if score:
                 axes[1].plot(*zip(*score), style, color=color, marker="o", markersize=3, label=label)
-            kl = [0.0] + [r["kl_to_init"] for r in ev]
+            # an evaluation after step s's update meets the KL of the samples of step s + 1 (the same policy)
+            kl_after = {r["step"] - 1: r["kl_to_init"] for r in rows if "kl_to_init" in r}
+            ev = [r for r in ev if r["step"] in kl_after]
+            kl = [0.0] + [kl_after[r["step"]] for r in ev]
             accuracy = [summary.get("eval_accuracy_before")] + [r["eval_accuracy"] for r in ev]
             axes[2].plot(kl, accuracy, "-", color=color, marker="o", markersize=3,
                          label=f"{config} accuracy" if i == 0 else None)  # fmt: skip
