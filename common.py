@@ -111,7 +111,7 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     )
     for f in dataclasses.fields(args_cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        help_text = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")  # "10%": not a format
         if f.type in (bool, "bool"):
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
         elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike

@@ -325,3 +325,11 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
         assert math.isfinite(r["kl_to_init"]) and 0 <= r["reward_model_pair_acc"] <= 1
         assert math.isfinite(r["eval_reward"]) and 0 <= r["eval_accuracy"] <= 1
     assert rows[0]["kl_to_init"] == pytest.approx(0, abs=1e-4)  # step 1 samples from the initial policy
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
+def test_help_lists_the_reward_model_flags(script):
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # a "%" in a help text once broke --help
+    for flag in ("--reward-model ", "--reward-model-weight", "--reward-model-norm", "tiny-rm"):
+        assert flag in proc.stdout
