@@ -1325,6 +1325,7 @@ def evaluate(
 ) -> dict:
     """What evaluation reports, on greedy completions of `examples`:
       reward        the training reward (`reward_fn`, default exact: every component, weighted)
+      reward/reward_model  with --reward-model: its score alone (logged as eval_reward/reward_model)
       accuracy      exact match of the final answer by reward_fn's answer parser  } when records
       format_rate   share of completions in which that parser finds a final answer   } have answers
       pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
@@ -1340,6 +1341,7 @@ def evaluate(
     if dist.is_available() and dist.is_initialized():
         examples = examples[dist.get_rank() :: dist.get_world_size()]
     keys = ["accuracy", "format_rate"] * reward_fn.scores_answers + ["reward"]
+    keys += ["reward/reward_model"] * ("reward_model" in reward_fn.names)  # the proxy's own score, when mixed
     keys += ["pass@1", f"pass@{n_samples}"] if n_samples else []
     per_row = {k: [torch.zeros(0)] for k in keys}  # the same keys on every rank, however few its examples
     eos, error, samples = eos_token_ids(model, tok), None, []

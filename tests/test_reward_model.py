@@ -324,6 +324,7 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
         assert "reward/exact" not in r and 0 <= r["accuracy"] <= 1  # the true metric stays
         assert math.isfinite(r["kl_to_init"]) and 0 <= r["reward_model_pair_acc"] <= 1
         assert math.isfinite(r["eval_reward"]) and 0 <= r["eval_accuracy"] <= 1
+        assert r["eval_reward/reward_model"] == pytest.approx(r["eval_reward"], abs=1e-5)
     assert rows[0]["kl_to_init"] == pytest.approx(0, abs=1e-4)  # step 1 samples from the initial policy
 
 
