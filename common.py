@@ -67,7 +67,10 @@ class UsageError(Exception):
 
 
 def die(message: str, status: int = 2):
-    print("error: " + re.sub(r"\s*\n\s*", " ", message.strip()), file=sys.stderr)  # always one line
+    # always one line, in one write: under torchrun several ranks share stderr, and a message printed
+    # in two writes (text, then newline) can interleave with another rank's
+    sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
+    sys.stderr.flush()
     sys.exit(status)
 
 
