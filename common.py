@@ -338,17 +338,14 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
-    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
-    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
-    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
-    have an answer (the built-in rewards compare against it); otherwise it is optional."""
+def jsonl_objects(path: str, flag: str = "--data"):
+    """(line number, JSON object) for each non-blank line of a JSONL file; a missing or unreadable
+    file, invalid JSON or a line that is not an object is a UsageError naming `flag`, file and line."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
     if not p.is_file():
         raise UsageError(f"{flag} {path}: file not found")
-    records = []
     try:
         lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except (OSError, UnicodeDecodeError) as e:
@@ -362,6 +359,16 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
             raise UsageError(f"{flag} {path}:{lineno}: invalid JSON ({e.msg})") from e
         if not isinstance(rec, dict):
             raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object")
+        yield lineno, rec
+
+
+def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
+    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
+    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
+    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
+    have an answer (the built-in rewards compare against it); otherwise it is optional."""
+    records = []
+    for lineno, rec in jsonl_objects(path, flag):
         gsm8k = "question" in rec and "prompt" not in rec  # GSM8K: the gold is what follows '####'
         prompt = rec.pop("question") if gsm8k else rec.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -1521,17 +1528,7 @@ def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float
 def load_pairs(path: str) -> list[dict]:
     """JSONL preference pairs {"prompt", "chosen", "rejected"} (all strings)."""
     pairs = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise UsageError(f"--data {path}: {_describe(e)}") from e
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--data {path}: line {i} is not JSON ({e.msg})") from e
+    for i, rec in jsonl_objects(path):
         if not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
             raise UsageError(f"--data {path}: line {i} needs string fields prompt, chosen and rejected")
         pairs.append(rec)
