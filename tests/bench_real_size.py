@@ -1,0 +1,140 @@
+"""Real size without a GPU: two steps of each script against randomly initialised models with the
+published configurations of Qwen2.5-0.5B-Instruct and Qwen3-0.6B (common.QWEN_CONFIGS: vocabulary,
+hidden size, layers, heads, KV heads, head_dim, intermediate size, tied embeddings, RoPE), through the
+scripts' normal command lines, float32 on the CPU. Not a test: it takes minutes and up to ~20 GB.
+
+    python tests/bench_real_size.py                       # both configs, all three scripts
+    python tests/bench_real_size.py --configs qwen2.5-0.5b --scripts grpo gspo --extra=--grad-checkpointing
+
+Per run it prints seconds per step, the peak RSS (the process's ru_maxrss), the planner's figure for
+the same run (`common.plan_memory`, device "cpu", plus the measured import baseline) and the losses
+and gradient norms, which must be finite and non-zero. A random model never writes a correct answer,
+so the exact-match reward would give every advantage 0 (GRPO and GSPO skip every row, PPO's whitened
+advantages vanish) and prove nothing about the backward pass: the reward here is the completion's
+length in characters / 100 (`completion_length`, through --reward), which varies between samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = 6  # the longest arith prompt ("99+99=") in the char tokenizer, no chat template
+
+
+def completion_length(prompts, completions, **fields):
+    """A reward with variance for random models: the completion's length in characters / 100."""
+    return [len(c) / 100 for c in completions]
+
+
+def build_checkpoint(name: str, path: Path):
+    """A random model with the published config `name` and a tokenizer whose vocabulary has the real
+    size (the char tokenizer's entries, then filler tokens up to vocab_size), saved at `path`."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    import common
+
+    fields = dict(common.QWEN_CONFIGS[name])
+    chars = common.build_char_tokenizer().get_vocab()  # {token: id}: PAD 0, EOS 1, then the characters
+    vocab = dict(chars)
+    vocab.update({f"<f{i}>": i for i in range(len(chars), fields["vocab_size"])})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=common.PAD, eos_token=common.EOS,
+                                  unk_token="<unk>", padding_side="left")  # fmt: skip
+    assert len(tok) == fields["vocab_size"], (len(tok), fields["vocab_size"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.rename(tmp, path)
+
+
+def command(script: str, model: Path, out: Path, extra: list[str]) -> list[str]:
+    prompts, group = (8, 1) if script == "ppo" else (4, 2)  # 8 completions per step either way
+    return [sys.executable, str(ROOT / f"{script}.py"), "--model", str(model), "--steps", "2",
+            "--prompts-per-step", str(prompts), "--group-size", str(group), "--max-new-tokens", "32",
+            "--minibatches", "2", "--eval-every", "0", "--eval-size", "4", "--seed", "0", "--out", str(out),
+            "--reward", f"{Path(__file__).resolve()}:completion_length", *extra]  # fmt: skip
+
+
+def run(cmd: list[str], out: Path) -> dict:
+    """Run one script; its metrics, its summary and the process's own peak RSS (wait4's ru_maxrss)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["qwen2.5-0.5b", "qwen3-0.6b"])
+    parser.add_argument("--scripts", nargs="+", default=["grpo", "gspo", "ppo"])
+    parser.add_argument("--extra", default="", help="more flags for every script, e.g. --grad-checkpointing")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/rl-reference/real-size"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import common
+
+    extra = args.extra.split()
+    print(f"2 steps, 8 completions x 32 new tokens per step, 2 minibatches, float32 on CPU "
+          f"({os.cpu_count()} cores){', ' + args.extra if extra else ''}")  # fmt: skip
+    header = f"{'config':14}{'script':7}{'s/step':>8}{'peak GB':>9}{'planned':>9}  loss, grad norm (steps 1, 2)"
+    print(header)
+    results = []
+    for name in args.configs:
+        path = Path(args.cache) / name
+        if not (path / "config.json").is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            build_checkpoint(name, path)
+            print(f"(built {path} in {time.perf_counter() - t0:.0f} s)")
+        for script in args.scripts:
+            out = Path(tempfile.mkdtemp(prefix=f"dryrun-{script}-"))
+            try:
+                r = run(command(script, path, out, extra), out)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            rows = r["rows"]
+            losses = [row["loss"] for row in rows]
+            norms = [row[k] for row in rows for k in ("grad_norm", "critic_grad_norm") if k in row]
+            ok = all(v == v and abs(v) not in (0.0, float("inf")) for v in losses + norms)
+            plan = common.plan_memory(common.QWEN_CONFIGS[name], script, 8, PROMPT_TOKENS, 32, 2,
+                                      "--grad-checkpointing" in extra, device="cpu")  # fmt: skip
+            planned = (plan["peak"] + BASELINE_BYTES) / 2**30
+            step_s = sum(row["step_time_s"] for row in rows) / len(rows)
+            shown = "; ".join(f"{row['loss']:.4g}, {row['grad_norm']:.3g}" for row in rows)
+            print(f"{name:14}{script:7}{step_s:8.1f}{r['peak_gb']:9.2f}{planned:9.2f}  {shown}"
+                  f"{'' if ok else '  <- NOT finite and non-zero'}", flush=True)  # fmt: skip
+            results.append({"config": name, "script": script, "step_s": step_s, "peak_gb": r["peak_gb"],
+                            "planned_gb": planned, "losses": losses, "grad_norms": norms, "ok": ok})  # fmt: skip
+    print(json.dumps(results))
+    if not all(r["ok"] for r in results):
+        raise SystemExit("a loss or gradient norm was zero or not finite")
+
+
+BASELINE_BYTES = 255 * 2**20  # RSS of python + torch + transformers + common imported (measured: 255 MB)
+
+if __name__ == "__main__":
+    main()

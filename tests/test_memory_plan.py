@@ -1,0 +1,140 @@
+"""The memory planner (common.py section 13) against independent counts: parameter counts against
+Hugging Face's own models (built on the meta device, no memory), saved activations against the
+bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
+against its buffers, a hand-worked plan, and the command line's errors. Its figures against the
+measured peaks of real-size runs: tests/bench_real_size.py (minutes, ~20 GB: a benchmark)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from helpers import ROOT
+
+import common
+
+
+@pytest.mark.parametrize("name", list(common.QWEN_CONFIGS))
+def test_parameter_count_matches_the_hugging_face_model(name):
+    fields = dict(common.QWEN_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    n = common.count_parameters(common.model_shape(common.QWEN_CONFIGS[name]))
+    assert n["trunk"] + n["lm_head"] == sum(p.numel() for p in model.parameters())
+    assert n["trunk"] == sum(p.numel() for p in model.get_decoder().parameters())
+
+
+def test_published_sizes():
+    """The named configs are the published models: 0.49B, 0.6B (0.44B without embeddings), 7.6B."""
+    count = lambda name: sum(common.count_parameters(common.model_shape(common.QWEN_CONFIGS[name])).values())  # noqa: E731
+    assert round(count("qwen2.5-0.5b") / 1e9, 2) == 0.49
+    assert round(count("qwen2.5-1.5b") / 1e9, 2) == 1.54
+    assert round(count("qwen2.5-3b") / 1e9, 2) == 3.09
+    assert round(count("qwen2.5-7b") / 1e9, 2) == 7.62
+    q3 = common.QWEN_CONFIGS["qwen3-0.6b"]
+    assert round((count("qwen3-0.6b") - q3["vocab_size"] * q3["hidden_size"]) / 1e9, 2) == 0.44
+
+
+def saved_bytes(model, roll) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves during a training forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        common.completion_hidden_states(model.get_decoder(), roll)
+    return sum(seen.values())
+
+
+SHAPES = {  # every size different, so that a coefficient on the wrong one shows
+    "qwen3": dict(hidden_size=80, intermediate_size=176, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=24),
+    "qwen2": dict(hidden_size=96, intermediate_size=208, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(SHAPES))
+@pytest.mark.parametrize("rows,prompt,new", [(3, 7, 5), (2, 4, 11)])
+def test_activation_count_matches_what_autograd_saves(model_type, rows, prompt, new):
+    fields = dict(SHAPES[model_type], vocab_size=50, pad_token_id=0, eos_token_id=1, tie_word_embeddings=True)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(1)
+    roll = common.Rollout.from_lists(
+        torch.randint(2, 50, (rows, prompt), generator=g).tolist(),
+        torch.randint(2, 50, (rows, new), generator=g).tolist(),
+        0,
+    )
+    planned = (
+        rows
+        * (prompt + new)
+        * common.activation_elements_per_token(common.model_shape(fields | {"model_type": model_type}), False)
+        * 4
+    )
+    assert saved_bytes(model, roll) == planned
+
+
+def test_kv_cache_matches_the_sampler_buffers():
+    fields = dict(SHAPES["qwen3"], vocab_size=50, pad_token_id=0, eos_token_id=1)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen3", **fields))
+    rows, prompt, new = 4, 5, 20
+    roll = common.Rollout.from_lists([[3] * prompt] * rows, [[4]] * rows, 0)
+    decoder = common._StaticKVDecoder(model, roll, new)
+    decoder.prefill()
+    for _ in range(new):  # every slot written: the cache at its largest
+        decoder.step(torch.full((rows,), 5))
+    cache = sum(t.nbytes for t in decoder.k + decoder.v)
+    plan = common.plan_memory(fields | {"model_type": "qwen3"}, "grpo", rows, prompt, new, device="cpu")
+    assert cache == plan["kv_cache"]
+
+
+def test_hand_worked_plan():
+    """Qwen2.5-0.5B, GRPO, 8 completions of 6 + 32 tokens, 2 minibatches, CPU, worked by hand."""
+    c = common.QWEN_CONFIGS["qwen2.5-0.5b"]
+    plan = common.plan_memory(c, "grpo", 8, 6, 32, 2, device="cpu")
+    n = 494_032_768
+    assert (plan["weights"], plan["gradients"], plan["adamw_state"]) == (4 * n, 4 * n, 8 * n)
+    assert plan["reference"] == plan["critic"] == plan["autocast_weight_copy"] == 0
+    per_layer = 6 * 896 + 4 * 4864 + 2 * 896 + 2 * 128 + 14 + 2  # q = 14 x 64 = 896, kv = 2 x 64 = 128
+    per_token = 24 * per_layer + 2 * 896 + 1 + 2 * 64 + 2
+    assert plan["activations"] == 4 * 38 * per_token * 4
+    assert plan["logprob_chunk"] == 3 * (4 * 32) * 151_936 * 4  # 128 tokens: fewer than a chunk's 441
+    assert plan["kv_cache"] == 8 * 38 * 24 * 2 * 128 * 4
+    fixed = 16 * n
+    update = plan["activations"] + plan["logprob_chunk"]
+    sampling = plan["kv_cache"] + plan["sampler_logits"] + plan["sampler_fused_weights"]
+    assert plan["peak"] == fixed + max(update, sampling)
+    ppo = common.plan_memory(c, "ppo", 8, 6, 32, 2, device="cpu")
+    assert ppo["reference"] == 4 * n and ppo["critic"] == 16 * (n + 896 + 1)  # tied: the trunk is every weight
+    assert ppo["activations"] == 2 * plan["activations"]
+    gpu = common.plan_memory(c, "grpo", 8, 6, 32, 2, device="cuda")
+    assert gpu["activations"] * 2 == plan["activations"] and gpu["autocast_weight_copy"] == 2 * n
+
+
+def test_lora_trains_only_the_adapters():
+    c = common.QWEN_CONFIGS["qwen2.5-0.5b"]
+    plan = common.plan_memory(c, "ppo", 8, 6, 32, lora_rank=16, device="cuda")
+    per_rank_layer = (896 + 896) + 2 * (896 + 128) + (896 + 896) + 2 * (896 + 4864) + (4864 + 896)
+    assert plan["trainable_parameters"] == 16 * 24 * per_rank_layer
+    assert plan["gradients"] == 4 * plan["trainable_parameters"] and plan["reference"] == 0
+
+
+def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
+    cmd = [sys.executable, "common.py", "plan-memory"]
+    ok = subprocess.run(cmd + ["--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "peak" in ok.stdout and "qwen3-0.6b" in ok.stdout and "critic" in ok.stdout
+    (tmp_path / "config.json").write_text("{}")
+    for bad in (["--model", "qwen9-1b"], ["--model", str(tmp_path)], ["--lora-rank", "-1"]):
+        proc = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr
