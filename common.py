@@ -15,6 +15,8 @@ A script's train() calls into it in this order, and the sections follow that ord
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
+  13. Memory planner   plan_memory: expected peak memory by component for a config and a batch, the
+                       published Qwen2.5 / Qwen3 configs; CLI: python common.py plan-memory --help
 
 The tiny policy ships in checkpoints/; tiny-moe, tiny-rm and any rebuilt recipe are cached under
 $RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash of the recipe, so changing a recipe

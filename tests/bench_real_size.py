@@ -77,14 +77,35 @@ def command(script: str, model: Path, out: Path, extra: list[str]) -> list[str]:
 def run(cmd: list[str], out: Path) -> dict:
     """Run one script; its metrics, its summary and the process's own peak RSS (wait4's ru_maxrss)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    log = out.with_suffix(".log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        cpu_at_line = []  # the process's CPU seconds when each metrics.jsonl line appeared: CPU per step,
+        while True:  # which a machine shared with other work does not inflate as it does wall time
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            lines = (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
+            if lines > len(cpu_at_line):
+                cpu_at_line += [process_cpu_s(proc.pid)] * (lines - len(cpu_at_line))
+            time.sleep(0.2)
+    output = log.read_text()
+    log.unlink()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": rows, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0}
+    step2_cpu_s = cpu_at_line[1] - cpu_at_line[0] if len(cpu_at_line) > 1 else float("nan")
+    return {"rows": rows, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0, "cpu_s": step2_cpu_s}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main():
@@ -100,7 +121,9 @@ def main():
     extra = args.extra.split()
     print(f"2 steps, 8 completions x 32 new tokens per step, 2 minibatches, float32 on CPU "
           f"({os.cpu_count()} cores){', ' + args.extra if extra else ''}")  # fmt: skip
-    header = f"{'config':14}{'script':7}{'s/step':>8}{'peak GB':>9}{'planned':>9}  loss, grad norm (steps 1, 2)"
+    header = (
+        f"{'config':14}{'script':7}{'s/step':>8}{'CPU s':>7}{'peak GB':>9}{'planned':>9}  loss, grad norm (steps 1, 2)"
+    )
     print(header)
     results = []
     for name in args.configs:
@@ -125,10 +148,11 @@ def main():
             planned = (plan["peak"] + BASELINE_BYTES) / 2**30
             step_s = sum(row["step_time_s"] for row in rows) / len(rows)
             shown = "; ".join(f"{row['loss']:.4g}, {row['grad_norm']:.3g}" for row in rows)
-            print(f"{name:14}{script:7}{step_s:8.1f}{r['peak_gb']:9.2f}{planned:9.2f}  {shown}"
+            print(f"{name:14}{script:7}{step_s:8.1f}{r['cpu_s']:7.1f}{r['peak_gb']:9.2f}{planned:9.2f}  {shown}"
                   f"{'' if ok else '  <- NOT finite and non-zero'}", flush=True)  # fmt: skip
-            results.append({"config": name, "script": script, "step_s": step_s, "peak_gb": r["peak_gb"],
-                            "planned_gb": planned, "losses": losses, "grad_norms": norms, "ok": ok})  # fmt: skip
+            results.append({"config": name, "script": script, "step_s": step_s, "cpu_s": r["cpu_s"],
+                            "peak_gb": r["peak_gb"], "planned_gb": planned, "losses": losses, "grad_norms": norms,
+                            "ok": ok})  # fmt: skip
     print(json.dumps(results))
     if not all(r["ok"] for r in results):
         raise SystemExit("a loss or gradient norm was zero or not finite")
