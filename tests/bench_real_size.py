@@ -95,8 +95,9 @@ def run(cmd: list[str], out: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step2_cpu_s = cpu_at_line[1] - cpu_at_line[0] if len(cpu_at_line) > 1 else float("nan")
-    return {"rows": rows, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0, "cpu_s": step2_cpu_s}
+    cpu_steps = [b - a for a, b in zip(cpu_at_line, cpu_at_line[1:])]  # steps 2, 3, ...
+    return {"rows": rows, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0,
+            "cpu_s": cpu_steps[0] if cpu_steps else float("nan"), "cpu_steps": cpu_steps}  # fmt: skip
 
 
 def process_cpu_s(pid: int) -> float:
