@@ -1854,6 +1854,27 @@ class NonFiniteGuard:
         self.in_a_row = state["in_a_row"]
 
 
+GRPO_CLIP = 0.2  # grpo.py's default --eps-low / --eps-high: the yardstick of ratio_outside_grpo_clip
+
+
+def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far an update's policy has moved from pi_old, measured the same way whatever the
+    algorithm (issue 19), over the update's completion tokens (mask [B, T]):
+      log_ratio_std             population std of the per-token log(pi / pi_old)
+      ratio_outside_grpo_clip   share of tokens whose own ratio lies outside [1 - 0.2, 1 + 0.2]
+    On-policy (the first update of a rollout) both are 0."""
+    mask = mask.bool()
+    log_ratio = (logp.detach() - old_logp)[mask].double()  # [N] the update's tokens
+    if log_ratio.numel() == 0:
+        return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    ratio = log_ratio.exp()
+    outside = (ratio < 1 - GRPO_CLIP) | (ratio > 1 + GRPO_CLIP)
+    return {
+        "log_ratio_std": log_ratio.std(unbiased=False).item(),
+        "ratio_outside_grpo_clip": outside.double().mean().item(),
+    }
+
+
 def mean_over_updates(updates: list[dict], planned: int) -> dict:
     """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
     how many of the `planned` updates the non-finite guard skipped."""

@@ -296,7 +296,8 @@ def train(args: Args):
                 critic_optimizer.step()
                 losses = {"loss": pg_loss.item(), "value_loss": v_loss.item()}
                 norms = {"grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()}
-                updates.append({**stats, **v_stats, **losses, **norms})
+                drift = common.token_ratio_stats(logp, old_logp[idx], mask[idx])  # defined alike in all three
+                updates.append({**stats, **v_stats, **losses, **norms, **drift})
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
         run.log(
