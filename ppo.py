@@ -55,7 +55,9 @@ class Args:
     model: str = arg(
         "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
-    task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
+    task: str = arg(
+        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+    )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     reward: list[str] = arg(
         [],
