@@ -11,8 +11,8 @@ skipped, so an interrupted sweep continues where it stopped. Then the table and 
     bash run_all.sh --staleness --quick         a first look: one seed, 20 steps, OUT=runs/staleness-quick
 
 Environment (default in brackets): OUT [runs/staleness]  STEPS [see STEPS below]  SEEDS ["0 1 2"]
-MINIBATCHES ["1 4 8"]  CONFIGS [every config of CONFIGS]  PROMPTS_PER_STEP [32]  GROUP_SIZE [4]
-EVAL_EVERY [10]  EVAL_SIZE [200]  PYTHON [python]
+MINIBATCHES ["1 4 8"]  CONFIGS [every config of CONFIGS]  PROMPTS_PER_STEP [16]  GROUP_SIZE [4]
+EVAL_EVERY [10]  EVAL_SIZE [200]  PYTHON [python]  EXTRA_ARGS (flags added to every run, e.g. "--lr 1e-4")
 
 Layout: OUT/<config>/mb<k>/seed<s>/ (each run's metrics.jsonl, summary.json) and .../seed<s>.log.
 Writes OUT/staleness_results.md and .json (one row per config x minibatches: mean +- sample std over
@@ -52,16 +52,16 @@ CONFIGS = {
     "gspo-token": ("gspo.py", ["--variant", "token"]),  # section 4.3
     "ppo": ("ppo.py", []),  # a critic: per-token credit
 }
-STEPS = 150
+STEPS = 90  # sized so the whole default grid takes about two hours of a quiet 2-core CPU (planned_seconds)
 SEEDS = "0 1 2"
 MINIBATCHES = "1 4 8"
-SETTINGS = dict(PROMPTS_PER_STEP="32", GROUP_SIZE="4", EVAL_EVERY="10", EVAL_SIZE="200")
+SETTINGS = dict(PROMPTS_PER_STEP="16", GROUP_SIZE="4", EVAL_EVERY="10", EVAL_SIZE="200")
 QUICK = dict(STEPS="20", SEEDS="0", OUT="runs/staleness-quick", EVAL_EVERY="10")
 
-# Seconds per training step (evaluation included) of one run on a quiet 2-core CPU, for the planned
-# total. Measured with `STEPS=20 SEEDS=0 MINIBATCHES=4 CONFIGS=... bash run_all.sh --staleness`
-# (the defaults above), see docs/staleness.md; a loaded machine is slower.
-SECONDS_PER_STEP = {"grpo": 2.0, "gspo": 2.0, "ppo": 3.0}
+# Seconds per training step of one run on a quiet 2-core CPU, for the planned total: the CPU time of
+# a 20-step run (model load and its 3 evaluations included) / 20, at these settings and 4 minibatches,
+# on the dev machine (docs/staleness.md has the commands). One thread each, so CPU time ~ quiet wall.
+SECONDS_PER_STEP = {"grpo": 1.45, "gspo": 1.45, "ppo": 3.0}
 
 SPIKE_FACTOR = 5.0  # a gradient-norm spike: above SPIKE_FACTOR x the run's median
 LAST_N = 10  # "entropy at the end": mean of the last LAST_N steps
@@ -81,6 +81,7 @@ def settings_from(env: dict, quick: bool = False) -> dict:
     base = {"STEPS": str(STEPS), "SEEDS": SEEDS, "MINIBATCHES": MINIBATCHES, "CONFIGS": " ".join(CONFIGS),
             "OUT": "runs/staleness", "PYTHON": sys.executable, **SETTINGS, **(QUICK if quick else {})}  # fmt: skip
     s = {k: env.get(k) or v for k, v in base.items()}
+    s["EXTRA_ARGS"] = env.get("EXTRA_ARGS", "")
     for k in ("STEPS", "PROMPTS_PER_STEP", "GROUP_SIZE", "EVAL_EVERY", "EVAL_SIZE"):
         if not s[k].isdigit() or int(s[k]) < 1:
             raise UsageError(f"{k} must be a positive integer, got {s[k]!r}")
@@ -112,7 +113,7 @@ def command(s: dict, config: str, mb: int, seed: int) -> list[str]:
     return [s["PYTHON"], str(ROOT / script), "--task", "sums", "--steps", s["STEPS"], "--seed", str(seed),
             "--minibatches", str(mb), "--epochs", "1", "--prompts-per-step", s["PROMPTS_PER_STEP"],
             "--group-size", s["GROUP_SIZE"], "--eval-every", s["EVAL_EVERY"], "--eval-size", s["EVAL_SIZE"],
-            "--out", str(run_dir(Path(s["OUT"]), config, mb, seed)), *flags]  # fmt: skip
+            "--out", str(run_dir(Path(s["OUT"]), config, mb, seed)), *flags, *s["EXTRA_ARGS"].split()]  # fmt: skip
 
 
 def planned_seconds(s: dict, runs: list[tuple[str, int, int]]) -> float:
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"run_all.sh --staleness: error: {e}", file=sys.stderr)
         return 2
-    cmd = " ".join(f'{k}="{s[k]}"' for k in ("STEPS", "SEEDS", "MINIBATCHES", "CONFIGS", "OUT"))
+    cmd = " ".join(f'{k}="{s[k]}"' for k in ("STEPS", "SEEDS", "MINIBATCHES", "CONFIGS", "OUT", "EXTRA_ARGS") if s[k])
     cmd += " bash run_all.sh --staleness"
     if a.plan:
         for config, mb, seed in grid(s):

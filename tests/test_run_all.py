@@ -569,7 +569,8 @@ def test_staleness_flags_that_do_not_combine_exit_2():
 
 
 def test_staleness_plan_lists_the_grid_and_its_commands(tmp_path):
-    res = run_all("--staleness", "--plan", env={"OUT": str(tmp_path / "s"), "SEEDS": "0 1 2", "STEPS": "100"})
+    env = {"OUT": str(tmp_path / "s"), "SEEDS": "0 1 2", "STEPS": "100", "EXTRA_ARGS": "--lr 1e-4"}
+    res = run_all("--staleness", "--plan", env=env)
     assert res.returncode == 0, res.stderr
     lines = [line for line in res.stdout.splitlines() if " minibatches " in line]
     assert len(lines) == 5 * 3 * 3  # configs x staleness x seeds
@@ -579,7 +580,7 @@ def test_staleness_plan_lists_the_grid_and_its_commands(tmp_path):
         flags = dict(zip(argv[2::2], argv[3::2]))
         assert argv[1].endswith(config.split("-")[0] + ".py")
         assert flags["--task"] == "sums" and flags["--epochs"] == "1" and flags["--minibatches"] == mb
-        assert flags["--seed"] == seed and flags["--steps"] == "100"
+        assert flags["--seed"] == seed and flags["--steps"] == "100" and argv[-2:] == ["--lr", "1e-4"]
         assert flags["--out"] == str(tmp_path / "s" / config / f"mb{mb}" / f"seed{seed}")
         assert flags.get("--loss-agg") == {"grpo": "seq-mean-token-mean", "grpo-tokenmean": "token-mean"}.get(config)
         assert flags.get("--variant") == {"gspo": "sequence", "gspo-token": "token"}.get(config)
