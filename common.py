@@ -675,7 +675,8 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     """Path of an embedded checkpoint. "tiny": a real Qwen3ForCausalLM with a small config;
     "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started
     by SFT on `arith` training pairs until a probe of *training* prompts reaches the target
-    accuracy, so the held-out accuracy starts in a band that leaves room for RL.
+    accuracy, so the held-out accuracy starts in a band that leaves room for RL. "tiny-sums": the
+    same recipe on the `sums` task, started from tiny's weights (SUMS_WARMSTART; shipped too).
 
     "tiny" ships in checkpoints/ (3 MB), so that every machine starts from the same weights: the
     recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere
