@@ -120,6 +120,10 @@ def planned_seconds(s: dict, runs: list[tuple[str, int, int]]) -> float:
     return sum(SECONDS_PER_STEP[c.split("-")[0]] * int(s["STEPS"]) for c, _, _ in runs)
 
 
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 600 else f"{seconds / 60:.1f} min"
+
+
 def finished(out: Path, config: str, mb: int, seed: int) -> bool:
     return (run_dir(out, config, mb, seed) / "summary.json").is_file()
 
@@ -133,8 +137,8 @@ def run_sweep(s: dict) -> int:
     n_all = len(grid(s))
     print(f"staleness sweep: {n_all} runs ({len(s['CONFIGS'].split())} configs x {len(s['MINIBATCHES'].split())} "
           f"staleness x {len(s['SEEDS'].split())} seeds, {s['STEPS']} steps each); {n_all - len(todo)} finished "
-          f"(skipped), {len(todo)} to run: planned about {planned_seconds(s, todo) / 60:.0f} min on a quiet "
-          f"2-core CPU (the whole grid: {planned_seconds(s, grid(s)) / 60:.0f} min)", flush=True)  # fmt: skip
+          f"(skipped), {len(todo)} to run: planned about {minutes(planned_seconds(s, todo))} on a quiet "
+          f"2-core CPU (the whole grid: {minutes(planned_seconds(s, grid(s)))})", flush=True)  # fmt: skip
     t_all = time.time()
     for n, (config, mb, seed) in enumerate(todo, 1):
         d = run_dir(out, config, mb, seed)
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             done = " (finished)" if finished(Path(s["OUT"]), config, mb, seed) else ""
             print(f"{config} minibatches {mb} seed {seed}{done}: {' '.join(command(s, config, mb, seed))}")
         todo = [r for r in grid(s) if not finished(Path(s["OUT"]), *r)]
-        print(f"planned: {len(grid(s))} runs, {len(todo)} to run, about {planned_seconds(s, todo) / 60:.0f} min "
+        print(f"planned: {len(grid(s))} runs, {len(todo)} to run, about {minutes(planned_seconds(s, todo))} "
               "on a quiet 2-core CPU")  # fmt: skip
         return 0
     Path(s["OUT"]).mkdir(parents=True, exist_ok=True)
