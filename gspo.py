@@ -237,8 +237,8 @@ def train(args: Args):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
-                drift = common.token_ratio_stats(logp, old_logp[rows], loss_mask[rows])  # defined alike in all three
-                updates.append({**stats, **drift, "loss": loss.item(), "grad_norm": grad_norm.item()})
+                ratio_stats = common.token_ratio_stats(logp, old_logp[rows], loss_mask[rows])  # the same in all three
+                updates.append({**stats, **ratio_stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
         # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
         run.log(

@@ -298,8 +298,8 @@ def train(args: Args):
                 critic_optimizer.step()
                 losses = {"loss": pg_loss.item(), "value_loss": v_loss.item()}
                 norms = {"grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()}
-                drift = common.token_ratio_stats(logp, old_logp[idx], mask[idx])  # defined alike in all three
-                updates.append({**stats, **v_stats, **losses, **norms, **drift})
+                ratio_stats = common.token_ratio_stats(logp, old_logp[idx], mask[idx])  # the same in all three
+                updates.append({**stats, **v_stats, **losses, **norms, **ratio_stats})
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
         run.log(
