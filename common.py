@@ -136,6 +136,7 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     given = vars(parser.parse_args(argv))
     if given.get("resume") and algo is not None:
         given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
+    given = with_task_defaults(given, {f.name for f in dataclasses.fields(args_cls)})  # --task sums: its own
     return args_cls(**given)
 
 
@@ -340,6 +341,54 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
+# --- The built-in `sums` task (issue 19): long completions whose length depends on the problem ------
+# "7+5+9+4=" -> "7+5=12 12+9=21 21+4=25 #### 25": the running total after each term, then the final
+# answer. 2-6 one-digit terms, so a correct completion is 12-46 characters (tokens, with the
+# character tokenizer; 36 on average) and grows with the number of terms (docs/staleness.md); the
+# exact reward reads the number after '####'. Prompts are distinct, so few have 2 or 3 terms.
+
+SUMS_GENERATOR = dict(seed=4321, train_size=20000, eval_size=500, min_terms=2, max_terms=6, max_term=9)
+
+
+def sums_reference(prompt: str) -> str:
+    """The reference completion of a `sums` prompt: each running total written out, then '#### total'."""
+    terms = [int(x) for x in prompt.rstrip("=").split("+")]
+    steps, total = [], terms[0]
+    for x in terms[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return " ".join(steps) + f" #### {total}"
+
+
+def sums_split():
+    """(train, held-out eval) of the `sums` task: distinct prompts drawn once from a fixed seed, so
+    the two parts never share a prompt and every run sees the same split."""
+    g = SUMS_GENERATOR
+    rng = np.random.RandomState(g["seed"])
+    seen, examples = set(), []
+    while len(examples) < g["train_size"] + g["eval_size"]:
+        terms = rng.randint(0, g["max_term"] + 1, rng.randint(g["min_terms"], g["max_terms"] + 1))
+        prompt = "+".join(str(x) for x in terms) + "="
+        if prompt not in seen:
+            seen.add(prompt)
+            examples.append({"prompt": prompt, "answer": str(int(terms.sum()))})
+    return examples[g["eval_size"] :], examples[: g["eval_size"]]
+
+
+# Flags a task sets when they are not given: the arithmetic defaults (8 new tokens, the `arith`
+# checkpoint) would cut every `sums` completion short.
+TASK_DEFAULTS = {"sums": {"model": "tiny-sums", "max_new_tokens": 64}}
+
+
+def with_task_defaults(given: dict, fields: set) -> dict:
+    """The flags given, plus --task's own defaults for those not given (explicit flags win)."""
+    defaults = {k: v for k, v in TASK_DEFAULTS.get(given.get("task"), {}).items() if k in fields}
+    return {**defaults, **given}
+
+
+# --- end of the `sums` task --------------------------------------------------------------------------
+
+
 def jsonl_objects(path: str, flag: str = "--data"):
     """(line number, JSON object) for each non-blank line of a JSONL file; a missing or unreadable
     file, invalid JSON or a line that is not an object is a UsageError naming `flag`, file and line."""
@@ -397,7 +446,7 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
     return records
 
 
-TASKS = ("arith", "gsm8k", "jsonl")
+TASKS = ("arith", "sums", "gsm8k", "jsonl")
 
 
 def load_task(
@@ -405,16 +454,16 @@ def load_task(
 ):
     """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
     that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
-    out (arith: its fixed split), which never overlaps training."""
+    out (arith, sums: their fixed splits), which never overlaps training."""
     if task is None:
         task = "jsonl" if data else "arith"
     if task not in TASKS:
         raise UsageError(f"--task {task!r} is unknown; expected one of {', '.join(TASKS)}")
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
-    if task == "arith":
+    if task in ("arith", "sums"):
         if data:
-            raise UsageError("--data is not used by --task arith; drop it or choose --task jsonl/gsm8k")
-        train, held = arith_split()
+            raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
+        train, held = arith_split() if task == "arith" else sums_split()
         return train, held if held_out is None else held_out
     if not data:
         raise UsageError(f"--task {task} needs --data FILE.jsonl")
@@ -544,7 +593,7 @@ def eos_token_ids(model, tok) -> list[int]:
     return ids
 
 
-TINY_MODELS = ("tiny", "tiny-moe")
+TINY_MODELS = ("tiny", "tiny-moe", "tiny-sums")
 
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
 
@@ -584,7 +633,23 @@ TINY_MOE_CONFIG = dict(
 TINY_SPECS = {  # name -> (cache-directory prefix, transformers class prefix, config)
     "tiny": ("tiny-qwen3", "Qwen3", TINY_CONFIG),
     "tiny-moe": ("tiny-qwen3moe", "Qwen3Moe", TINY_MOE_CONFIG),
+    "tiny-sums": ("tiny-qwen3-sums", "Qwen3", TINY_CONFIG),  # the `sums` task's warm start (below)
 }
+
+# tiny-sums: the same model and recipe, started from tiny's weights (it can add already) and SFT on
+# `sums` reference completions (working and answer) until a probe of training prompts reaches the
+# target; the probe generates whole completions. Smaller batches at a higher rate: the build's
+# cost is per token, and these completions are ten times arith's.
+SUMS_WARMSTART = dict(
+    TINY_WARMSTART, init="tiny", batch=32, lr=3e-3, max_steps=1200, target_accuracy=0.3, probe_size=128, probe_tokens=64
+)
+
+
+def _warm_start_recipe(name: str) -> tuple[dict, list, object]:
+    """(recipe, training examples, SFT target of an example) of an embedded checkpoint."""
+    if name == "tiny-sums":
+        return SUMS_WARMSTART, sums_split()[0], lambda ex: sums_reference(ex["prompt"])
+    return TINY_WARMSTART, arith_split()[0], lambda ex: ex["answer"]
 
 
 def cache_root() -> Path:
@@ -612,14 +677,25 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     """Path of an embedded checkpoint. "tiny": a real Qwen3ForCausalLM with a small config;
     "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started
     by SFT on `arith` training pairs until a probe of *training* prompts reaches the target
-    accuracy, so the held-out accuracy starts in a band that leaves room for RL.
+    accuracy, so the held-out accuracy starts in a band that leaves room for RL. "tiny-sums": the
+    same recipe on the `sums` task, started from tiny's weights (SUMS_WARMSTART; shipped too).
 
     "tiny" ships in checkpoints/ (3 MB), so that every machine starts from the same weights: the
     recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere
     in the band. A checkpoint not shipped (tiny-moe, or a changed recipe: the directory name holds
     the recipe's hash) is built on first use (about a minute on 2 CPU cores) and cached."""
     prefix, _, config = TINY_SPECS[name]
-    recipe = json.dumps([config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION], sort_keys=True)
+    parts = [config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION]
+    if name == "tiny-sums":  # its own key: its recipe and the task's generator
+        parts = [
+            config,
+            SUMS_WARMSTART,
+            TINY_CHARS,
+            TINY_RECIPE_VERSION,
+            SUMS_GENERATOR,
+            Path(tiny_checkpoint("tiny")).name,
+        ]
+    recipe = json.dumps(parts, sort_keys=True)
     key = f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if (SHIPPED_CHECKPOINTS / key / "config.json").is_file():
         return str(SHIPPED_CHECKPOINTS / key)
@@ -655,7 +731,7 @@ def _warm_start_tiny(name: str = "tiny"):
     from transformers import GenerationConfig
 
     _, cls, tiny_config = TINY_SPECS[name]
-    ws = TINY_WARMSTART
+    ws, train, target = _warm_start_recipe(name)
     tok = build_char_tokenizer()
     torch.manual_seed(ws["seed"])
     config = getattr(transformers, f"{cls}Config")(
@@ -666,10 +742,11 @@ def _warm_start_tiny(name: str = "tiny"):
         **tiny_config,
     )
     model = getattr(transformers, f"{cls}ForCausalLM")(config)
+    if ws.get("init"):  # tiny-sums: from the arith checkpoint's weights, which can already add
+        model = getattr(transformers, f"{cls}ForCausalLM").from_pretrained(tiny_checkpoint(ws["init"]))
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id, do_sample=False
     )
-    train, _ = arith_split()
     rng = np.random.RandomState(ws["seed"])
     probe = [train[i] for i in rng.choice(len(train), ws["probe_size"], replace=False)]
     opt = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
@@ -677,7 +754,7 @@ def _warm_start_tiny(name: str = "tiny"):
     for step in range(1, ws["max_steps"] + 1):
         batch = [train[i] for i in rng.randint(0, len(train), ws["batch"])]
         prompts = [tok(ex["prompt"])["input_ids"] for ex in batch]
-        answers = [tok(ex["answer"])["input_ids"] + eos for ex in batch]
+        answers = [tok(target(ex))["input_ids"] + eos for ex in batch]
         roll = Rollout.from_lists(prompts, answers, tok.pad_token_id)
         logp, _ = completion_logprobs(model, roll)
         loss = -(logp * roll.completion_mask).sum() / roll.completion_mask.sum()
@@ -685,7 +762,7 @@ def _warm_start_tiny(name: str = "tiny"):
         loss.backward()
         opt.step()
         if step % ws["probe_every"] == 0:
-            acc = evaluate(model, tok, probe, max_new_tokens=5)["accuracy"]
+            acc = evaluate(model, tok, probe, max_new_tokens=ws.get("probe_tokens", 5))["accuracy"]
             if acc >= ws["target_accuracy"]:
                 break
     model.eval()
@@ -1854,6 +1931,27 @@ class NonFiniteGuard:
 
     def load_state_dict(self, state):
         self.in_a_row = state["in_a_row"]
+
+
+GRPO_CLIP = 0.2  # grpo.py's default --eps-low / --eps-high: the yardstick of ratio_outside_grpo_clip
+
+
+def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far an update's policy has moved from pi_old, measured the same way whatever the
+    algorithm (issue 19), over the update's completion tokens (mask [B, T]):
+      log_ratio_std             population std of the per-token log(pi / pi_old)
+      ratio_outside_grpo_clip   share of tokens whose own ratio lies outside [1 - 0.2, 1 + 0.2]
+    On-policy (the first update of a rollout) both are 0."""
+    mask = mask.bool()
+    log_ratio = (logp.detach() - old_logp)[mask].double()  # [N] the update's tokens
+    if log_ratio.numel() == 0:
+        return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    ratio = log_ratio.exp()
+    outside = (ratio < 1 - GRPO_CLIP) | (ratio > 1 + GRPO_CLIP)
+    return {
+        "log_ratio_std": log_ratio.std(unbiased=False).item(),
+        "ratio_outside_grpo_clip": outside.double().mean().item(),
+    }
 
 
 def mean_over_updates(updates: list[dict], planned: int) -> dict:

@@ -54,7 +54,9 @@ class Args:
     model: str = arg(
         "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
-    task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
+    task: str = arg(
+        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+    )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     reward: list[str] = arg(
         [],
@@ -290,7 +292,8 @@ def train(args: Args):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
-                updates.append({**stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+                ratio_stats = common.token_ratio_stats(logp, old_logp[rows], loss_mask[rows])  # the same in all three
+                updates.append({**stats, **ratio_stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
         # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
         run.log(

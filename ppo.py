@@ -55,7 +55,9 @@ class Args:
     model: str = arg(
         "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
-    task: str = arg(None, "arith (default), gsm8k or jsonl; --data alone implies jsonl")
+    task: str = arg(
+        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+    )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     reward: list[str] = arg(
         [],
@@ -296,7 +298,8 @@ def train(args: Args):
                 critic_optimizer.step()
                 losses = {"loss": pg_loss.item(), "value_loss": v_loss.item()}
                 norms = {"grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()}
-                updates.append({**stats, **v_stats, **losses, **norms})
+                ratio_stats = common.token_ratio_stats(logp, old_logp[idx], mask[idx])  # the same in all three
+                updates.append({**stats, **v_stats, **losses, **norms, **ratio_stats})
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
         run.log(

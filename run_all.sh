@@ -3,6 +3,8 @@
 # then build one comparison table ($OUT/results.md, $OUT/results.json) and curves ($OUT/curves.png).
 # --moe: the MoE experiment instead (GRPO, GRPO with --routing-replay, GSPO on --model tiny-moe).
 # --reward-model: each script with the learned reward tiny-rm against the same script with the rule reward.
+# --staleness: GRPO vs GSPO (and PPO) on the long `sums` task at 1, 4, 8 minibatches per rollout
+#   (tests/staleness_sweep.py: resumes, skipping finished runs; its own table and plots).
 # `bash run_all.sh --help` lists the settings; the report is tests/compare_report.py.
 set -euo pipefail
 
@@ -10,7 +12,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 usage() {
     cat <<'EOF'
-Usage: bash run_all.sh [--quick] [--moe | --reward-model] [--report-only] [--help]
+Usage: bash run_all.sh [--quick] [--moe | --reward-model | --staleness [--plan]] [--report-only] [--help]
 
 Trains ppo.py, grpo.py and gspo.py with identical settings (model, task, seeds, prompts per step,
 samples per prompt, max new tokens, steps), one run after another, then writes
@@ -45,6 +47,18 @@ Flags:
                     $OUT/rm_curves.png   eval accuracy and reward-model score against step, and
                                          against kl_to_init (Gao et al. 2022's axis)
                   Default OUT [runs/rm]; the other settings as without it.
+  --staleness     the staleness sweep (issue 19; docs/staleness.md): grpo (seq-mean-token-mean),
+                  gspo (sequence), grpo-tokenmean, gspo-token and ppo on the long `sums` task
+                  (--task sums), --minibatches 1, 4 and 8 with 1 epoch, seeds 0 1 2. Prints its
+                  planned total first; RESUMES: a run whose summary.json exists is skipped. Writes
+                  $OUT/<config>/mb<k>/seed<s>/ and .log, $OUT/staleness_results.md and .json (mean
+                  +- std over seeds per config x staleness: accuracy, collapses, ratio statistics,
+                  clip fractions, grad-norm spikes, entropy), $OUT/staleness_accuracy.png and
+                  $OUT/staleness_ratios.png. Its own settings: CONFIGS, MINIBATCHES, STEPS, SEEDS,
+                  PROMPTS_PER_STEP, GROUP_SIZE, EVAL_EVERY, EVAL_SIZE, OUT [runs/staleness]; with
+                  --quick one seed of 20 steps in runs/staleness-quick; --plan prints the grid and
+                  its planned time and runs nothing; --report-only as below. The settings and
+                  defaults: python tests/staleness_sweep.py --help and the file's docstring.
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
                   (with the STEPS and SEEDS of the runs)
   --help          this text
@@ -68,16 +82,35 @@ QUICK=0
 MOE=0
 RM=0
 REPORT_ONLY=0
+STALENESS=0
+PLAN=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=1 ;;
         --moe) MOE=1 ;;
         --reward-model) RM=1 ;;
         --report-only) REPORT_ONLY=1 ;;
+        --staleness) STALENESS=1 ;;
+        --plan) PLAN=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "run_all.sh: unknown argument '$a' (see --help)" >&2; exit 2 ;;
     esac
 done
+if [[ $STALENESS == 1 ]]; then  # its own driver and report, in Python
+    if [[ $MOE == 1 || $RM == 1 ]]; then
+        echo "run_all.sh: --staleness is its own experiment; it does not combine with --moe or --reward-model" >&2
+        exit 2
+    fi
+    sweep=()
+    [[ $QUICK == 1 ]] && sweep+=(--quick)
+    [[ $PLAN == 1 ]] && sweep+=(--plan)
+    [[ $REPORT_ONLY == 1 ]] && sweep+=(--report-only)
+    exec "${PYTHON:-python}" "$ROOT/tests/staleness_sweep.py" "${sweep[@]+"${sweep[@]}"}"
+fi
+if [[ $PLAN == 1 ]]; then
+    echo "run_all.sh: --plan belongs to --staleness" >&2
+    exit 2
+fi
 if [[ $QUICK == 1 && $MOE == 1 ]]; then
     echo "run_all.sh: --quick and --moe do not combine; a first look at the MoE experiment: STEPS=20 bash run_all.sh --moe" >&2
     exit 2

@@ -552,3 +552,66 @@ def test_rm_table_hand_worked(tmp_path):
     assert [c.strip() for c in rule.split("|")[4:9]] == ["-"] * 5  # the rule reward has no RM columns
     compare_report.plot_rm_curves(out / "rm_curves.png", runs, ["grpo", "grpo-rm"], [0, 1])
     assert (out / "rm_curves.png").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# --staleness (tests/staleness_sweep.py): its flags, its grid, and the resume that skips finished runs
+# ------------------------------------------------------------------------------------------------
+def test_staleness_flags_that_do_not_combine_exit_2():
+    for flags in (("--staleness", "--moe"), ("--staleness", "--reward-model"), ("--plan",)):
+        res = run_all(*flags)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, (flags, res.stderr)
+    res = run_all("--staleness", env={"MINIBATCHES": "1 3"})  # 3 does not divide 32 x 4
+    assert res.returncode == 2 and "MINIBATCHES: 3 does not divide" in res.stderr and res.stderr.count("\n") == 1
+    res = run_all("--staleness", env={"CONFIGS": "grpo dpo"})
+    assert res.returncode == 2 and "CONFIGS: unknown dpo" in res.stderr
+    assert "--staleness" in run_all("--help").stdout
+
+
+def test_staleness_plan_lists_the_grid_and_its_commands(tmp_path):
+    env = {"OUT": str(tmp_path / "s"), "SEEDS": "0 1 2", "STEPS": "100", "EXTRA_ARGS": "--lr 1e-4"}
+    res = run_all("--staleness", "--plan", env=env)
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if " minibatches " in line]
+    assert len(lines) == 5 * 3 * 3  # configs x staleness x seeds
+    for line in lines:
+        config, _, mb, _, seed = line.split(":")[0].split()
+        argv = line.split(": ", 1)[1].split()
+        flags = dict(zip(argv[2::2], argv[3::2]))
+        assert argv[1].endswith(config.split("-")[0] + ".py")
+        assert flags["--task"] == "sums" and flags["--epochs"] == "1" and flags["--minibatches"] == mb
+        assert flags["--seed"] == seed and flags["--steps"] == "100" and argv[-2:] == ["--lr", "1e-4"]
+        assert flags["--out"] == str(tmp_path / "s" / config / f"mb{mb}" / f"seed{seed}")
+        assert flags.get("--loss-agg") == {"grpo": "seq-mean-token-mean", "grpo-tokenmean": "token-mean"}.get(config)
+        assert flags.get("--variant") == {"gspo": "sequence", "gspo-token": "token"}.get(config)
+    assert "planned: 45 runs, 45 to run" in res.stdout
+
+
+def test_staleness_sweep_resumes_skipping_finished_runs(tmp_path, fake_python):
+    env, calls = fake_python
+    out = tmp_path / "s"
+    env = {**env, "OUT": str(out), "CONFIGS": "grpo gspo", "MINIBATCHES": "1 4", "SEEDS": "0"}
+    # grpo mb1 finished before (its summary.json exists); gspo mb4 was interrupted (no summary.json)
+    fabricate(out / "grpo" / "mb1", "grpo", 0)
+    (out / "grpo" / "mb1" / "grpo-seed0").rename(out / "grpo" / "mb1" / "seed0")
+    (out / "gspo" / "mb4" / "seed0").mkdir(parents=True)
+    (out / "gspo" / "mb4" / "seed0" / "metrics.jsonl").write_text('{"step": 1}\n')
+    res = run_all("--staleness", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "4 runs" in res.stdout and "1 finished (skipped), 3 to run" in res.stdout
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    ran = [(c[0], c[c.index("--minibatches") + 1]) for c in recorded]
+    assert ran == [("gspo", "1"), ("grpo", "4"), ("gspo", "4")]
+    table = (out / "staleness_results.md").read_text()
+    assert table.count("| grpo |") == 2 and table.count("| gspo |") == 2
+    assert (out / "staleness_accuracy.png").is_file() and (out / "staleness_ratios.png").is_file()
+    # everything finished: a second invocation runs nothing and rebuilds the report
+    res = run_all("--staleness", env=env)
+    assert res.returncode == 0 and "0 to run" in res.stdout
+    assert len(calls.read_text().splitlines()) == 3
+    # a missing run: --report-only refuses and names it
+    import shutil
+
+    shutil.rmtree(out / "gspo" / "mb1" / "seed0")
+    res = run_all("--staleness", "--report-only", env=env)
+    assert res.returncode == 1 and "gspo seed 0" in res.stderr and not (out / "staleness_results.md").exists()

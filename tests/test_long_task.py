@@ -1,0 +1,265 @@
+"""The long `sums` task (issue 19): its generator, its reward, its defaults and checkpoint, a smoke run
+of each script on it, the ratio statistics every script logs, the on-policy check of the staleness
+sweep, and the sweep's per-run reductions (collapse, gradient-norm spikes) on hand-made curves.
+Reference values are plain Python loops or hand-worked numbers, never the code under test."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import staleness_sweep
+import torch
+from helpers import ROOT
+
+import common
+import grpo
+import gspo
+import ppo
+
+# ----------------------------------------------------------------------------------------------
+# The generator
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split():
+    return common.sums_split()
+
+
+def test_split_is_deterministic_and_the_held_out_set_is_disjoint(split):
+    train, held = split
+    assert (train, held) == common.sums_split()
+    assert len(train) == 20000 and len(held) == 500
+    prompts = [ex["prompt"] for ex in train + held]
+    assert len(set(prompts)) == len(prompts)  # distinct, so no held-out prompt is a training prompt
+    assert not {ex["prompt"] for ex in held} & {ex["prompt"] for ex in train}
+    assert common.load_task("sums", None) == (train, held)
+
+
+def test_every_reference_completion_works_the_sum_and_parses_to_the_answer(split):
+    for ex in split[0] + split[1]:
+        terms = [int(x) for x in ex["prompt"][:-1].split("+")]
+        assert ex["prompt"].endswith("=") and 2 <= len(terms) <= 6 and all(0 <= x <= 9 for x in terms)
+        total = 0
+        for x in terms:  # the gold answer, by a plain loop
+            total += x
+        assert ex["answer"] == str(total)
+        ref = common.sums_reference(ex["prompt"])
+        working, answer = ref.split(" #### ")
+        assert answer == str(total)
+        steps = working.split(" ")
+        assert len(steps) == len(terms) - 1
+        running = terms[0]
+        for step, x in zip(steps, terms[1:]):  # each step: the running total + the next term = the new total
+            assert step == f"{running}+{x}={running + x}"
+            running += x
+        assert common.score(ref, ex["answer"]) == (1.0, 1.0)
+
+
+def test_length_distribution_as_documented(split):
+    """docs/staleness.md: 12-46 characters, mean 36.2; by number of terms 2..6 the means are 12.9,
+    20.5, 28.3, 36.3, 44.3; prompts are distinct, so all 100 two-term and all 1,000 three-term
+    prompts occur and the rest have 4-6 terms."""
+    lengths = {}
+    for ex in split[0] + split[1]:
+        lengths.setdefault(ex["prompt"].count("+") + 1, []).append(len(common.sums_reference(ex["prompt"])))
+    every = [n for v in lengths.values() for n in v]
+    assert min(every) == 12 and max(every) == 46
+    assert abs(sum(every) / len(every) - 36.2) < 0.05
+    assert sorted(lengths) == [2, 3, 4, 5, 6]
+    assert (len(lengths[2]), len(lengths[3])) == (100, 1000)
+    for k, expected in zip(sorted(lengths), (12.9, 20.5, 28.3, 36.3, 44.3)):
+        assert abs(sum(lengths[k]) / len(lengths[k]) - expected) < 0.05, k
+    # with its EOS the longest completion fits the task's default --max-new-tokens
+    assert max(every) + 1 <= common.TASK_DEFAULTS["sums"]["max_new_tokens"]
+
+
+@pytest.mark.parametrize(
+    "completion, reward, format_ok",
+    [
+        ("3+4=7 9+1=10 #### 10", 1.0, 1.0),  # the working is not checked, only the final answer
+        ("3+4=7 7+3=10 #### 10", 1.0, 1.0),
+        ("3+4=7 7+3=11 #### 11", 0.0, 1.0),  # wrong answer
+        ("3+4=7 7+3=10 #### 1 0", 0.0, 0.0),  # not one number after '####'
+        ("3+4=7 7+3=10", 0.0, 0.0),  # no final answer
+        ("3+4=7 7+3=10 #### ", 0.0, 0.0),  # truncated after '####'
+        ("#### 10 #### 9", 0.0, 1.0),  # the last '####' counts
+        ("10", 1.0, 1.0),  # the exact reward's rule: a bare number is a final answer too
+    ],
+)
+def test_reward_on_hand_cases(completion, reward, format_ok):
+    assert common.score(completion, "10") == (reward, format_ok)
+
+
+def test_the_task_brings_its_defaults_and_explicit_flags_win():
+    for module in (ppo, grpo, gspo):
+        a = common.parse_args(module.Args, ["--task", "sums"])
+        assert (a.model, a.max_new_tokens) == ("tiny-sums", 64)
+        a = common.parse_args(module.Args, ["--task", "sums", "--model", "tiny", "--max-new-tokens", "70"])
+        assert (a.model, a.max_new_tokens) == ("tiny", 70)
+        a = common.parse_args(module.Args, [])
+        assert (a.model, a.max_new_tokens) == ("tiny", 8)  # the arithmetic demo as it was
+    with pytest.raises(common.UsageError, match="--data is not used by --task sums"):
+        common.load_task("sums", "x.jsonl")
+
+
+def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(tmp_path, monkeypatch):
+    """A 3-step recipe (its own cache key) built twice in empty caches gives the same weights, and
+    the caller's random streams continue as if nothing had run (the build runs under fork_rng)."""
+    import random
+
+    import numpy as np
+
+    monkeypatch.setattr(common, "SUMS_WARMSTART", dict(common.SUMS_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    weights = []
+    for cache in ("a", "b"):
+        monkeypatch.setenv("RLREF_CACHE", str(tmp_path / cache))
+        common.seed_everything(7)
+        expected = (torch.rand(4), np.random.rand(4), random.random())
+        common.seed_everything(7)
+        path = common.tiny_checkpoint("tiny-sums")
+        assert path.startswith(str(tmp_path / cache))  # built here, now
+        after = (torch.rand(4), np.random.rand(4), random.random())
+        assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
+        weights.append((tmp_path / cache / path.split("/")[-1] / "model.safetensors").read_bytes())
+    assert weights[0] == weights[1]
+
+
+def test_the_checkpoint_has_its_own_key_and_starts_in_the_band(split):
+    path = common.tiny_checkpoint("tiny-sums")
+    assert "tiny-qwen3-sums-" in path and path != common.tiny_checkpoint("tiny")
+    model, tok = common.load_model("tiny-sums", torch.device("cpu"))
+    assert 0.15 <= common.evaluate(model, tok, split[1], max_new_tokens=64)["accuracy"] <= 0.50
+
+
+# ----------------------------------------------------------------------------------------------
+# The ratio statistics (common.token_ratio_stats), against a hand-worked case
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ratio_statistics_hand_worked():
+    # row 0: log-ratios 0.1, -0.3 and a padded slot (ignored, however far off); row 1: 0.25, 0.0
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -9.0]])
+    logp = old + torch.tensor([[0.1, -0.3, 50.0], [0.25, 0.0, -50.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    stats = common.token_ratio_stats(logp, old, mask)
+    d = [0.1, -0.3, 0.25, 0.0]
+    mean = sum(d) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)  # the population std, by hand
+    assert stats["log_ratio_std"] == pytest.approx(std, abs=1e-6)
+    # exp(0.1) = 1.105 inside; exp(-0.3) = 0.741 < 0.8; exp(0.25) = 1.284 > 1.2; exp(0) = 1 inside
+    assert stats["ratio_outside_grpo_clip"] == 0.5
+    assert common.token_ratio_stats(old, old, mask) == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    empty = common.token_ratio_stats(logp, old, torch.zeros_like(mask))
+    assert empty == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# The on-policy cell of the sweep: ratios 1, GSPO's gradient = GRPO seq-mean-token-mean's
+# ----------------------------------------------------------------------------------------------
+
+
+def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop(split):
+    """One real rollout of the task from tiny-sums, and its first (on-policy) update, as the sweep's
+    1-minibatch, 1-epoch cell makes it: every ratio is exactly 1, and the gradients of GSPO's loss
+    (sequence and token variants) and of GRPO's seq-mean-token-mean loss both equal the gradient of
+    -1/B sum_i A_i * (1/|y_i|) sum_t logp_it, the sum taken by a Python loop in float64."""
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-sums", torch.device("cpu"))
+    examples = split[0][:4]
+    prompts, _ = common.prompts_and_records(tok, examples, 4, "")
+    gen = torch.Generator().manual_seed(0)
+    roll = common.sample(model, prompts, 64, common.eos_token_ids(model, tok), tok.pad_token_id, generator=gen)
+    mask = roll.completion_mask
+    assert mask.sum(1).max() >= 20 and len(set(mask.sum(1).tolist())) >= 4  # long, of different lengths
+    adv = torch.tensor([1.5, -0.5, -0.5, -0.5, 0.3, -1.2, 0.9, 0.0, -1.0, 1.0, 0.5, -0.5, 2.0, 0.1, -0.7, -1.4])
+    with torch.no_grad():
+        old, _ = common.completion_logprobs(model, roll)
+
+    def grad_of(loss_fn):
+        model.zero_grad()
+        logp, _ = common.completion_logprobs(model, roll)
+        loss_fn(logp).backward()
+        return torch.cat([p.grad.flatten().clone() for p in model.parameters()]), logp.detach()
+
+    g_grpo, logp = grad_of(lambda lp: grpo.grpo_loss(lp, old, adv, mask, 0.2, 0.2, agg="seq-mean-token-mean")[0])
+    ratio = torch.exp(logp - old)[mask.bool()]
+    assert torch.equal(ratio, torch.ones_like(ratio))  # the same forward twice: exactly 1
+    assert common.token_ratio_stats(logp, old, mask) == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    g_gspo, _ = grad_of(lambda lp: gspo.gspo_loss(lp, old, adv, mask, 3e-4, 4e-4, "sequence")[0])
+    g_token, _ = grad_of(lambda lp: gspo.gspo_loss(lp, old, adv, mask, 3e-4, 4e-4, "token")[0])
+
+    def plain_loop(lp):
+        rows = []
+        for i in range(lp.shape[0]):
+            n = int(mask[i].sum())
+            s = sum(lp[i, t].double() for t in range(lp.shape[1]) if mask[i, t])
+            rows.append(-float(adv[i]) * s / n)
+        return sum(rows) / lp.shape[0]
+
+    g_ref, _ = grad_of(plain_loop)
+    scale = g_ref.abs().max()
+    assert scale > 0
+    for g in (g_grpo, g_gspo, g_token):
+        assert torch.allclose(g, g_ref.float(), atol=1e-5 * scale, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: each script on the task, as it stands (the task's own --max-new-tokens and model)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script, extra", [("ppo.py", []), ("grpo.py", []), ("gspo.py", ["--variant", "token"])])
+def test_smoke_run_on_the_task(tmp_path, script, extra):
+    out = tmp_path / "run"
+    cmd = [sys.executable, script, "--task", "sums", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
+           "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out), *extra]  # fmt: skip
+    env = {**os.environ, "RLREF_THREADS": "1"}  # a shared 2-core machine: one core per run
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "sums" and summary["model"] == "tiny-sums" and summary["args"]["max_new_tokens"] == 64
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["response_len"] > 8  # longer than the arithmetic default would allow
+        assert r["log_ratio_std"] >= 0 and 0 <= r["ratio_outside_grpo_clip"] <= 1
+        assert math.isfinite(r["grad_norm"]) and r["entropy"] > 0 and 0 <= r["eval_accuracy"] <= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep's reductions on hand-made curves (tests/staleness_sweep.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "curve, expected",
+    [
+        ([(0, 0.3), (10, 0.5), (20, 0.6), (30, 0.62)], None),  # rises
+        ([(0, 0.3), (10, 0.6), (20, 0.2), (30, 0.1)], 20),  # falls below 0.3 at step 20 and stays
+        ([(0, 0.3), (10, 0.6), (20, 0.2), (30, 0.35)], None),  # dips, then recovers to half its best
+        ([(0, 0.3), (10, 0.6), (20, 0.2), (30, 0.4), (40, 0.29)], 40),  # recovers, then falls for good
+        ([(0, 0.3), (10, 0.6), (20, 0.3)], None),  # exactly half: not below
+        ([(0, 0.4), (10, 0.1), (20, 0.0)], 10),  # the best was before training
+        ([(0, 0.0), (10, 0.0)], None),  # never learned: nothing to collapse from
+        ([], None),
+    ],
+)
+def test_collapse_on_hand_made_curves(curve, expected):
+    assert staleness_sweep.collapse_step(curve) == expected
+
+
+def test_grad_norm_spikes_hand_worked():
+    # sorted 0.9 1 1 1 1 1.1 5 5.1 40: median 1.0; 5.0 is not above 5 x 1.0, 5.1 and 40 are; None, NaN: no step
+    norms = [1.0, 0.9, 1.1, 1.0, 1.0, 5.0, 5.1, 40.0, 1.0, None, float("nan")]
+    assert staleness_sweep.grad_norm_spikes(norms) == 2
+    assert staleness_sweep.grad_norm_spikes([]) == 0
+    assert staleness_sweep.eval_curve(
+        {"eval_accuracy_before": 0.2}, [{"step": 1}, {"step": 2, "eval_accuracy": 0.3}]
+    ) == [
+        (0, 0.2),
+        (2, 0.3),
+    ]
