@@ -1806,7 +1806,10 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits per chunk: 256 MB, ~440 tokens of Qwen's 151,936 vocabulary
+# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary. A chunk costs about 4x this at its
+# peak (logits, softmax, their product or the backward's gradient): 2**26 made that 1.0-1.3 GB of a 64 x 256-token
+# step's peak RSS at that vocabulary, 2**24 about 0.3 GB (tests/bench_memory.py)
+LOGITS_CHUNK_ELEMENTS = 2**24
 
 
 def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):

@@ -280,17 +280,21 @@ def train(args: Args):
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
         updates = []
         for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
+            # the loss is pg_loss + vf_coef * v_loss; the two models share no parameter, so each term's own
+            # backward gives the same gradients, and only one model's activations are held at a time
+            v_loss, v_stats = value_loss(
+                value(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
+            )
+            (args.vf_coef * v_loss * scale).backward()
             logp, _ = policy(roll[idx], args.temperature)
             pg_loss, stats = ppo_policy_loss(
                 logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
             )
-            v_loss, v_stats = value_loss(
-                value(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
-            )
+            (pg_loss * scale).backward()
             loss = pg_loss + args.vf_coef * v_loss
-            optimizer.zero_grad(set_to_none=True)
-            critic_optimizer.zero_grad(set_to_none=True)
-            (loss * common.token_mean_scale(mask[idx])).backward()  # torchrun: the whole batch's token mean
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             if guard.ok(step, loss, grad_norm, critic_grad_norm):  # a non-finite loss or gradient skips the update

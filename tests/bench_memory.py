@@ -1,23 +1,35 @@
-"""Benchmark: peak resident memory of one training step, chunked log-probs against the plain ones.
+"""Benchmark: peak resident memory of whole runs at Qwen's vocabulary, like for like, and of one training step.
 
-    python tests/bench_memory.py                 # every algorithm, chunked and naive (naive needs ~10+ GB)
-    python tests/bench_memory.py --only chunked  # skip the memory-hungry naive runs
+    python tests/bench_memory.py                       # the three scripts' whole runs, side by side
+    python tests/bench_memory.py --phases              # also where each run's memory goes, phase by phase
+    python tests/bench_memory.py --step                # one training step, chunked log-probs against naive
+    python tests/bench_memory.py --step --only chunked # skip the memory-hungry naive runs (~10+ GB)
 
-A randomly initialised Qwen3 with Qwen's 151,936-token vocabulary but a tiny trunk (hidden 64,
-2 layers, tied embeddings) on CPU, and a rollout of --batch completions of --tokens tokens each
-(every token real: the worst case). One training step of each script's loss (`training_step`):
+Whole runs (the default): a randomly initialised Qwen3 with the embedded tiny model's trunk (hidden
+128, 4 layers, tied embeddings) and Qwen's 151,936-token vocabulary (a word-level tokenizer of that
+size), saved as a local checkpoint; then each script, through its normal command line, in a process
+of its own: one step of 8 prompts x 8 samples x 256 new tokens, one minibatch, evaluation on 8
+prompts before and after. The reward is `text_hash_reward` (through --reward), a pseudo-random
+function of the completion's text: a random model earns no exact-match reward, and with it GRPO and
+GSPO would skip every row (advantage 0) and flatter themselves. The run's zero_std_frac (0: every
+row is updated) is printed beside its peak RSS, the child's ru_maxrss (os.wait4). --phases runs each
+script under a profiler (`profile`) that samples RSS every 2 ms in a thread and prints the RSS after
+each phase (model loading, sampling, reward, log-probs, forward, backward, optimizer step,
+evaluation) and the peak inside it.
+
+One step (--step): the previous measure, a tiny trunk (hidden 64, 2 layers) at the same vocabulary and
+a fixed rollout of --batch completions of --tokens tokens each (every token real: the worst case).
+One training step of each script's loss (`training_step`):
   old log-probs of the whole rollout (no grad; PPO also the frozen reference's and the critic's values),
   then one minibatch (--batch / --minibatches completions): log-probs with grad, the script's loss
   (gspo.gspo_loss, grpo.grpo_loss, ppo.ppo_policy_loss + ppo.value_loss through a ppo.Critic),
   backward, gradient clipping and an AdamW step (the other minibatches would only repeat it).
-Log-probs go through common.completion_logprobs with chunk_tokens="auto" ("chunked": ~440 tokens
-per chunk at this vocabulary) or None ("naive": the whole [tokens, vocabulary] float32 logits at
-once). The naive pass over all 64 completions at once would need about 30 GB, so its old log-probs
-are taken minibatch by minibatch (the update's own size); the chunked path takes them all at once,
-as the scripts do.
-
-Each configuration runs in a fresh subprocess (so one's peak cannot hide another's), and reports
-its peak RSS (resource.getrusage ru_maxrss) and the RSS before the step (model, optimizer, rollout).
+Log-probs go through common.completion_logprobs with chunk_tokens="auto" ("chunked":
+common.LOGITS_CHUNK_ELEMENTS logits per chunk) or None ("naive": the whole [tokens, vocabulary]
+float32 logits at once). The naive pass over all 64 completions at once would need about 30 GB, so
+its old log-probs are taken minibatch by minibatch (the update's own size); the chunked path takes
+them all at once, as the scripts do. Each configuration runs in a fresh subprocess and reports its
+peak RSS (resource.getrusage ru_maxrss) and the RSS before the step (model, optimizer, rollout).
 The child limits its own address space (--limit-gb) so that a naive run that would exhaust the
 machine fails with an allocation error instead of waking the OOM killer. Not collected by pytest.
 """
@@ -32,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +209,130 @@ def child(algo: str, mode: str, batch: int, tokens: int, minibatches: int, promp
     )
 
 
+def text_hash_reward(prompts, completions, **fields) -> list[float]:
+    """A reward with variance for a random model (a --reward function): the completion text's CRC32,
+    scaled to [0, 1). Deterministic, so every script sees the same rewards for the same text."""
+    import zlib
+
+    return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+
+
+def build_vocab_checkpoint(path: Path) -> Path:
+    """The embedded tiny Qwen3's configuration with Qwen's vocabulary, random weights, and a
+    word-level tokenizer of that size (the tiny model's characters first, so arith prompts encode)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    import common
+
+    names = [common.PAD, common.EOS] + common.TINY_CHARS + ["<unk>"]
+    names += [f"<t{i}>" for i in range(VOCAB - len(names))]
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=common.PAD, eos_token=common.EOS,
+                                  unk_token="<unk>", padding_side="left")  # fmt: skip
+    config = {**common.TINY_CONFIG, "vocab_size": VOCAB, "max_position_embeddings": 1024}
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**config, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run_command(algo: str, model_dir: Path, out: Path, args) -> list[str]:
+    """The script's normal command line for one step at the benchmark's shape."""
+    return [
+        f"{algo}.py", "--model", str(model_dir), "--steps", "1", "--prompts-per-step", str(args.prompts),
+        "--group-size", str(args.samples), "--max-new-tokens", str(args.tokens), "--minibatches", "1",
+        "--reward", f"{Path(__file__).resolve()}:text_hash_reward", "--eval-size", str(args.eval_size),
+        "--eval-every", "0", "--out", str(out),
+    ]  # fmt: skip
+
+
+PHASE_FUNCTIONS = ("load_model", "sample", "evaluate", "completion_logprobs", "logprobs_of_forwarded_rows")
+
+
+def profile(argv: list[str]):
+    """Run the script `argv[0]` with its arguments in this process, printing each phase's RSS after it
+    and the peak RSS inside it (GB), sampled every 2 ms by a thread: the calls to common's
+    PHASE_FUNCTIONS, Rewards.__call__, Tensor.backward and AdamW.step (tracemalloc would not see
+    torch's allocations)."""
+    import runpy
+    import threading
+
+    import psutil
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import common
+
+    process, peak, phases = psutil.Process(), [0], []
+
+    def poll():
+        while True:
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    def mark(name):
+        rss = process.memory_info().rss
+        phases.append((name, rss / 2**30, max(peak[0], rss) / 2**30))
+        peak[0] = rss
+
+    def wrapped(owner, name, label):
+        fn = getattr(owner, name)
+
+        def call(*a, **k):
+            mark(f"(before {label})")
+            out = fn(*a, **k)
+            mark(label)
+            return out
+
+        setattr(owner, name, call)
+
+    threading.Thread(target=poll, daemon=True).start()
+    for name in PHASE_FUNCTIONS:
+        wrapped(common, name, name)
+    wrapped(common.Rewards, "__call__", "reward")
+    wrapped(torch.Tensor, "backward", "backward")
+    wrapped(torch.optim.AdamW, "step", "AdamW.step")
+    mark("imports")
+    sys.argv = argv
+    try:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    finally:
+        mark("end")
+        print("PHASES " + json.dumps(phases), flush=True)
+
+
+def run_script(algo: str, model_dir: Path, args) -> dict:
+    """One whole run in a process of its own: its peak RSS (ru_maxrss of that child alone), wall time,
+    zero_std_frac and loss (metrics.jsonl) and, with --phases, its phase lines."""
+    with tempfile.TemporaryDirectory() as out:
+        argv = run_command(algo, model_dir, Path(out) / algo, args)
+        cmd = [sys.executable, __file__, "--profile", *argv] if args.phases else [sys.executable, *argv]
+        log = Path(out) / "log"
+        t0 = time.perf_counter()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN: the max of all)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        result = {"algo": algo, "peak_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - t0}
+        stdout, metrics = log.read_text(), Path(out) / algo / "metrics.jsonl"
+        if proc.returncode or not metrics.is_file():
+            tail = (stdout.strip().splitlines() or ["?"])[-1]
+            return {**result, "error": f"exit {proc.returncode}: {tail[:160]}"}
+        row = json.loads(metrics.read_text().splitlines()[-1])
+        result.update(zero_std_frac=row.get("zero_std_frac"), loss=row.get("loss"))
+        for line in stdout.splitlines():
+            if line.startswith("PHASES "):
+                result["phases"] = json.loads(line[len("PHASES ") :])
+    return result
+
+
 def mem_available_gb() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -235,27 +372,68 @@ def run_child(algo, mode, args):
     return {"algo": algo, "mode": mode, "error": f"exit {proc.returncode}: {tail[:160]}"}
 
 
+def whole_runs(args):
+    """The default: each script's whole run at the benchmark's shape, peak RSS side by side."""
+    algos = args.algos.split(",")
+    print(
+        f"Qwen3 (hidden 128, 4 layers) with a {VOCAB:,}-token vocabulary, random weights; one step of {args.prompts} "
+        f"prompts x {args.samples} samples x {args.tokens} new tokens, 1 minibatch, eval on {args.eval_size} prompts; "
+        f"reward text_hash_reward; {args.jobs} run(s) at a time"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_vocab_checkpoint(Path(tmp) / "qwen3-vocab")
+        print("  " + " ".join(["python"] + run_command("ALGO", model_dir, Path("OUT"), args)), flush=True)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = dict(zip(algos, pool.map(lambda a: run_script(a, model_dir, args), algos)))
+    for algo in algos:
+        r = results[algo]
+        print(f"\n{algo}: " + (r["error"] if "error" in r else f"peak {r['peak_gb']:.2f} GB, {r['wall_s']:.0f} s"))
+        for name, rss, peak in r.get("phases", []):
+            print(f"  {name:34} RSS after {rss:5.2f} GB   peak inside {peak:5.2f} GB")
+    print(f"\n{'':28}" + "".join(f"{a:>8}" for a in algos))
+    table = [("peak RSS, GB", "peak_gb", "{:.2f}"), ("zero_std_frac (0: all rows)", "zero_std_frac", "{:g}"),
+             ("loss", "loss", "{:.4f}"), ("wall, s", "wall_s", "{:.0f}")]  # fmt: skip
+    for label, key, fmt in table:
+        cells = ["-" if results[a].get(key) is None else fmt.format(results[a][key]) for a in algos]
+        print(f"{label:28}" + "".join(f"{c:>8}" for c in cells))
+
+
 def main():
+    if sys.argv[1:2] == ["--profile"]:  # a child of --phases: run the script given after it under `profile`
+        profile(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", nargs=2, metavar=("ALGO", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--algos", default=",".join(ALGOS))
-    ap.add_argument("--only", choices=("chunked", "naive"), default=None)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--minibatches", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--phases", action="store_true", help="whole runs: also RSS phase by phase (profile)")
+    ap.add_argument("--jobs", type=int, default=1, help="whole runs: how many run at once (each its own process)")
+    ap.add_argument("--prompts", type=int, default=8, help="whole runs: prompts per step")
+    ap.add_argument("--samples", type=int, default=8, help="whole runs: samples per prompt")
+    ap.add_argument("--eval-size", type=int, default=8, help="whole runs: evaluation prompts")
+    ap.add_argument("--step", action="store_true", help="one training step, chunked against naive (the old measure)")
+    ap.add_argument("--only", choices=("chunked", "naive"), default=None, help="--step: one of the two")
+    ap.add_argument("--batch", type=int, default=64, help="--step: completions")
+    ap.add_argument("--tokens", type=int, default=256, help="completion tokens (whole runs: --max-new-tokens)")
+    ap.add_argument("--minibatches", type=int, default=4, help="--step: minibatches")
+    ap.add_argument("--prompt-len", type=int, default=16, help="--step: prompt tokens")
     ap.add_argument(
         "--chunk-tokens",
         type=lambda s: s if s == "auto" else int(s),
         default="auto",
-        help="chunk size of the chunked path (default: common's auto sizing)",
+        help="--step: chunk size of the chunked path (default: common's auto sizing)",
     )
-    ap.add_argument("--limit-gb", type=float, default=20.0, help="address-space limit of each child")
+    ap.add_argument("--limit-gb", type=float, default=20.0, help="--step: address-space limit of each child")
     args = ap.parse_args()
     if args.child:
         child(*args.child, args.batch, args.tokens, args.minibatches, args.prompt_len, args.chunk_tokens)
-        return
+    elif args.step:
+        one_step(args)
+    else:
+        whole_runs(args)
 
+
+def one_step(args):
+    """--step: one training step of each algorithm, chunked and naive log-probs."""
     modes = [m for m in ("chunked", "naive") if args.only in (None, m)]
     print(
         f"Qwen3 vocab {VOCAB}, hidden 64, 2 layers; {args.batch} completions x {args.tokens} tokens "

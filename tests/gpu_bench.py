@@ -17,7 +17,7 @@ warm-up each; and how many greedy rows are identical to generate's (bf16 kernels
 near-ties differently, so a few differing rows are not a bug).
 Training: one step of each script's loss (gspo, grpo, ppo with its critic and reference model),
 as tests/bench_memory.py defines it: old log-probs of the rollout, then --minibatches updates of
-(backward, AdamW step); float32 log-probs through the output projection in chunks of ~440 tokens
+(backward, AdamW step); float32 log-probs through the output projection in chunks of ~110 tokens
 ("chunked") or all at once ("naive"); tokens/s = rollout tokens / step time (median of 2 after one
 warm-up); peak = torch.cuda.max_memory_allocated during the step (weights, grads, optimizer state
 included). Everything prints as one table at the end.

@@ -615,6 +615,42 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, chunk, temperat
     torch.testing.assert_close(out[chunk][1].double(), w64.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_auto_chunks_at_qwen_vocabulary_equal_float64():
+    # "auto" at Qwen's 151,936-token vocabulary: chunks of LOGITS_CHUNK_ELEMENTS // V tokens (the
+    # memory setting, tests/bench_memory.py), so 3 chunks here, the last one short; values and
+    # gradients against float64 autograd of the unchunked formula
+    V, H, temperature = 151_936, 8, 0.9
+    per_chunk = common.LOGITS_CHUNK_ELEMENTS // V
+    n = 2 * per_chunk + 7
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, H, generator=g).requires_grad_(True)
+    weight = (0.5 * torch.randn(V, H, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, V, (n,), generator=g)
+    coef = torch.randn(n, generator=g)
+    lp, ent = common.logprobs_from_hidden(hidden, weight, targets, temperature)  # chunk_tokens="auto"
+    (coef * lp).sum().backward()
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    for rows in torch.arange(n).split(32):  # the reference a few rows at a time (float64 [n, V] is 280 MB)
+        lp64, ent64 = _naive_logp_entropy_f64(h64[rows], w64, targets[rows], temperature)
+        (coef[rows].double() * lp64).sum().backward()
+        torch.testing.assert_close(lp[rows].double(), lp64.detach(), atol=1e-5, rtol=0)
+        # entropy ~ 7 nats is a float32 sum over 151,936 terms, chunked or not: within rtol 5e-5 of float64
+        torch.testing.assert_close(ent[rows].double(), ent64.detach(), atol=1e-5, rtol=5e-5)
+        with torch.no_grad():  # and the same float32 formula unchunked agrees to float32 rounding
+            plain_lp, plain_ent = common.logprobs_from_hidden(hidden[rows], weight, targets[rows], temperature, None)
+        torch.testing.assert_close(lp[rows].detach(), plain_lp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ent[rows], plain_ent, atol=1e-6, rtol=1e-6)
+    # gradients: the unchunked float32 computation's to float32 rounding (summed over chunks in another
+    # order), and float64's to the accuracy of float32 sums over 151,936 terms
+    h32, w32 = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    (coef * common.logprobs_from_hidden(h32, w32, targets, temperature, chunk_tokens=None)[0]).sum().backward()
+    torch.testing.assert_close(hidden.grad, h32.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad, w32.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=2e-3, rtol=2e-3)
+
+
 def test_entropy_hand_worked():
     # logits (via weight @ hidden) = [0, log 3] over 2 tokens -> p = [1/4, 3/4]
     hidden = torch.tensor([[1.0]])

@@ -705,6 +705,46 @@ def test_critic_gradients_reach_head_and_trunk(critic):
     assert not no_grad, f"trunk parameters without gradient: {no_grad}"
 
 
+def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
+    # train() backpropagates vf_coef * value loss before the policy's forward (one model's activations at
+    # a time); the two share no parameter, so its gradients are those of one backward of the sum
+    import copy
+
+    torch.manual_seed(0)
+    policy, _ = common.load_model("tiny", torch.device("cpu"))
+    value_model = copy.deepcopy(critic)
+    with torch.no_grad():
+        value_model.head.weight.normal_()  # a non-zero head, so that the trunk gets gradient
+    roll = make_roll([[14, 15, 16], [17], [18, 19, 20, 21, 22]])
+    mask = roll.completion_mask
+    g = torch.Generator().manual_seed(1)
+    old_logp = common.completion_logprobs(policy, roll)[0].detach() + 0.1 * torch.randn(mask.shape, generator=g)
+    advantages, old_values, returns = (torch.randn(mask.shape, generator=g) for _ in range(3))
+    scale, vf_coef = common.token_mean_scale(mask), 0.1
+
+    def losses():
+        v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
+        return ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0], v_loss
+
+    def grads():
+        out = [p.grad.clone() for p in [*policy.parameters(), *value_model.parameters()]]
+        policy.zero_grad(set_to_none=True)
+        value_model.zero_grad(set_to_none=True)
+        return out
+
+    pg_loss, v_loss = losses()
+    ((pg_loss + vf_coef * v_loss) * scale).backward()
+    together = grads()
+    v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
+    (vf_coef * v_loss * scale).backward()
+    pg_loss = ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0]
+    (pg_loss * scale).backward()
+    apart = grads()
+    assert all(a.abs().sum() > 0 for a in together)
+    for a, b in zip(together, apart):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_critic_value_t_depends_only_on_prefix(critic):
     # V_t = V(x, y_<t): changing completion token y_2 changes V_3.. and leaves V_0..V_2 alone.
     with torch.no_grad():
