@@ -2744,7 +2744,8 @@ def plan_memory(
     reference: a frozen copy of the initial policy (PPO always; GRPO with --kl-coef > 0; any script
     with --reward-model, for kl_to_init); None = the script's default. With LoRA (lora_rank > 0) only
     the adapters train and the reference is the base model with adapters off (no copy). The critic
-    (PPO) is a second trunk with its own gradients and AdamW state, forwarded on the same minibatch.
+    (PPO) is a second trunk with its own gradients and AdamW state; its loss goes backward before the
+    policy's forward, so one trunk's activations are alive at a time.
     reward_model: its config (scored without gradients; its activations are not counted).
     peak = the fixed part + the larger of the sampling phase and the update phase."""
     s = model_shape(config)
@@ -2772,14 +2773,19 @@ def plan_memory(
     if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW (full), or a frozen copy + adapters (LoRA)
         critic = n["trunk"] + s["H"] + 1
         plan["critic"] = (critic + (3 * (lora + s["H"] + 1) if lora_rank else 3 * critic)) * f32
-        acts *= 2  # its forward on the same minibatch, alive at the same time as the policy's
+        # its forward on the same minibatch goes backward before the policy's forward: one trunk's activations at a time
     if reward_model is not None:
         rm = model_shape(reward_model)
         plan["reward_model"] = (count_parameters(rm)["trunk"] + rm["H"]) * f32
     kv_cache = rows * seq * s["L"] * 2 * s["kv"] * f32  # the sampler's K and V, float32 like the weights
     sampler_logits = 4 * rows * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
     fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * f32 if not cuda else 0
-    update = {"activations": acts, "logprob_chunk": 3 * chunk_tokens * s["V"] * f32}  # logits, softmax, grad
+    update = {
+        "activations": acts,
+        "logprob_chunk": 4 * chunk_tokens * s["V"] * f32,  # logits, softmax, product or gradient
+        # a tied embedding gets two [V, H] gradients (output projection, input lookup) before autograd sums them
+        "tied_embedding_grad": s["V"] * s["H"] * f32 if s["tied"] and not lora_rank else 0,
+    }
     sampling = {"kv_cache": kv_cache, "sampler_logits": sampler_logits, "sampler_fused_weights": fused}
     fixed = sum(plan.values())
     plan.update(update)
@@ -2799,6 +2805,7 @@ PLAN_ROWS = [  # (key, label, phase) in the printed table
     ("autocast_weight_copy", "bf16 weight copy (autocast)", "fixed"),
     ("activations", "activations (one minibatch)", "update"),
     ("logprob_chunk", "largest log-prob chunk", "update"),
+    ("tied_embedding_grad", "tied embedding's 2nd gradient", "update"),
     ("kv_cache", "sampler KV cache", "sampling"),
     ("sampler_logits", "sampler logits", "sampling"),
     ("sampler_fused_weights", "sampler fused weights (CPU)", "sampling"),
