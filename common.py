@@ -2601,7 +2601,9 @@ def add_lora(model, args):
 
 
 def is_lora(model) -> bool:
-    return hasattr(model, "peft_config")
+    """`model` is a peft model (the transformers model inside one is not: it calls its adapters)."""
+    peft = sys.modules.get("peft")  # not imported yet: no peft model exists
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def reference_model(model, name: str, device: torch.device):
