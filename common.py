@@ -305,6 +305,7 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     resume_from = open_checkpoint(args, algo) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
+    check_lora_targets(args)
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
 
@@ -2582,6 +2583,25 @@ def check_lora_args(args):
         raise UsageError("--lora-rank needs the peft package: pip install -r requirements.txt")
 
 
+def check_lora_targets(args):
+    """--lora-targets against the module names of --model, built on the meta device (no weights, no
+    output): before anything is loaded or written. A checkpoint that does not load is left to load_model."""
+    if not args.lora_rank:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return
+    names = {name.rpartition(".")[2] for name, _ in skeleton.named_modules()}
+    missing = [t for t in args.lora_targets if t not in names]
+    if missing:
+        raise UsageError(f"--lora-targets: {config.model_type} has no module named {', '.join(missing)}")
+
+
 def add_lora(model, args):
     """With --lora-rank r > 0: `model` as a peft model whose --lora-targets projections carry
     rank-r adapters, W x + (alpha / r) B A x, and whose every other weight is frozen (only the
@@ -2591,10 +2611,6 @@ def add_lora(model, args):
         return model
     from peft import LoraConfig, get_peft_model
 
-    names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
-    missing = [t for t in args.lora_targets if t not in names]
-    if missing:
-        raise UsageError(f"--lora-targets: {model.config.model_type} has no module named {', '.join(missing)}")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank
     config = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=list(args.lora_targets), lora_dropout=0.0)
     return get_peft_model(model, config)

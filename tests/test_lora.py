@@ -282,7 +282,7 @@ def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
 )
 def test_bad_lora_flags_exit_2_with_one_line(tmp_path, script, argv, expected):
     out = tmp_path / "out"
-    proc = run(script, *SMALL, "--steps", "2", *argv, "--out", out, timeout=120)
+    proc = run(script, *SMALL, "--steps", "2", *argv, "--out", out)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr[-2000:]
