@@ -1,13 +1,14 @@
 """How the sampler should see LoRA adapters: read through them, or merge them before each rollout.
 
-    python tests/bench_lora.py            (about a minute on 2 CPU cores; not a test)
+    python tests/bench_lora.py            (a few minutes on 2 CPU cores; not a test)
 
 read-through  what common.sample does: the fused q/k/v and gate/up copies it makes per call are
               built from W + (alpha / r) B A, and o_proj / down_proj run as peft's modules
               (W x + scale B A x: two extra small matmuls each)
 merge         peft's merge_adapter() before the rollout and unmerge_adapter() after it, so every
-              projection is one plain matmul; W + D - D is not W in float32, so the frozen base
-              drifts by rounding with every rollout (printed: after 100 merge / unmerge cycles)
+              projection is one plain matmul; it writes every frozen weight twice per rollout, and
+              W + D - D need not round back to W in float32 (printed: the largest change of a
+              base weight after 100 merge / unmerge cycles)
 
 Both are timed on the embedded tiny Qwen3 and a wider random Qwen3, at gspo.py's rollout shape
 (64 prompts x 4 samples x 8 new tokens), with adapters made non-zero, median of REPEATS calls.
