@@ -2129,7 +2129,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to"
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora"
 )  # fmt: skip
 
 
@@ -2585,7 +2585,9 @@ def check_lora_args(args):
 
 def check_lora_targets(args):
     """--lora-targets against the module names of --model, built on the meta device (no weights, no
-    output): before anything is loaded or written. A checkpoint that does not load is left to load_model."""
+    output): before anything is loaded or written. Every name given must exist; of the defaults, one
+    (a Qwen3-MoE's experts are fused tensors, not gate/up/down modules: its attention is adapted).
+    A checkpoint that does not load is left to load_model."""
     if not args.lora_rank:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -2598,7 +2600,7 @@ def check_lora_targets(args):
         return
     names = {name.rpartition(".")[2] for name, _ in skeleton.named_modules()}
     missing = [t for t in args.lora_targets if t not in names]
-    if missing:
+    if len(missing) == len(args.lora_targets) or (missing and args.lora_targets != LORA_TARGETS):
         raise UsageError(f"--lora-targets: {config.model_type} has no module named {', '.join(missing)}")
 
 
