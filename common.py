@@ -15,7 +15,9 @@ A script's train() calls into it in this order, and the sections follow that ord
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
-  13. Memory planner   plan_memory: expected peak memory by component for a config and a batch, the
+  13. LoRA             --lora-rank: peft adapters, the reference as the base with adapters off,
+                       what the sampler reads, adapter checkpoints, --merge-lora
+  14. Memory planner   plan_memory: expected peak memory by component for a config and a batch, the
                        published Qwen2.5 / Qwen3 configs; CLI: python common.py plan-memory --help
 
 The tiny policy ships in checkpoints/; tiny-moe, tiny-rm and any rebuilt recipe are cached under
@@ -193,6 +195,7 @@ def check_common_args(args, needs_group: bool):
         if index >= torch.cuda.device_count():
             raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     check_model_name(args.model)
+    check_lora_args(args)
     out = Path(args.out)
     existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
@@ -305,6 +308,7 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     resume_from = open_checkpoint(args, algo) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
+    check_lora_targets(args)
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
 
@@ -832,6 +836,7 @@ def sample(
     model runs through its own HF forward."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    model = lora_base(model)  # LoRA: the transformers model whose projections apply the adapters
     device = next(model.parameters()).device
     B = len(prompts)
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -1070,9 +1075,10 @@ def _rms_norm(x, norm):
 
 
 def _concat_linears(*linears) -> tuple:
-    """(weight, bias) of one nn.Linear equal to `linears` applied side by side (outputs concatenated)."""
+    """(weight, bias) of one nn.Linear equal to `linears` applied side by side (outputs concatenated).
+    A LoRA layer's weight is its effective one, adapters included (its `.weight` is the base's)."""
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return torch.cat([m.weight for m in linears]), bias
+    return torch.cat([effective_weight(m) for m in linears]), bias
 
 
 def _is_gated_mlp(mlp) -> bool:
@@ -2076,7 +2082,8 @@ class Run:
             save_checkpoint(self.logger.out, self.algo, self.args, self.model, self.tok, self.state)
 
     def finish(self, **also_save) -> dict:
-        """Write final/ (the policy, plus each `also_save` state dict as final/NAME.pt) and
+        """Write final/ (the policy, plus each `also_save` state dict as final/NAME.pt; with LoRA the
+        adapters, and with --merge-lora also final/merged/, a standard checkpoint) and
         summary.json; returns the last evaluation. A run stopped by a signal raises Interrupted
         (its checkpoint is written), so main() exits with 128 + the signal's number."""
         args, progress = self.args, self.progress
@@ -2086,6 +2093,8 @@ class Run:
             for name, state_dict in also_save.items():
                 if self.logger.enabled:
                     torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
+            if args.merge_lora and self.logger.enabled:
+                save_merged(self.model, self.tok, self.logger.out / "final" / "merged")
         before, after = progress.eval_before, progress.last_eval
         self.logger.summary(
             {
@@ -2223,7 +2232,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to"
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora"
 )  # fmt: skip
 
 
@@ -2413,7 +2422,11 @@ def load_checkpoint(found: Path, model, state: dict):
     from transformers import AutoModelForCausalLM
 
     try:
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype).state_dict())
+        if is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
+            load_lora_weights(model, found / "policy")
+        else:
+            saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
+            model.load_state_dict(saved_policy.state_dict())
         saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True)
         for name, obj in state.items():
             _restore(obj, saved["state"][name])
@@ -2653,7 +2666,131 @@ def reward_model_cli(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. Memory planner: will it fit? Peak memory by component, before anything is loaded
+# 13. LoRA (--lora-rank): peft adapters on a frozen base; the reference is the base, adapters off
+# ---------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
+
+
+def check_lora_args(args):
+    """--lora-rank, --lora-alpha, --lora-targets and --merge-lora; raises UsageError naming the flag."""
+    if args.lora_rank < 0:
+        raise UsageError(f"--lora-rank must be >= 0 (0: off, train every weight), got {args.lora_rank}")
+    if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
+        raise UsageError(f"--lora-alpha must be a finite number > 0, got {args.lora_alpha}")
+    if not args.lora_targets:
+        raise UsageError("--lora-targets needs at least one module name, e.g. q_proj v_proj")
+    if args.merge_lora and not args.lora_rank:
+        raise UsageError("--merge-lora merges LoRA adapters: it needs --lora-rank > 0")
+    if args.lora_rank and importlib.util.find_spec("peft") is None:
+        raise UsageError("--lora-rank needs the peft package: pip install -r requirements.txt")
+
+
+def check_lora_targets(args):
+    """--lora-targets against the module names of --model, built on the meta device (no weights, no
+    output): before anything is loaded or written. Every name given must exist; of the defaults, one
+    (a Qwen3-MoE's experts are fused tensors, not gate/up/down modules: its attention is adapted).
+    A checkpoint that does not load is left to load_model."""
+    if not args.lora_rank:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return
+    names = {name.rpartition(".")[2] for name, _ in skeleton.named_modules()}
+    missing = [t for t in args.lora_targets if t not in names]
+    if len(missing) == len(args.lora_targets) or (missing and args.lora_targets != LORA_TARGETS):
+        raise UsageError(f"--lora-targets: {config.model_type} has no module named {', '.join(missing)}")
+
+
+def add_lora(model, args):
+    """With --lora-rank r > 0: `model` as a peft model whose --lora-targets projections carry
+    rank-r adapters, W x + (alpha / r) B A x, and whose every other weight is frozen (only the
+    adapters train). B starts at 0, so the policy starts equal to the base model. No dropout: the
+    log-probs of pi_old and of the update must come from one function. With r = 0: `model` itself."""
+    if not args.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank
+    config = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=list(args.lora_targets), lora_dropout=0.0)
+    return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    """`model` is a peft model (the transformers model inside one is not: it calls its adapters)."""
+    peft = sys.modules.get("peft")  # not imported yet: no peft model exists
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def reference_model(model, name: str, device: torch.device):
+    """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
+    adapters disabled: the base never trains, so it *is* the initial policy, and no second copy of
+    the weights is loaded; without, a frozen copy of checkpoint `name`."""
+    if is_lora(model):
+        return AdaptersOff(model)
+    return load_model(name, device)[0].eval().requires_grad_(False)
+
+
+class AdaptersOff:
+    """A peft model with its adapters disabled, as `completion_logprobs` uses a model: its decoder
+    (called inside peft's disable_adapter()) and its output embeddings (never adapted)."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def get_decoder(self):
+        decoder = self.peft_model.get_decoder()
+
+        def without_adapters(**inputs):
+            with self.peft_model.disable_adapter():
+                return decoder(**inputs)
+
+        return without_adapters
+
+    def get_output_embeddings(self):
+        return self.peft_model.get_output_embeddings()
+
+
+def lora_base(model):
+    """The transformers model under a peft model (its projections carry the adapters: calling them
+    applies them), or `model` itself."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def effective_weight(linear) -> torch.Tensor:
+    """The weight `linear` applies: for a peft LoRA layer with its adapters on and not merged,
+    W + (alpha / r) B A (peft's own get_delta_weight), which its `.weight` (the base's) is not."""
+    if not hasattr(linear, "lora_A") or linear.merged or linear.disable_adapters:
+        return linear.weight
+    active = [a for a in linear.active_adapters if a in linear.lora_A]
+    return linear.weight + sum(linear.get_delta_weight(a) for a in active)
+
+
+def load_lora_weights(model, directory: Path):
+    """Load the adapter weights a peft `save_pretrained` wrote in `directory` into `model`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
+    if result.unexpected_keys:
+        raise ValueError(f"adapter weights that the model has no place for: {result.unexpected_keys[:3]}")
+
+
+def save_merged(model, tok, directory: Path):
+    """A standard checkpoint of the policy, W + (alpha / r) B A in every adapted projection. It
+    merges in place (a copy would need the memory LoRA saves): call it last; `model` is spent."""
+    merged = model.merge_and_unload()
+    merged.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. Memory planner: will it fit? Peak memory by component, before anything is loaded
 # ---------------------------------------------------------------------------------------------
 
 # Published configurations (the fields that set memory and the dry run's shapes), so that the planner
@@ -2677,8 +2814,6 @@ QWEN_CONFIGS = {
 }  # fmt: skip
 for _c in QWEN_CONFIGS.values():  # shared by all five
     _c.update(rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def model_shape(config) -> dict:
@@ -2744,8 +2879,9 @@ def plan_memory(
     reference: a frozen copy of the initial policy (PPO always; GRPO with --kl-coef > 0; any script
     with --reward-model, for kl_to_init); None = the script's default. With LoRA (lora_rank > 0) only
     the adapters train and the reference is the base model with adapters off (no copy). The critic
-    (PPO) is a second trunk with its own gradients and AdamW state; its loss goes backward before the
-    policy's forward, so one trunk's activations are alive at a time.
+    (PPO) is a second trunk with its own gradients and AdamW state (with LoRA: frozen, and only its own
+    adapters and value head train); its loss goes backward before the policy's forward, so one trunk's
+    activations are alive at a time.
     reward_model: its config (scored without gradients; its activations are not counted).
     peak = the fixed part + the larger of the sampling phase and the update phase."""
     s = model_shape(config)
@@ -2762,7 +2898,7 @@ def plan_memory(
     acts = rows_mb * seq * activation_elements_per_token(s, grad_checkpointing) * act_bytes
     chunk_tokens = min(rows_mb * new_tokens, max(1, LOGITS_CHUNK_ELEMENTS // s["V"]))
     plan = {
-        "weights": params * f32,
+        "weights": (params + lora) * f32,  # the base, and the adapters (LoRA)
         "gradients": trainable * f32,
         "adamw_state": 2 * trainable * f32,
         "reference": params * f32 if reference and not lora_rank else 0,
@@ -2770,9 +2906,9 @@ def plan_memory(
         "reward_model": 0,
         "autocast_weight_copy": n["trunk"] * 2 if cuda else 0,
     }
-    if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW (full), or a frozen copy + adapters (LoRA)
+    if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW; with LoRA a frozen trunk + its own adapters
         critic = n["trunk"] + s["H"] + 1
-        plan["critic"] = (critic + (3 * (lora + s["H"] + 1) if lora_rank else 3 * critic)) * f32
+        plan["critic"] = (n["trunk"] + 4 * (lora + s["H"] + 1) if lora_rank else 4 * critic) * f32
         # its forward on the same minibatch goes backward before the policy's forward: one trunk's activations at a time
     if reward_model is not None:
         rm = model_shape(reward_model)

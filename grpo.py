@@ -112,6 +112,10 @@ class Args:
         False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"
     )
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
+    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
+    lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
+    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +229,7 @@ def train(args: Args):
         raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
     env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
+    model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     eos_ids = common.eos_token_ids(model, tok)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     # MoE models: notes each token's experts, for routing_drift and --routing-replay (GSPO paper section 5.3)
@@ -233,7 +238,7 @@ def train(args: Args):
         raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
-        ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)
+        ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples

@@ -101,6 +101,10 @@ class Args:
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
+    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
+    lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
+    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,13 +185,13 @@ def train(args: Args):
         raise common.UsageError(f"--variant must be sequence or token, got {args.variant!r}")
     env = common.setup(args, "gspo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
+    model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     eos_ids = common.eos_token_ids(model, tok)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     routing = common.RoutingReplay(model)  # MoE models: notes each token's experts, for routing_drift
     # with --reward-model, a frozen initial policy for kl_to_init (the over-optimisation axis); else none
-    init_model = (
-        common.load_model(args.model, env.device)[0].eval().requires_grad_(False) if args.reward_model else None
-    )
+    # (with LoRA: the policy with its adapters disabled, no second copy)
+    init_model = common.reference_model(model, args.model, env.device) if args.reward_model else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples

@@ -18,6 +18,14 @@ second model's weights, gradients and AdamW state (about 4x the parameter bytes 
 activations; the frozen reference adds one more copy of the weights. That memory is what GRPO
 and GSPO save by using the group as the baseline.
 
+With --lora-rank the policy trains adapters on its frozen base, the reference is that base with
+the adapters disabled (no copy), and the critic stays a separate network that trains adapters of
+its own on its own frozen copy of the base, plus its full head: of its four copies of the weights
+(weights, gradients, AdamW's two moments) three go. Sharing the policy's frozen base would save
+the fourth, but the policy and critic forwards of one update would then switch peft's active
+adapter back and forth (which also flips the adapters' requires_grad), and under torchrun each
+forward would leave one adapter without gradient; a separate critic keeps the loop as it is.
+
 What this file deliberately leaves out (what large frameworks add for scale): a separate
 inference engine (the policy samples itself, through common.sample, so sampling and training
 never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
@@ -108,6 +116,10 @@ class Args:
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
+    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
+    lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
+    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,11 +212,14 @@ def explained_variance(values, returns, mask):
 
 class Critic(nn.Module):
     """V(x, y_<t) for every completion position: a transformer trunk initialised from the policy
-    checkpoint, with a scalar head initialised to zero (so V starts at 0 everywhere)."""
+    checkpoint, with a scalar head initialised to zero (so V starts at 0 everywhere). With
+    --lora-rank (`lora` the run's args) the trunk is frozen and trains adapters of its own."""
 
-    def __init__(self, model_name: str, device, grad_checkpointing: bool = False):
+    def __init__(self, model_name: str, device, grad_checkpointing: bool = False, lora=None):
         super().__init__()
         lm, _ = common.load_model(model_name, device, grad_checkpointing)
+        if lora is not None:
+            lm = common.add_lora(lm, lora)
         self.trunk = lm.get_decoder()
         self.head = nn.Linear(lm.config.hidden_size, 1, device=device)
         nn.init.zeros_(self.head.weight)
@@ -230,9 +245,10 @@ def train(args: Args):
         raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
     env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
+    model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     eos_ids = common.eos_token_ids(model, tok)
-    ref_model = common.load_model(args.model, env.device)[0].eval().requires_grad_(False)  # frozen initial policy
-    critic = Critic(args.model, env.device, args.grad_checkpointing)
+    ref_model = common.reference_model(model, args.model, env.device)  # frozen initial policy (LoRA: adapters off)
+    critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     value = common.data_parallel(critic, env.device)  # roll -> values [B, T]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)

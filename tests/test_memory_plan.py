@@ -126,7 +126,10 @@ def test_lora_trains_only_the_adapters():
     plan = common.plan_memory(c, "ppo", 8, 6, 32, lora_rank=16, device="cuda")
     per_rank_layer = (896 + 896) + 2 * (896 + 128) + (896 + 896) + 2 * (896 + 4864) + (4864 + 896)
     assert plan["trainable_parameters"] == 16 * 24 * per_rank_layer
-    assert plan["gradients"] == 4 * plan["trainable_parameters"] and plan["reference"] == 0
+    lora = plan["trainable_parameters"]
+    assert plan["gradients"] == 4 * lora and plan["adamw_state"] == 8 * lora and plan["reference"] == 0
+    assert plan["weights"] == 4 * (494_032_768 + lora)  # the frozen base and the adapters
+    assert plan["critic"] == 4 * 494_032_768 + 16 * (lora + 896 + 1)  # frozen trunk; adapters + head trained
 
 
 def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):

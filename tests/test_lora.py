@@ -1,0 +1,289 @@
+"""LoRA (--lora-rank): peft adapters on a frozen base model.
+
+Every equality here is checked with adapters made non-zero first: peft starts lora_B at 0, where
+the adapted model equals the base and every comparison would pass for a sampler or a reference
+that ignored the adapters. The merged model the sampler and the log-probs are compared with is
+built in this file, W + (alpha / r) B A from the adapter tensors, not by peft's merge or ours.
+
+  - the reference (the policy with adapters disabled) gives the base model's log-probs;
+  - the sampler's greedy output and the training log-probs equal the hand-merged model's;
+  - a PPO run changes only the adapters (policy and critic) and the critic's head; its merged
+    checkpoint holds W + (alpha / r) B A and loads with from_pretrained, equal to peft's own
+    loading of the saved adapter; --resume with LoRA equals the uninterrupted run bit for bit;
+  - one update on 2 torchrun ranks (gloo) equals one process; a 2-process gspo.py run completes;
+  - bad LoRA flags exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
+from test_real_checkpoints import build_tiny_qwen2  # noqa: E402
+from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
+
+import common  # noqa: E402
+
+pytest.importorskip("peft")
+
+CPU = torch.device("cpu")
+RANK, ALPHA = 4, 16.0  # scale alpha / r = 4: non-zero adapters visibly change the tiny model
+LORA = SimpleNamespace(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=common.LORA_TARGETS)
+
+
+def nonzero_adapters(model, seed=1, std=0.2):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+
+
+def lora_tensors(model) -> dict:
+    """{projection path in the base model: (A [r, in], B [out, r])} of an in-memory peft model."""
+    prefix = "base_model.model."
+    return {
+        name[len(prefix) :]: (m.lora_A["default"].weight.detach(), m.lora_B["default"].weight.detach())
+        for name, m in model.named_modules()
+        if hasattr(m, "lora_A") and "default" in m.lora_A
+    }
+
+
+def saved_lora_tensors(adapter_dir) -> dict:
+    """The same from a saved adapter_model.safetensors (keys base_model.model.<path>.lora_A.weight)."""
+    state = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    paths = {k[len("base_model.model.") : -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
+    return {
+        p: (state[f"base_model.model.{p}.lora_A.weight"], state[f"base_model.model.{p}.lora_B.weight"]) for p in paths
+    }
+
+
+def merged_by_hand(base_state: dict, tensors: dict, scale: float) -> dict:
+    """The base's state dict with W + scale * B A in every adapted projection."""
+    merged = dict(base_state)
+    for path, (A, B) in tensors.items():
+        merged[f"{path}.weight"] = base_state[f"{path}.weight"] + scale * (B.double() @ A.double()).float()
+    return merged
+
+
+def prompts(tok, n=12):
+    return [tok(f"{a}+{b}=")["input_ids"] for a, b in zip(range(3, 3 + 7 * n, 7), range(50, 50 + 3 * n, 3))]
+
+
+@pytest.fixture(scope="module")
+def lora_and_merged(tiny_path):
+    """(the tiny policy with non-zero adapters, the hand-merged model, the untouched base, tok)."""
+    base, tok = common.load_model("tiny", CPU)
+    model = common.add_lora(common.load_model("tiny", CPU)[0], LORA)
+    nonzero_adapters(model)
+    merged = common.load_model("tiny", CPU)[0]
+    merged.load_state_dict(merged_by_hand(base.state_dict(), lora_tensors(model), ALPHA / RANK))
+    return model.eval(), merged.eval(), base.eval(), tok
+
+
+def test_the_reference_is_the_base_model(lora_and_merged):
+    model, _, base, tok = lora_and_merged
+    roll = common.sample(base, prompts(tok), 6, common.eos_token_ids(base, tok), tok.pad_token_id, greedy=True)
+    reference = common.reference_model(model, "tiny", CPU)
+    assert not isinstance(reference, torch.nn.Module)  # a view of the policy, not a second copy of the weights
+    with torch.no_grad():
+        ref_logp = common.completion_logprobs(reference, roll)[0]
+        base_logp = common.completion_logprobs(base, roll)[0]
+        policy_logp = common.completion_logprobs(model, roll)[0]
+    mask = roll.completion_mask.bool()
+    torch.testing.assert_close(ref_logp[mask], base_logp[mask], rtol=0, atol=1e-6)
+    assert (policy_logp - base_logp)[mask].abs().max() > 0.1  # the adapters do change the policy
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # enabled again afterwards
+
+
+def test_sampler_and_logprobs_see_the_adapters(lora_and_merged):
+    model, merged, base, tok = lora_and_merged
+    eos, ps = common.eos_token_ids(base, tok), prompts(tok)
+    greedy = common.sample(model, ps, 6, eos, tok.pad_token_id, greedy=True)
+    expected = common.sample(merged, ps, 6, eos, tok.pad_token_id, greedy=True)
+    assert torch.equal(greedy.completion_ids, expected.completion_ids)
+    assert torch.equal(greedy.completion_mask, expected.completion_mask)
+    from_base = common.sample(base, ps, 6, eos, tok.pad_token_id, greedy=True)
+    assert not torch.equal(greedy.completion_ids, from_base.completion_ids)  # reading .weight alone gave these
+    with torch.no_grad():
+        logp, entropy = common.completion_logprobs(model, greedy)
+        logp_merged, entropy_merged = common.completion_logprobs(merged, greedy)
+    mask = greedy.completion_mask.bool()
+    torch.testing.assert_close(logp[mask], logp_merged[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[mask], entropy_merged[mask], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO runs with LoRA: what trains, --merge-lora, --resume
+# ---------------------------------------------------------------------------------------------
+
+LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lora", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory, tiny_path):
+    """ppo.py with LoRA: "full" 6 steps; "part" the same run stopped by --steps 3 --save-every 3."""
+    base = tmp_path_factory.mktemp("lora-runs")
+    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "6", "--out", base / "full"))
+    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "3", "--save-every", "3", "--out", base / "part"))
+    return base
+
+
+def test_a_lora_run_trains_only_adapters_and_the_critic_head(ppo_runs, tiny_path):
+    final = ppo_runs / "full" / "final"
+    base = load_file(str(Path(tiny_path) / "model.safetensors"))
+    adapters = saved_lora_tensors(final)
+    assert len(adapters) == 4 * len(common.LORA_TARGETS)  # every projection of the 4 layers
+    assert all(B.abs().max() > 0 for _, B in adapters.values())  # the adapters trained
+    # final/merged is base + (alpha / r) B A in the adapted projections, and the base everywhere else
+    merged = load_file(str(final / "merged" / "model.safetensors"))
+    expected = merged_by_hand(base, adapters, ALPHA / RANK)
+    assert merged.keys() == expected.keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], expected[k], rtol=0, atol=1e-6, msg=k)
+        if k.rsplit(".", 2)[-2] not in common.LORA_TARGETS:
+            assert torch.equal(merged[k], base[k]), k  # embeddings, norms: frozen, bit for bit
+    # the critic: its trunk's base weights frozen at the checkpoint's, its adapters and head trained
+    critic = torch.load(final / "critic.pt")
+    for k, v in critic.items():
+        if k.startswith("trunk.") and "lora_" not in k:
+            assert torch.equal(v, base["model." + k[len("trunk.") :].replace(".base_layer", "")]), k
+    assert any(v.abs().max() > 0 for k, v in critic.items() if "lora_B" in k)
+    assert critic["head.weight"].abs().max() > 0
+
+
+def test_the_merged_checkpoint_loads_as_peft_loads_the_adapter(ppo_runs, tiny_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    final = ppo_runs / "full" / "final"
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), final).eval()
+    ids = torch.tensor([common.build_char_tokenizer()("12+34=46")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ppo_runs / "part", resumed)
+    assert (resumed / "checkpoint" / "policy" / "adapter_model.safetensors").is_file()  # the adapters, not the base
+    ok(run("ppo", "--resume", resumed, "--steps", "6"))
+    full = ppo_runs / "full"
+    assert metrics(resumed) == metrics(full)
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        assert_same_weights(load_file(str(resumed / "final" / name)), load_file(str(full / "final" / name)))
+    assert_same_weights(torch.load(resumed / "final" / "critic.pt"), torch.load(full / "final" / "critic.pt"))
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun with LoRA
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_policy(model_dir):
+    """The LoRA policy of `model_dir` with the same seeded, non-zero adapters in every process."""
+    model = common.load_model(model_dir, CPU)[0]
+    torch.manual_seed(0)  # lora_A's random init
+    model = common.add_lora(model, LORA)
+    nonzero_adapters(model)
+    return model
+
+
+def one_lora_step(case, model_dir, batch, rows, ddp: bool):
+    """test_distributed.one_step on a LoRA policy; returns every parameter after the step."""
+    model = lora_policy(model_dir).train()
+    train_model = common.CompletionLogprobs(model)
+    if ddp:
+        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss_for(case, train_model, batch, rows).backward()
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _worker(rank, port, model_dir, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        batch = fixed_batch(common.load_model(model_dir, CPU)[1])
+        results = {case: one_lora_step(case, model_dir, batch, slice(rank, None, WORLD), ddp=True) for case in CASES}
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    return str(build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "model"))
+
+
+def test_two_ranks_lora_update_equals_one_process(qwen2_dir, tmp_path):
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_worker, args=(_free_port(), qwen2_dir, str(out)), nprocs=WORLD, join=True)
+    ddp = torch.load(out)
+    batch = fixed_batch(common.load_model(qwen2_dir, CPU)[1])
+    before = {k: v.detach().clone() for k, v in lora_policy(qwen2_dir).named_parameters()}
+    for case in CASES:
+        single = one_lora_step(case, qwen2_dir, batch, slice(None), ddp=False)
+        for k in single:
+            torch.testing.assert_close(ddp[case][k], single[k], rtol=1e-5, atol=1e-6, msg=f"{case}: {k}")
+            assert torch.equal(single[k], before[k]) != ("lora_" in k), f"{case}: {k}"  # only the adapters move
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
+    out = tmp_path / "gspo"
+    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
+           "--lora-rank", "4", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2",
+           "--max-new-tokens", "4", "--eval-size", "2", "--device", "cpu", "--save-every", "2",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoint" / "policy" / "adapter_model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad flags
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script, argv, expected",
+    [
+        ("gspo", ["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        ("grpo", ["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be a finite number > 0"),
+        ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
+        (
+            "gspo",
+            ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
+            "--lora-targets: qwen3 has no module named qkv",
+        ),
+    ],
+)
+def test_bad_lora_flags_exit_2_with_one_line(tmp_path, script, argv, expected):
+    out = tmp_path / "out"
+    proc = run(script, *SMALL, "--steps", "2", *argv, "--out", out)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr[-2000:]
+    assert not out.exists()
