@@ -144,8 +144,9 @@ def main():
             losses = [row["loss"] for row in rows]
             norms = [row[k] for row in rows for k in ("grad_norm", "critic_grad_norm") if k in row]
             ok = all(v == v and abs(v) not in (0.0, float("inf")) for v in losses + norms)
+            lora_rank = int(extra[extra.index("--lora-rank") + 1]) if "--lora-rank" in extra else 0
             plan = common.plan_memory(common.QWEN_CONFIGS[name], script, 8, PROMPT_TOKENS, 32, 2,
-                                      "--grad-checkpointing" in extra, device="cpu")  # fmt: skip
+                                      "--grad-checkpointing" in extra, lora_rank, device="cpu")  # fmt: skip
             planned = (plan["peak"] + BASELINE_BYTES) / 2**30
             step_s = sum(row["step_time_s"] for row in rows) / len(rows)
             shown = "; ".join(f"{row['loss']:.4g}, {row['grad_norm']:.3g}" for row in rows)
