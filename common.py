@@ -2904,7 +2904,9 @@ def plan_memory(
         "reference": params * f32 if reference and not lora_rank else 0,
         "critic": 0,
         "reward_model": 0,
-        "autocast_weight_copy": n["trunk"] * 2 if cuda else 0,
+        # bf16 casts of the weights, kept until backward: in autocast's cache (weights that train) or as saved
+        # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer
+        "autocast_weight_copy": n["trunk"] * 2 if cuda and not (lora_rank and grad_checkpointing) else 0,
     }
     if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW; with LoRA a frozen trunk + its own adapters
         critic = n["trunk"] + s["H"] + 1
