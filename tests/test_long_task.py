@@ -97,9 +97,11 @@ def test_reward_on_hand_cases(completion, reward, format_ok):
 def test_the_task_brings_its_defaults_and_explicit_flags_win():
     for module in (ppo, grpo, gspo):
         a = common.parse_args(module.Args, ["--task", "sums"])
-        assert (a.model, a.max_new_tokens) == ("tiny-sums", 64)
-        a = common.parse_args(module.Args, ["--task", "sums", "--model", "tiny", "--max-new-tokens", "70"])
-        assert (a.model, a.max_new_tokens) == ("tiny", 70)
+        assert (a.model, a.max_new_tokens, a.lr) == ("tiny-sums", 64, 1e-4)
+        a = common.parse_args(
+            module.Args, ["--task", "sums", "--model", "tiny", "--max-new-tokens", "70", "--lr", "3e-4"]
+        )
+        assert (a.model, a.max_new_tokens, a.lr) == ("tiny", 70, 3e-4)
         a = common.parse_args(module.Args, [])
         assert (a.model, a.max_new_tokens) == ("tiny", 8)  # the arithmetic demo as it was
     with pytest.raises(common.UsageError, match="--data is not used by --task sums"):
