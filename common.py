@@ -710,15 +710,16 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     return str(path)
 
 
-def build_tiny_checkpoint(name: str, path: Path):
-    """Run the warm-start recipe of `name` and save the checkpoint at `path` (atomically)."""
+def build_tiny_checkpoint(name: str, path: Path, recipe: dict | None = None):
+    """Run the warm-start recipe of `name` (or `recipe` in its place: tests/warmstart_study.py builds
+    the same recipe with other SFT seeds) and save the checkpoint at `path` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(min(2, os.cpu_count() or 1))  # SFT batches: 2 threads ~1.7x faster on a quiet machine
         with torch.random.fork_rng(devices=[]):  # the caller's random state is untouched: a first run = any later run
-            model, tok = _warm_start_tiny(name)
+            model, tok = _warm_start_tiny(name, recipe)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -731,12 +732,13 @@ def build_tiny_checkpoint(name: str, path: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _warm_start_tiny(name: str = "tiny"):
+def _warm_start_tiny(name: str = "tiny", recipe: dict | None = None):
     import transformers
     from transformers import GenerationConfig
 
     _, cls, tiny_config = TINY_SPECS[name]
     ws, train, target = _warm_start_recipe(name)
+    ws = recipe or ws
     tok = build_char_tokenizer()
     torch.manual_seed(ws["seed"])
     config = getattr(transformers, f"{cls}Config")(

@@ -1,0 +1,122 @@
+"""tests/warmstart_study.py (issue 20): the grid, the gains and the targets on hand-made runs, and the
+warm-start recipe built with another SFT seed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import warmstart_study as ws  # noqa: E402
+
+STUDY = Path(__file__).resolve().parent / "warmstart_study.py"
+
+
+def test_grid_puts_the_shipped_checkpoint_first_then_rl_seed_major():
+    s = ws.settings_from({"SFT_SEEDS": "0 3 4", "SEEDS": "0 1", "SCRIPTS": "grpo gspo"})
+    g = ws.grid(s)
+    assert len(g) == 3 * 2 * 2 and len(set(g)) == 12
+    assert g[:4] == [("grpo", 0, 0), ("gspo", 0, 0), ("grpo", 0, 1), ("gspo", 0, 1)]  # the headline cell whole
+    assert [r[1:] for r in g[4::2]] == [(3, 0), (4, 0), (3, 1), (4, 1)]  # then each warm start once first
+    cmd = ws.command(s | {"GSPO_ARGS": "--lr 1e-4"}, "gspo", 3, 1, "ckpt")
+    assert (
+        cmd[1].endswith("gspo.py") and cmd[2:6] == ["--model", "ckpt", "--seed", "1"] and cmd[-2:] == ["--lr", "1e-4"]
+    )
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [({"SEEDS": "0 x"}, "SEEDS must be integers"), ({"SCRIPTS": "grpo dpo"}, "unknown dpo"), ({"JOBS": "0"}, "JOBS")],
+)
+def test_bad_settings_exit_2_with_one_line(env, message):
+    r = subprocess.run([sys.executable, str(STUDY), "--plan"], env={"PATH": "/usr/bin:/bin", **env},
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_verdict_takes_the_worst_gain_of_every_seed():
+    def v(gain, t=100.0):
+        return {"gain": gain, "train_s": t}
+
+    cells = {0: [v(0.45), v(0.40), v(0.52)], 1: [v(0.31), v(0.35), v(0.30)], 2: [v(0.50), v(0.29, 301.0), v(0.6)]}
+    out = ws.verdict(cells)
+    assert out["worst_gain_shipped"] == 0.40 and out["meets_shipped"]  # 40 points exactly meets the target
+    assert out["worst_gain_other"] == 0.29 and not out["meets_other"]  # one seed of one warm start fails it
+    assert out["max_train_s"] == 301.0 and not out["within_budget"]
+    cells[0][1] = v(0.399)
+    assert not ws.verdict(cells)["meets_shipped"]
+
+
+def fake_run(d: Path, algo: str, seed: int, before: float, after: float, step_times: list[float], mid=None):
+    """A finished run: eval at step 2 (`mid`, if given) and at the last step (`after`)."""
+    d.mkdir(parents=True)
+    summary = {"algo": algo, "seed": seed, "steps": len(step_times), "eval_accuracy_before": before,
+               "eval_accuracy_after": after}  # fmt: skip
+    (d / "summary.json").write_text(json.dumps(summary))
+    rows = [{"step": i + 1, "step_time_s": t} for i, t in enumerate(step_times)]
+    rows[-1]["eval_accuracy"] = after
+    if mid is not None:
+        rows[1]["eval_accuracy"] = mid
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_from_hand_made_runs(tmp_path, monkeypatch):
+    befores = {0: 0.222, 1: 0.270}
+    afters = {(0, 0): 0.700, (0, 1): 0.610, (1, 0): 0.500, (1, 1): 0.580}
+    mids = {(0, 0): 0.500, (0, 1): 0.650, (1, 0): 0.300, (1, 1): 0.400}
+    for (sft, seed), after in afters.items():
+        d = ws.run_dir(tmp_path, "grpo", sft, seed)
+        fake_run(d, "grpo", seed, befores[sft], after, [1.5, 2.5, 3.0], mids[(sft, seed)])
+    env = {"OUT": str(tmp_path), "SCRIPTS": "grpo", "SFT_SEEDS": "0 1", "SEEDS": "0 1"}
+    monkeypatch.setattr(sys, "argv", ["warmstart_study.py"])
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert ws.main(["--report-only"]) == 0
+    md = (tmp_path / "warmstart_results.md").read_text()
+    # by hand: shipped gains 0.478 and 0.388 -> +39 to +48; SFT seed 1: 0.230 and 0.310 -> +23 to +31
+    assert "| grpo | shipped (SFT seed 0) | 0.222 | 0.700 / 0.610 | +39 to +48 | 7-7 |" in md
+    assert "| grpo | SFT seed 1 | 0.270 | 0.500 / 0.580 | +23 to +31 | 7-7 |" in md
+    verdict = json.loads((tmp_path / "warmstart_results.json").read_text())["results"]["grpo"]["verdict"]
+    assert verdict["worst_gain_shipped"] == pytest.approx(0.388) and not verdict["meets_shipped"]
+    assert verdict["worst_gain_other"] == pytest.approx(0.230) and verdict["max_train_s"] == pytest.approx(7.0)
+    # stopped at step 2 (4 s of training): shipped 0.500-0.222 and 0.650-0.222 -> worst 0.278;
+    # SFT seed 1: 0.300-0.270 and 0.400-0.270 -> worst 0.030
+    at2, at3 = json.loads((tmp_path / "warmstart_results.json").read_text())["results"]["grpo"]["by_length"]
+    assert at2["steps"] == 2 and at2["worst_gain_shipped"] == pytest.approx(0.278)
+    assert at2["worst_gain_other"] == pytest.approx(0.030) and at2["max_train_s"] == pytest.approx(4.0)
+    assert at3["worst_gain_shipped"] == pytest.approx(0.388) and at3["max_train_s"] == pytest.approx(7.0)
+
+
+def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monkeypatch):
+    fake_run(ws.run_dir(tmp_path, "gspo", 0, 0), "gspo", 0, 0.2, 0.6, [1.0])
+    for k, v in {"OUT": str(tmp_path), "SCRIPTS": "gspo", "SFT_SEEDS": "0 2", "SEEDS": "0"}.items():
+        monkeypatch.setenv(k, v)
+    assert ws.main(["--report-only"]) == 0
+    md = (tmp_path / "warmstart_results.md").read_text()
+    assert "| gspo | shipped (SFT seed 0) | 0.200 | 0.600 | +40 to +40 |" in md
+    assert "not finished (1): SFT seed 2: gspo seed 0: missing" in md
+    assert "(target +40: met), n/a from the others (target +30: NOT met)" in md
+
+
+def test_no_finished_run_is_an_error(tmp_path, monkeypatch, capsys):
+    for k, v in {"OUT": str(tmp_path), "SCRIPTS": "gspo", "SFT_SEEDS": "0", "SEEDS": "0"}.items():
+        monkeypatch.setenv(k, v)
+    assert ws.main(["--report-only"]) == 1 and "no finished runs" in capsys.readouterr().err
+
+
+def test_the_recipe_built_with_another_sft_seed(tmp_path):
+    """Two SFT steps of the tiny recipe: the seed changes the weights, the same seed repeats them."""
+    short = dict(common.TINY_WARMSTART, max_steps=2, probe_every=1000)
+
+    def build(seed, name):
+        common.build_tiny_checkpoint("tiny", tmp_path / name, recipe=dict(short, seed=seed))
+        model, _ = common.load_model(str(tmp_path / name), torch.device("cpu"))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    a, b, a2 = build(1, "a"), build(2, "b"), build(1, "a2")
+    assert torch.equal(a, a2) and not torch.equal(a, b)
