@@ -120,3 +120,14 @@ def test_the_recipe_built_with_another_sft_seed(tmp_path):
 
     a, b, a2 = build(1, "a"), build(2, "b"), build(1, "a2")
     assert torch.equal(a, a2) and not torch.equal(a, b)
+
+
+def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
+    d = ws.run_dir(tmp_path, "grpo", 1, 0)
+    fake_run(d, "grpo", 0, 0.2, 0.5, [1.0, 1.0])
+    assert not ws.finished(tmp_path, "grpo", 1, 0)  # no "step" in the summary: not known to have finished
+    summary = json.loads((d / "summary.json").read_text())
+    (d / "summary.json").write_text(json.dumps({**summary, "step": 2, "interrupted": False}))
+    assert ws.finished(tmp_path, "grpo", 1, 0)
+    (d / "summary.json").write_text(json.dumps({**summary, "step": 1, "interrupted": True}))  # what SIGTERM leaves
+    assert not ws.finished(tmp_path, "grpo", 1, 0)

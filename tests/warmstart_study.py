@@ -107,7 +107,12 @@ def command(s: dict, script: str, sft: int, seed: int, model: str) -> list[str]:
 
 
 def finished(out: Path, script: str, sft: int, seed: int) -> bool:
-    return (run_dir(out, script, sft, seed) / "summary.json").is_file()
+    """A run that reached its last step: a run stopped by a signal also writes summary.json."""
+    try:
+        summary = json.loads((run_dir(out, script, sft, seed) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
 
 
 def run_study(s: dict) -> int:
