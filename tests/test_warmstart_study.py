@@ -99,7 +99,7 @@ def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monk
     assert ws.main(["--report-only"]) == 0
     md = (tmp_path / "warmstart_results.md").read_text()
     assert "| gspo | shipped (SFT seed 0) | 0.200 | 0.600 | +40 to +40 |" in md
-    assert "not finished (1): SFT seed 2: gspo seed 0: missing" in md
+    assert "not finished (1 of 2 runs): gspo sft2/seed0" in md
     assert "(target +40: met), n/a from the others (target +30: NOT met)" in md
 
 

@@ -216,8 +216,8 @@ def load(s: dict) -> tuple[dict, list[str]]:
         try:
             steps = json.loads((d / "summary.json").read_text()).get("steps") if (d / "summary.json").is_file() else 0
             runs[(script, sft, seed)] = run_values(*read_run(d, d.with_suffix(".log"), script, seed, steps))
-        except (IncompleteRun, ValueError) as e:
-            missing.append(f"SFT seed {sft}: {e}")
+        except (IncompleteRun, ValueError):
+            missing.append(f"{script} sft{sft}/seed{seed}")
     return runs, missing
 
 
@@ -277,7 +277,7 @@ def report(s: dict, cmd: str) -> int:
         *lines,
         "",
         *verdicts,
-        *([f"- not finished ({len(missing)}): " + "; ".join(missing)] if missing else []),
+        *([f"- not finished ({len(missing)} of {len(grid(s))} runs): " + ", ".join(missing)] if missing else []),
         "",
         "The same runs stopped earlier (a run stopped at step N is the same run up to N): worst gain over RL seeds,",
         "from the shipped checkpoint and from the other warm starts, and the longest training time to step N.",
