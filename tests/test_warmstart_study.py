@@ -90,6 +90,8 @@ def test_report_from_hand_made_runs(tmp_path, monkeypatch):
     assert at2["steps"] == 2 and at2["worst_gain_shipped"] == pytest.approx(0.278)
     assert at2["worst_gain_other"] == pytest.approx(0.030) and at2["max_train_s"] == pytest.approx(4.0)
     assert at3["worst_gain_shipped"] == pytest.approx(0.388) and at3["max_train_s"] == pytest.approx(7.0)
+    assert at2["mean_gain"] == pytest.approx((0.278 + 0.428 + 0.030 + 0.130) / 4)
+    assert "| grpo | 2 | +28 | +3 | +22 | 4 |" in md  # stride 1: both lengths listed
 
 
 def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monkeypatch):
