@@ -72,7 +72,7 @@ class Args:
     system_prompt: str = arg(
         None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
     )
-    steps: int = arg(600, "number of rollout + update steps (about 3 minutes on a 2-core CPU)")
+    steps: int = arg(1000, "number of rollout + update steps (about 4 minutes of training on a 2-core CPU)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
