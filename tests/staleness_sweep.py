@@ -125,7 +125,12 @@ def minutes(seconds: float) -> str:
 
 
 def finished(out: Path, config: str, mb: int, seed: int) -> bool:
-    return (run_dir(out, config, mb, seed) / "summary.json").is_file()
+    """A run that reached its last step: a run stopped by a signal also writes summary.json."""
+    try:
+        summary = json.loads((run_dir(out, config, mb, seed) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
 
 
 # ------------------------------------------------------------------------------------------------
