@@ -125,7 +125,12 @@ def minutes(seconds: float) -> str:
 
 
 def finished(out: Path, config: str, mb: int, seed: int) -> bool:
-    return (run_dir(out, config, mb, seed) / "summary.json").is_file()
+    """A run that reached its last step: a run stopped by a signal also writes summary.json."""
+    try:
+        summary = json.loads((run_dir(out, config, mb, seed) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,6 +212,8 @@ def run_values(summary: dict, rows: list[dict]) -> dict:
         "eval_accuracy_before": num(summary.get("eval_accuracy_before")),
         "eval_accuracy_after": num(summary.get("eval_accuracy_after")),
         "best_eval_accuracy": max((a for _, a in curve), default=None),
+        # the mean of every evaluation after step 0: less noisy than the last one alone (200 prompts each)
+        "mean_eval_accuracy": statistics.mean([a for st, a in curve if st > 0]) if len(curve) > 1 else None,
         "collapsed": collapse_step(curve) is not None,
         "log_ratio_std": step_mean("log_ratio_std"),
         "ratio_outside_grpo_clip": step_mean("ratio_outside_grpo_clip"),
@@ -224,6 +231,7 @@ def run_values(summary: dict, rows: list[dict]) -> dict:
 COLUMNS = [  # (key, header, digits)
     ("eval_accuracy_after", "final acc", 3),
     ("best_eval_accuracy", "best acc", 3),
+    ("mean_eval_accuracy", "mean acc", 3),
     ("log_ratio_std", "log-ratio std", 4),
     ("ratio_outside_grpo_clip", "outside [0.8,1.2]", 4),
     ("clip_frac", "clip frac", 4),

@@ -265,3 +265,14 @@ def test_grad_norm_spikes_hand_worked():
         (0, 0.2),
         (2, 0.3),
     ]
+
+
+def test_run_values_on_a_hand_made_run():
+    summary = {"eval_accuracy_before": 0.25, "eval_accuracy_after": 0.20, "wall_time_s": 9.0}
+    rows = [{"step": 1, "grad_norm": 1.0, "entropy": 0.5, "log_ratio_std": 0.0},
+            {"step": 2, "grad_norm": 1.0, "entropy": 0.3, "log_ratio_std": 0.1, "eval_accuracy": 0.40},
+            {"step": 3, "grad_norm": 9.0, "entropy": 0.1, "log_ratio_std": 0.2, "eval_accuracy": 0.20}]  # fmt: skip
+    v = staleness_sweep.run_values(summary, rows)
+    assert v["best_eval_accuracy"] == 0.40 and v["mean_eval_accuracy"] == pytest.approx(0.30)  # step 0 left out
+    assert v["log_ratio_std"] == pytest.approx(0.1) and v["final_entropy"] == pytest.approx(0.3)
+    assert v["grad_norm_spikes"] == 1 and not v["collapsed"]  # 0.20 is half the best: not below it

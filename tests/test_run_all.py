@@ -61,6 +61,8 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
         "task": "arith",
         "seed": seed,
         "steps": steps,
+        "step": steps,
+        "interrupted": False,
         "eval_accuracy_before": round(0.30 + 0.002 * a + 0.01 * k, 6),
         "eval_accuracy_after": rows[-1]["eval_accuracy"],
         "eval_format_rate_after": 0.99,
@@ -591,11 +593,14 @@ def test_staleness_sweep_resumes_skipping_finished_runs(tmp_path, fake_python):
     env, calls = fake_python
     out = tmp_path / "s"
     env = {**env, "OUT": str(out), "CONFIGS": "grpo gspo", "MINIBATCHES": "1 4", "SEEDS": "0"}
-    # grpo mb1 finished before (its summary.json exists); gspo mb4 was interrupted (no summary.json)
+    # grpo mb1 finished before; gspo mb4 was stopped by SIGTERM at step 1, which also writes a
+    # summary.json (interrupted: true): it must run again
     fabricate(out / "grpo" / "mb1", "grpo", 0)
     (out / "grpo" / "mb1" / "grpo-seed0").rename(out / "grpo" / "mb1" / "seed0")
     (out / "gspo" / "mb4" / "seed0").mkdir(parents=True)
     (out / "gspo" / "mb4" / "seed0" / "metrics.jsonl").write_text('{"step": 1}\n')
+    stopped = {"algo": "gspo", "seed": 0, "steps": STEPS, "step": 1, "interrupted": True}
+    (out / "gspo" / "mb4" / "seed0" / "summary.json").write_text(json.dumps(stopped))
     res = run_all("--staleness", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "4 runs" in res.stdout and "1 finished (skipped), 3 to run" in res.stdout
