@@ -50,7 +50,7 @@ Flags:
   --staleness     the staleness sweep (issue 19; docs/staleness.md): grpo (seq-mean-token-mean),
                   gspo (sequence), grpo-tokenmean, gspo-token and ppo on the long `sums` task
                   (--task sums), --minibatches 1, 4 and 8 with 1 epoch, seeds 0 1 2. Prints its
-                  planned total first; RESUMES: a run whose summary.json exists is skipped. Writes
+                  planned total first; RESUMES: a run that reached its last step is skipped. Writes
                   $OUT/<config>/mb<k>/seed<s>/ and .log, $OUT/staleness_results.md and .json (mean
                   +- std over seeds per config x staleness: accuracy, collapses, ratio statistics,
                   clip fractions, grad-norm spikes, entropy), $OUT/staleness_accuracy.png and

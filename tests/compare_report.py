@@ -65,6 +65,16 @@ class IncompleteRun(Exception):
     """A run that cannot enter the report; the message names the run and the file."""
 
 
+def run_finished(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` reached its last step (what a resuming sweep may skip): a run
+    stopped by a signal writes summary.json too, with interrupted: true and the step it reached."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
+
+
 def run_paths(out: Path, config: str, seed: int, moe: bool = False) -> tuple[Path, Path]:
     """(run directory, log file) of one run, in run_all.sh's layout."""
     if moe:

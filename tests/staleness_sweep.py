@@ -2,7 +2,7 @@
 ratio beat GRPO's token ratios? GRPO (the paper's seq-mean-token-mean) and GSPO (sequence), plus
 GRPO token-mean, GSPO-token and PPO, on the long `sums` task, with 1, 4 or 8 minibatch updates per
 rollout and 1 epoch (every update after a rollout's first is off-policy: the more minibatches, the
-staler the last ones), 3 seeds per cell. One run at a time; a run whose summary.json exists is
+staler the last ones), 3 seeds per cell. One run at a time; a run that reached its last step is
 skipped, so an interrupted sweep continues where it stopped. Then the table and the plots.
 
     bash run_all.sh --staleness                 the sweep (prints its planned total first), then the report
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare_report import IncompleteRun, band, machine_description, mean_std, num, read_run
+from compare_report import IncompleteRun, band, machine_description, mean_std, num, read_run, run_finished
 from matplotlib.figure import Figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,12 +125,7 @@ def minutes(seconds: float) -> str:
 
 
 def finished(out: Path, config: str, mb: int, seed: int) -> bool:
-    """A run that reached its last step: a run stopped by a signal also writes summary.json."""
-    try:
-        summary = json.loads((run_dir(out, config, mb, seed) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
+    return run_finished(run_dir(out, config, mb, seed))
 
 
 # ------------------------------------------------------------------------------------------------

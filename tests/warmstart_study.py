@@ -16,7 +16,7 @@ Environment (default in brackets): OUT [runs/warmstart]  SCRIPTS ["ppo grpo gspo
 PPO_ARGS, GRPO_ARGS, GSPO_ARGS: flags added to that script's runs (a candidate default; give it its own OUT).
 
 Layout: OUT/<script>/sft<k>/seed<s>/ (metrics.jsonl, summary.json) and .../seed<s>.log. Runs are
-seed-major, so a partial study covers every warm start; a run whose summary.json exists is skipped.
+seed-major, so a partial study covers every warm start; a run that reached its last step is skipped.
 Writes OUT/warmstart_results.md and .json: per script x warm start, held-out accuracy before, after
 each RL seed, the gains, training time (sum of step times; model loading and evaluations excluded),
 and the targets: a gain of at least TARGET_SHIPPED from the shipped checkpoint and TARGET_OTHER from
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare_report import IncompleteRun, machine_description, num, read_run
+from compare_report import IncompleteRun, machine_description, num, read_run, run_finished
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -107,12 +107,7 @@ def command(s: dict, script: str, sft: int, seed: int, model: str) -> list[str]:
 
 
 def finished(out: Path, script: str, sft: int, seed: int) -> bool:
-    """A run that reached its last step: a run stopped by a signal also writes summary.json."""
-    try:
-        summary = json.loads((run_dir(out, script, sft, seed) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return not summary.get("interrupted") and summary.get("step") == summary.get("steps")
+    return run_finished(run_dir(out, script, sft, seed))
 
 
 def run_study(s: dict) -> int:
