@@ -1914,6 +1914,18 @@ def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1) / mean_denominator(mask.sum())
 
 
+def anneal_lr(args, step: int, *optimizers: tuple) -> float:
+    """--anneal-lr: set each (optimizer, base_lr) pair's learning rate to base_lr * frac, where frac
+    falls linearly from 1 at step 1 to 1/steps at the last step (CleanRL's schedule); returns frac
+    (1 when off). Stateless, so a resumed run continues the same schedule (a larger --steps on
+    resume stretches what is left of it)."""
+    frac = 1.0 - (step - 1) / args.steps if args.anneal_lr else 1.0
+    for optimizer, base_lr in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = base_lr * frac
+    return frac
+
+
 class NonFiniteError(Exception):
     """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
 

@@ -76,6 +76,7 @@ class Args:
     lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
     minibatches: int = arg(
         2,
         "minibatch updates per epoch over each rollout (the paper uses 4; every update after the first is off-policy)",
@@ -200,6 +201,7 @@ def train(args: Args):
     run = common.Run("gspo", args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard)
 
     for step in run.steps():
+        lr_frac = common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
@@ -248,6 +250,7 @@ def train(args: Args):
         run.log(
             {
                 "step": step,
+                "lr": args.lr * lr_frac,
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 "truncated_frac": common.global_mean(truncated.float()),

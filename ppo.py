@@ -91,6 +91,7 @@ class Args:
     critic_lr: float = arg(1e-3, "critic AdamW learning rate")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold (policy and critic each)")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
     minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
     epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
@@ -264,6 +265,8 @@ def train(args: Args):
                      critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
 
     for step in run.steps():
+        # --anneal-lr: the policy's and the critic's learning rates decay linearly to ~0 together
+        lr_frac = common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
@@ -325,6 +328,7 @@ def train(args: Args):
         run.log(
             {
                 "step": step,
+                "lr": args.lr * lr_frac,
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms

@@ -664,6 +664,24 @@ def test_entropy_hand_worked():
         assert ent.item() == pytest.approx(want_ent, abs=1e-6)
 
 
+def test_anneal_lr_falls_linearly_to_lr_over_steps_and_is_off_by_flag():
+    # hand-worked: steps=4 -> frac 1, 3/4, 1/2, 1/4 at steps 1..4 (the last update still moves)
+    policy_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    critic_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=7.0)  # base lrs come from the caller
+    on = SimpleNamespace(anneal_lr=True, steps=4)
+    for step, want in ((1, 1.0), (2, 0.75), (3, 0.5), (4, 0.25)):
+        frac = common.anneal_lr(on, step, (policy_opt, 2e-3), (critic_opt, 1e-2))
+        assert frac == pytest.approx(want)
+        assert policy_opt.param_groups[0]["lr"] == pytest.approx(2e-3 * want)
+        assert critic_opt.param_groups[0]["lr"] == pytest.approx(1e-2 * want)
+    # stateless: step 3 again (a resumed run) gives step 3's rate, whatever ran before
+    assert common.anneal_lr(on, 3, (policy_opt, 2e-3)) == pytest.approx(0.5)
+    assert policy_opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    off = SimpleNamespace(anneal_lr=False, steps=4)
+    assert common.anneal_lr(off, 3, (policy_opt, 2e-3)) == 1.0
+    assert policy_opt.param_groups[0]["lr"] == pytest.approx(2e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. arith task and PromptStream
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def test_sampler_and_logprobs_see_the_adapters(lora_and_merged):
 # PPO runs with LoRA: what trains, --merge-lora, --resume
 # ---------------------------------------------------------------------------------------------
 
-LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lora", "--lr", "3e-3"]
+# --no-anneal-lr: "part" extended from 3 steps to 6 equals "full" only at a constant learning rate
+LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lora", "--lr", "3e-3", "--no-anneal-lr"]
 
 
 @pytest.fixture(scope="module")
