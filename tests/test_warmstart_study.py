@@ -52,11 +52,12 @@ def test_verdict_takes_the_worst_gain_of_every_seed():
     assert not ws.verdict(cells)["meets_shipped"]
 
 
-def fake_run(d: Path, algo: str, seed: int, before: float, after: float, step_times: list[float], mid=None):
+def fake_run(d: Path, algo: str, seed: int, before: float, after: float, step_times: list[float], mid=None,
+             anneal_lr=False):  # fmt: skip
     """A finished run: eval at step 2 (`mid`, if given) and at the last step (`after`)."""
     d.mkdir(parents=True)
     summary = {"algo": algo, "seed": seed, "steps": len(step_times), "eval_accuracy_before": before,
-               "eval_accuracy_after": after}  # fmt: skip
+               "eval_accuracy_after": after, "args": {"anneal_lr": anneal_lr}}  # fmt: skip
     (d / "summary.json").write_text(json.dumps(summary))
     rows = [{"step": i + 1, "step_time_s": t} for i, t in enumerate(step_times)]
     rows[-1]["eval_accuracy"] = after
@@ -92,6 +93,23 @@ def test_report_from_hand_made_runs(tmp_path, monkeypatch):
     assert at3["worst_gain_shipped"] == pytest.approx(0.388) and at3["max_train_s"] == pytest.approx(7.0)
     assert at2["mean_gain"] == pytest.approx((0.278 + 0.428 + 0.030 + 0.130) / 4)
     assert "| grpo | 2 | +28 | +3 | +22 | 4 |" in md  # stride 1: both lengths listed
+
+
+def test_annealed_runs_get_no_per_length_table(tmp_path, monkeypatch):
+    # under --anneal-lr the rate at step 2 of a 3-step run is not that of a 2-step run's step 2
+    for seed, anneal in ((0, False), (1, True)):
+        fake_run(ws.run_dir(tmp_path, "gspo", 0, seed), "gspo", seed, 0.2, 0.6, [1.0, 1.0, 1.0], 0.5, anneal)
+    for k, v in {"OUT": str(tmp_path), "SCRIPTS": "gspo", "SFT_SEEDS": "0", "SEEDS": "0 1"}.items():
+        monkeypatch.setenv(k, v)
+    assert ws.main(["--report-only"]) == 0
+    md = (tmp_path / "warmstart_results.md").read_text()
+    assert "| gspo | shipped (SFT seed 0) | 0.200 | 0.600 / 0.600 | +40 to +40 | 3-3 |" in md
+    assert "no per-length table" in md and "| gspo | 2 |" not in md
+    assert json.loads((tmp_path / "warmstart_results.json").read_text())["results"]["gspo"]["by_length"] == []
+    (tmp_path / "gspo" / "sft0" / "seed1").rename(tmp_path / "gspo" / "sft0" / "seed1-annealed")
+    fake_run(ws.run_dir(tmp_path, "gspo", 0, 1), "gspo", 1, 0.2, 0.6, [1.0, 1.0, 1.0], 0.5)  # both constant
+    assert ws.main(["--report-only"]) == 0
+    assert "| gspo | 2 | +30 | n/a | +30 | 2 |" in (tmp_path / "warmstart_results.md").read_text()
 
 
 def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monkeypatch):

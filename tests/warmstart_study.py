@@ -166,6 +166,8 @@ def run_values(summary: dict, rows: list[dict]) -> dict:
         "train_s": t,
         "steps": summary.get("steps"),
         "curve": curve,
+        # --anneal-lr: the rate at each step depends on --steps, so the curve's early points are not shorter runs
+        "annealed": bool((summary.get("args") or {}).get("anneal_lr")),
     }
 
 
@@ -190,8 +192,11 @@ def verdict(script_cells: dict[int, list[dict]]) -> dict:
 def gains_by_length(script_cells: dict[int, list[dict]]) -> list[dict]:
     """The verdict had every run stopped at step N, for each N evaluated in every run: how the worst
     gains and the longest training time grow with the run's length (the curves give it for free: a
-    run stopped at N is the same run up to N)."""
+    run stopped at N is the same run up to N). None when a run annealed its learning rate over its
+    --steps: then a run stopped at N is not the run of N steps."""
     runs = [v for vs in script_cells.values() for v in vs]
+    if any(v.get("annealed") for v in runs):
+        return []
     common_steps = sorted(set.intersection(*({st for st, _, _ in v["curve"]} for v in runs))) if runs else []
     rows = []
     for n in common_steps[1:]:
@@ -223,6 +228,23 @@ def pts(x: float | None) -> str:
 
 def met(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+ANNEALED_NOTE = [
+    "The runs annealed their learning rate over their own --steps (--anneal-lr), so a run stopped at step N is",
+    "not the run of N steps: no per-length table (run each length, or give --no-anneal-lr).",
+]
+
+
+def by_length_table(lengths: list[str]) -> list[str]:
+    return [
+        "The same runs stopped earlier (a run stopped at step N is the same run up to N): worst gain over RL seeds,",
+        "from the shipped checkpoint and from the other warm starts, and the longest training time to step N.",
+        "",
+        "| script | steps | worst gain, shipped | worst gain, others | mean gain, all runs | longest training s |",
+        "|---|---|---|---|---|---|",
+        *lengths,
+    ]
 
 
 def report(s: dict, cmd: str) -> int:
@@ -275,12 +297,7 @@ def report(s: dict, cmd: str) -> int:
         *verdicts,
         *([f"- not finished ({len(missing)} of {len(grid(s))} runs): " + ", ".join(missing)] if missing else []),
         "",
-        "The same runs stopped earlier (a run stopped at step N is the same run up to N): worst gain over RL seeds,",
-        "from the shipped checkpoint and from the other warm starts, and the longest training time to step N.",
-        "",
-        "| script | steps | worst gain, shipped | worst gain, others | mean gain, all runs | longest training s |",
-        "|---|---|---|---|---|---|",
-        *lengths,
+        *(by_length_table(lengths) if lengths else ANNEALED_NOTE),
         "",
     ]
     (out / "warmstart_results.md").write_text("\n".join(md))
