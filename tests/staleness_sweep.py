@@ -110,8 +110,9 @@ def run_dir(out: Path, config: str, mb: int, seed: int) -> Path:
 
 def command(s: dict, config: str, mb: int, seed: int) -> list[str]:
     script, flags = CONFIGS[config]
-    return [s["PYTHON"], str(ROOT / script), "--task", "sums", "--steps", s["STEPS"], "--seed", str(seed),
-            "--minibatches", str(mb), "--epochs", "1", "--prompts-per-step", s["PROMPTS_PER_STEP"],
+    # --no-anneal-lr: the sweep varies staleness alone, at the constant rate its results were measured at
+    return [s["PYTHON"], str(ROOT / script), "--no-anneal-lr", "--task", "sums", "--steps", s["STEPS"],
+            "--seed", str(seed), "--minibatches", str(mb), "--epochs", "1", "--prompts-per-step", s["PROMPTS_PER_STEP"],
             "--group-size", s["GROUP_SIZE"], "--eval-every", s["EVAL_EVERY"], "--eval-size", s["EVAL_SIZE"],
             "--out", str(run_dir(Path(s["OUT"]), config, mb, seed)), *flags, *s["EXTRA_ARGS"].split()]  # fmt: skip
 
