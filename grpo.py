@@ -78,7 +78,7 @@ class Args:
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(3e-4, "AdamW learning rate (a real 0.5B-7B Qwen wants about 1e-6)")
+    lr: float = arg(3e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
     anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")

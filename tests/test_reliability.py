@@ -279,7 +279,7 @@ def test_checkpoint_of_another_model_is_refused(runs, tmp_path, tiny_path):
 def test_resume_refuses_changed_settings_and_no_work(runs):
     part = runs("gspo", "part")
     refusal(
-        run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0003"
+        run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0006"
     )
     refusal(run("gspo", "--resume", part), "at step 3", "--steps 3", "larger --steps")
 
@@ -333,7 +333,7 @@ def test_sigint_saves_a_checkpoint_and_resume_completes_the_run(runs, tmp_path):
     assert summary["interrupted"] is False and summary["step"] == 6
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
     annealed = runs("gspo", "annealed")
-    assert [r["lr"] for r in metrics(annealed)] == pytest.approx([3e-4 * (6 - s) / 6 for s in range(6)])
+    assert [r["lr"] for r in metrics(annealed)] == pytest.approx([6e-4 * (6 - s) / 6 for s in range(6)])
     assert metrics(out) == metrics(annealed)
     assert_same_weights(weights(out / "final"), weights(annealed / "final"))
 
