@@ -196,8 +196,7 @@ def runs(tmp_path_factory):
     def get(script, kind):
         if (script, kind) not in cache:
             out = base / f"{script}-{kind}"
-            extra = kinds[kind]
-            ok(run(script, *SMALL, *extra, "--out", out))
+            ok(run(script, *SMALL, *kinds[kind], "--out", out))
             cache[script, kind] = out
         return cache[script, kind]
 

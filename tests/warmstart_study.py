@@ -192,7 +192,7 @@ def verdict(script_cells: dict[int, list[dict]]) -> dict:
 def gains_by_length(script_cells: dict[int, list[dict]]) -> list[dict]:
     """The verdict had every run stopped at step N, for each N evaluated in every run: how the worst
     gains and the longest training time grow with the run's length (the curves give it for free: a
-    run stopped at N is the same run up to N). None when a run annealed its learning rate over its
+    run stopped at N is the same run up to N). Empty when a run annealed its learning rate over its
     --steps: then a run stopped at N is not the run of N steps."""
     runs = [v for vs in script_cells.values() for v in vs]
     if any(v.get("annealed") for v in runs):
@@ -297,7 +297,7 @@ def report(s: dict, cmd: str) -> int:
         *verdicts,
         *([f"- not finished ({len(missing)} of {len(grid(s))} runs): " + ", ".join(missing)] if missing else []),
         "",
-        *(by_length_table(lengths) if lengths else ANNEALED_NOTE),
+        *(ANNEALED_NOTE if any(v["annealed"] for v in runs.values()) else by_length_table(lengths)),
         "",
     ]
     (out / "warmstart_results.md").write_text("\n".join(md))
