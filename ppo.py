@@ -81,8 +81,8 @@ class Args:
     system_prompt: str = arg(
         None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
     )
-    steps: int = arg(200, "number of rollout + update steps (about 5 minutes of training on a 2-core CPU)")
-    prompts_per_step: int = arg(256, "prompts sampled per step")
+    steps: int = arg(500, "number of rollout + update steps (about 4 minutes of training on a 2-core CPU)")
+    prompts_per_step: int = arg(128, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
