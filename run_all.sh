@@ -141,7 +141,7 @@ else
     CONFIGS=(ppo grpo gspo)
     declare -A VARIANT_FLAGS=()
 fi
-STEPS="${STEPS:-200}"   # step budget per run, the same for all (alone, grpo/gspo default to 600, ppo to 150)
+STEPS="${STEPS:-200}"   # step budget per run, the same for all (alone, grpo/gspo default to 1000 steps, ppo to 500)
 SEEDS="${SEEDS:-0 1 2}"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-64}"
 GROUP_SIZE="${GROUP_SIZE:-4}"
