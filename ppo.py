@@ -97,7 +97,9 @@ class Args:
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
     dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
-    kl_coef: float = arg(0.01, "beta of the per-token KL penalty in the reward (k1, to a frozen reference)")
+    kl_coef: float = arg(
+        0.1, "beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, no reference loaded)"
+    )
     gamma: float = arg(1.0, "discount")
     lam: float = arg(0.95, "GAE lambda")
     vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
@@ -130,9 +132,12 @@ class Args:
 
 def token_rewards(scores, old_logp, ref_logp, mask, kl_coef):
     """[B, T]: -kl_coef * (old - ref) on every completion token (k1 KL estimate, InstructGPT),
-    plus the sequence's scalar score on its last real token (the EOS token when there is one)."""
+    plus the sequence's scalar score on its last real token (the EOS token when there is one).
+    ref_logp None (kl_coef 0: no reference model is loaded) leaves the score alone."""
+    if ref_logp is None and kl_coef != 0:
+        raise ValueError(f"token_rewards: kl_coef {kl_coef} needs the reference's log-probs")
     mask = mask.float()
-    rewards = -kl_coef * (old_logp - ref_logp) * mask
+    rewards = torch.zeros_like(old_logp) if ref_logp is None else -kl_coef * (old_logp - ref_logp) * mask
     lengths = mask.sum(1).long()  # completions are right-padded: the last real token is len - 1
     rows = torch.nonzero(lengths > 0).squeeze(1)
     rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
@@ -248,7 +253,9 @@ def train(args: Args):
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     eos_ids = common.eos_token_ids(model, tok)
-    ref_model = common.reference_model(model, args.model, env.device)  # frozen initial policy (LoRA: adapters off)
+    ref_model = None
+    if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL in the reward, kl_to_init; none when unused
+        ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     value = common.data_parallel(critic, env.device)  # roll -> values [B, T]
@@ -288,7 +295,9 @@ def train(args: Args):
         #    per-token rewards (score - beta * KL) and their GAE advantages.
         with torch.no_grad():
             old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
-            ref_logp, _ = common.completion_logprobs(ref_model, roll, args.temperature)  # [B, T]
+            ref_logp = None  # --kl-coef 0: no reference forward
+            if args.kl_coef > 0:
+                ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
             old_values = critic(roll) * mask  # [B, T]
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
@@ -332,7 +341,7 @@ def train(args: Args):
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
-                "kl_to_ref": masked_mean(old_logp - ref_logp, mask).item(),
+                **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if args.kl_coef > 0 else {}),
                 **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
                 "value_mean": masked_mean(old_values, mask).item(),

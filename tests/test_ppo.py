@@ -253,6 +253,15 @@ def test_token_rewards_hand_worked():
     close(out, [[-0.05, 0.1, 1.0, 0.0], [-0.55, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
 
 
+def test_token_rewards_without_reference_is_the_score_alone():
+    # --kl-coef 0 loads no reference: ref_logp None puts each score on its last real token, nothing else
+    old = torch.tensor([[-1.0, -2.0, 5.0], [-0.2, 4.0, 4.0]])
+    out = ppo.token_rewards(torch.tensor([1.0, -0.5]), old, None, as_mask([2, 3], 3), 0.0)
+    close(out, [[0.0, 1.0, 0.0], [0.0, 0.0, -0.5]], atol=0)
+    with pytest.raises(ValueError, match="reference"):
+        ppo.token_rewards(torch.tensor([1.0, -0.5]), old, None, as_mask([2, 3], 3), 0.01)
+
+
 def test_token_rewards_all_rows_empty():
     out = ppo.token_rewards(torch.tensor([1.0, 2.0]), torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 0.05)
     assert torch.equal(out, torch.zeros(2, 3))
