@@ -866,3 +866,25 @@ def test_smoke_run_group2_eos_penalty_dual_clip_none(tmp_path):
     assert summary["args"]["group_size"] == 2 and summary["args"]["missing_eos_penalty"] == 0.5
     for r in rows:
         assert r.get("dual_clip_frac", 0.0) == 0.0
+
+
+def test_kl_coef_0_loads_and_runs_no_reference(tmp_path, monkeypatch):
+    # --kl-coef 0 (as in grpo.py): no frozen reference is built or run and no kl_to_ref is logged;
+    # at the default 0.1 the reference is built once, and at step 1 (no update yet) the KL is 0.
+    built = []
+    real = common.reference_model
+    monkeypatch.setattr(common, "reference_model", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    flags = ["--steps", "2", "--prompts-per-step", "8", "--minibatches", "2", "--eval-size", "8", "--eval-every", "0"]
+
+    def rows(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    ppo.train(common.parse_args(ppo.Args, [*flags, "--kl-coef", "0", "--out", str(tmp_path / "kl0")]))
+    assert built == []
+    assert [r["step"] for r in rows(tmp_path / "kl0")] == [1, 2]
+    assert all("kl_to_ref" not in r and math.isfinite(r["loss"]) for r in rows(tmp_path / "kl0"))
+
+    ppo.train(common.parse_args(ppo.Args, [*flags, "--out", str(tmp_path / "kl")]))
+    assert built == ["tiny"]
+    first, second = rows(tmp_path / "kl")
+    assert first["kl_to_ref"] == 0.0 and second["kl_to_ref"] != 0.0  # the policy moved in step 1's updates
