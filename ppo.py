@@ -15,8 +15,13 @@ The critic is a *separate* transformer initialised from the policy checkpoint, w
 as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
 loss's scale then tunes the other) and makes the policy checkpoint non-standard. The price is a
 second model's weights, gradients and AdamW state (about 4x the parameter bytes again) plus its
-activations; the frozen reference adds one more copy of the weights. That memory is what GRPO
-and GSPO save by using the group as the baseline.
+activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0). That
+memory is what GRPO and GSPO save by using the group as the baseline.
+
+The KL penalty matters more than its size suggests: on the tiny model --kl-coef 0.1 (TRL's default
+is 0.05) pulls the policy back after the first rollouts' large moves, while the critic still
+predicts no better than a constant; at 0.01, from the shipped checkpoint, PPO ended 14-27 points
+lower (docs/warm_starts.md, round 4).
 
 With --lora-rank the policy trains adapters on its frozen base, the reference is that base with
 the adapters disabled (no copy), and the critic stays a separate network that trains adapters of
