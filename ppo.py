@@ -346,7 +346,7 @@ def train(args: Args):
                 "reward": common.global_mean(rewards),  # means over all ranks' completions
                 **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
-                **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if args.kl_coef > 0 else {}),
+                **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
                 **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
                 "value_mean": masked_mean(old_values, mask).item(),
