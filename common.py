@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -61,8 +62,8 @@ from tqdm import tqdm
 
 def arg(default, help: str):
     """A dataclass field that carries its --help text."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata={"help": help})
+    if isinstance(default, (list, dict)):  # a fresh copy per instance: never one shared list, nor LORA_TARGETS itself
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -99,6 +100,14 @@ def _optional(kind):
     return parse
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose own errors (an unknown flag, a bad value) are one line and exit status 2, no usage dump:
+    the scripts' parser, and the tools' (tools/)."""
+
+    def error(self, message):
+        die(message)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -108,12 +117,8 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     With --resume DIR (and `algo` given) the run's flags are the checkpoint's, overridden by those
     given on this command line; see `resumed_args`."""
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # argparse's own errors: one line, exit 2, no usage dump
-            die(message)
-
     # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
-    parser = Parser(
+    parser = ArgumentParser(
         description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0], argument_default=argparse.SUPPRESS
     )
     for f in dataclasses.fields(args_cls):
@@ -204,9 +209,11 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--out {args.out}: {existing} is not writable")
 
 
-def _describe(e: Exception) -> str:
-    """An exception as one short line for an error message: its first sentence."""
-    return f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0].split('. ')[0]}"
+def _describe(e: Exception, first_sentence: bool = True) -> str:
+    """An exception as one short line for an error message: its class and its first line, cut at the
+    first sentence's end unless `first_sentence` is False (a user's code: its whole first line)."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    return f"{e.__class__.__name__}: {line.split('. ')[0] if first_sentence else line}"
 
 
 def check_model_name(model: str):
@@ -1239,17 +1246,13 @@ def load_reward(spec: str):
     except UsageError:
         raise
     except Exception as e:  # ImportError, SyntaxError, or whatever the module raised at import
-        raise UsageError(f"--reward {spec}: cannot import {source} ({_first_line(e)})") from e
+        raise UsageError(f"--reward {spec}: cannot import {source} ({_describe(e, first_sentence=False)})") from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise UsageError(f"--reward {spec}: {source} has no function {attr!r}")
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
     return attr, fn
-
-
-def _first_line(e: Exception) -> str:
-    return f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _clip(text, width: int = 40) -> str:
@@ -1355,7 +1358,7 @@ class Rewards:
         except Exception as e:
             row = next((i for i in range(B) if self._raises(fn, prompts, completions, fields, i)), None)
             where = f"on {at(row)}" if row is not None else f"on a batch of {B} (no single row raises alone)"
-            raise RewardError(f"--reward {name} raised {_first_line(e)} {where}") from e
+            raise RewardError(f"--reward {name} raised {_describe(e, first_sentence=False)} {where}") from e
         if isinstance(values, (torch.Tensor, np.ndarray)):
             values = values.tolist()
         if not isinstance(values, (list, tuple)):
