@@ -1,14 +1,13 @@
-"""common.py: everything ppo.py, grpo.py and gspo.py share that is not the algorithm.
+"""common.py: everything ppo.py, grpo.py and gspo.py call while they run that is not the algorithm.
 
 A script's train() calls into it in this order, and the sections follow that order:
    1. Command line     Args dataclass -> argparse, one-line errors with exit status 2, main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
-   3. Data             the built-in `arith` task, JSONL / GSM8K files, --eval-data, PromptStream, prompts
-   4. Models           load_model, EOS ids, the embedded tiny Qwen3 (warm-started, shipped)
+   3. Data             the built-in `arith` and `sums` tasks, JSONL / GSM8K files, --eval-data, prompts
+   4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
-  6b. Reward models    --reward-model (a learned reward, one Rewards component), Bradley-Terry training,
-                       the embedded tiny-rm, kl_to_init; CLI: python common.py train-reward-model --help
+  6b. Reward models    --reward-model (a learned reward, one Rewards component), kl_to_init
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
    8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
    9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
@@ -17,12 +16,10 @@ A script's train() calls into it in this order, and the sections follow that ord
   12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
   13. LoRA             --lora-rank: peft adapters, the reference as the base with adapters off,
                        what the sampler reads, adapter checkpoints, --merge-lora
-  14. Memory planner   plan_memory: expected peak memory by component for a config and a batch, the
-                       published Qwen2.5 / Qwen3 configs; CLI: python common.py plan-memory --help
 
-The tiny policy ships in checkpoints/; tiny-moe, tiny-rm and any rebuilt recipe are cached under
-$RLREF_CACHE (default ~/.cache/rl-reference), keyed by a hash of the recipe, so changing a recipe
-builds a new one and never reuses a stale one.
+What runs beside the scripts lives beside them and imports this file, never the other way round:
+tools/ (the memory planner, reward-model training, rebuilding the tiny checkpoints), experiments/
+(the studies behind docs/) and benchmarks/.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ import resource
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,7 +297,7 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     eval_set = eval_set[: args.eval_size]
     device = resolve_device(args.device, local_rank)
     reward_model = None
-    if args.reward_model:  # checked (one line, exit 2) before anything is written; tiny-rm built on first use
+    if args.reward_model:  # checked (one line, exit 2) before anything is written
         check_reward_model(args.reward_model)
         reward_model = RewardModel(args.reward_model, device, args.reward_model_norm)
     reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
@@ -352,7 +348,7 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-# --- The built-in `sums` task (issue 19): long completions whose length depends on the problem ------
+# --- The built-in `sums` task: long completions whose length depends on the problem ------
 # "7+5+9+4=" -> "7+5=12 12+9=21 21+4=25 #### 25": the running total after each term, then the final
 # answer. 2-6 one-digit terms, so a correct completion is 12-46 characters (tokens, with the
 # character tokenizer; 36 on average) and grows with the number of terms (docs/staleness.md); the
@@ -559,7 +555,7 @@ def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYS
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Models: loading a checkpoint, its EOS ids, and the embedded tiny Qwen3 (built on first use)
+# 4. Models: loading a checkpoint, its EOS ids, and the embedded tiny checkpoints (shipped, keyed by recipe)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -656,131 +652,54 @@ SUMS_WARMSTART = dict(
     TINY_WARMSTART, init="tiny", batch=32, lr=3e-3, max_steps=1200, target_accuracy=0.3, probe_size=128, probe_tokens=64
 )
 
+# tiny-rm: the tiny policy's trunk plus a scalar head, trained by Bradley-Terry on arithmetic preference
+# pairs, some of them the policy's own wrong samples (tools/train_reward_model.py; --reward-model tiny-rm).
+TINY_RM = "tiny-rm"
 
-def _warm_start_recipe(name: str) -> tuple[dict, list, object]:
-    """(recipe, training examples, SFT target of an example) of an embedded checkpoint."""
-    if name == "tiny-sums":
-        return SUMS_WARMSTART, sums_split()[0], lambda ex: sums_reference(ex["prompt"])
-    return TINY_WARMSTART, arith_split()[0], lambda ex: ex["answer"]
+TINY_RM_RECIPE = dict(seed=0, prompts=3000, policy_prompts=500, policy_samples=4, steps=300, batch=32, lr=2e-3,
+                      eval_frac=0.1, max_new_tokens=8)  # fmt: skip
+
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("RLREF_CACHE", Path.home() / ".cache" / "rl-reference"))
 
 
-def build_char_tokenizer():
-    """A character-level tokenizer saved in Hugging Face format (loads with AutoTokenizer)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate([PAD, EOS] + TINY_CHARS + ["<unk>"])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token="<unk>", padding_side="left"
-    )
-
-
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+def checkpoint_key(name: str) -> str:
+    """The directory name of embedded checkpoint `name`: its prefix and a hash of everything its recipe
+    depends on (config, warm-start recipe, vocabulary; tiny-sums: also the task's generator and the tiny
+    checkpoint it starts from; tiny-rm: its recipe and that tiny checkpoint). A changed recipe is a new
+    key, so a stale checkpoint is never reused."""
+    if name == TINY_RM:
+        prefix, parts = TINY_RM, [TINY_RM_RECIPE, checkpoint_key("tiny")]
+    else:
+        prefix, _, config = TINY_SPECS[name]
+        parts = [config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION]
+        if name == "tiny-sums":
+            parts = [config, SUMS_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION, SUMS_GENERATOR, checkpoint_key("tiny")]
+    recipe = json.dumps(parts, sort_keys=True)
+    return f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
 def tiny_checkpoint(name: str = "tiny") -> str:
-    """Path of an embedded checkpoint. "tiny": a real Qwen3ForCausalLM with a small config;
-    "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse. Each is warm-started
-    by SFT on `arith` training pairs until a probe of *training* prompts reaches the target
-    accuracy, so the held-out accuracy starts in a band that leaves room for RL. "tiny-sums": the
-    same recipe on the `sums` task, started from tiny's weights (SUMS_WARMSTART; shipped too).
-
-    "tiny" ships in checkpoints/ (3 MB), so that every machine starts from the same weights: the
-    recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere
-    in the band. A checkpoint not shipped (tiny-moe, or a changed recipe: the directory name holds
-    the recipe's hash) is built on first use (about a minute on 2 CPU cores) and cached."""
-    prefix, _, config = TINY_SPECS[name]
-    parts = [config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION]
-    if name == "tiny-sums":  # its own key: its recipe and the task's generator
-        parts = [
-            config,
-            SUMS_WARMSTART,
-            TINY_CHARS,
-            TINY_RECIPE_VERSION,
-            SUMS_GENERATOR,
-            Path(tiny_checkpoint("tiny")).name,
-        ]
-    recipe = json.dumps(parts, sort_keys=True)
-    key = f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if (SHIPPED_CHECKPOINTS / key / "config.json").is_file():
-        return str(SHIPPED_CHECKPOINTS / key)
-    path = cache_root() / key
-    if not (path / "config.json").is_file():
-        build_tiny_checkpoint(name, path)
-    return str(path)
-
-
-def build_tiny_checkpoint(name: str, path: Path, recipe: dict | None = None):
-    """Run the warm-start recipe of `name` (or `recipe` in its place: tests/warmstart_study.py builds
-    the same recipe with other SFT seeds) and save the checkpoint at `path` (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(min(2, os.cpu_count() or 1))  # SFT batches: 2 threads ~1.7x faster on a quiet machine
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is untouched: a first run = any later run
-            model, tok = _warm_start_tiny(name, recipe)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, path)  # atomic: a concurrent builder or a crash never leaves half a model
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _warm_start_tiny(name: str = "tiny", recipe: dict | None = None):
-    import transformers
-    from transformers import GenerationConfig
-
-    _, cls, tiny_config = TINY_SPECS[name]
-    ws, train, target = _warm_start_recipe(name)
-    ws = recipe or ws
-    tok = build_char_tokenizer()
-    torch.manual_seed(ws["seed"])
-    config = getattr(transformers, f"{cls}Config")(
-        vocab_size=len(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        **tiny_config,
+    """Path of an embedded checkpoint, all four shipped in checkpoints/ (3-10 MB each). "tiny": a real
+    Qwen3ForCausalLM with a small config, warm-started by SFT on `arith` training pairs until a probe
+    of *training* prompts reaches 20% accuracy, so the held-out accuracy starts in a band that leaves
+    room for RL. "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse, the same
+    recipe. "tiny-sums": the recipe on the `sums` task, started from tiny's weights. "tiny-rm": a
+    reward model (TINY_RM_RECIPE). They ship so that every machine starts from the same weights: the
+    recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere in
+    the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
+    `checkpoint_key`) stops the run with one line naming the command that builds it."""
+    key = checkpoint_key(name)
+    for path in (SHIPPED_CHECKPOINTS / key, cache_root() / key):
+        if (path / "config.json").is_file():
+            return str(path)
+    raise UsageError(
+        f"{name}: its checkpoint {key} is neither shipped in checkpoints/ nor cached in {cache_root()} "
+        f"(its recipe changed?); build it with: python tools/build_checkpoints.py {name}"
     )
-    model = getattr(transformers, f"{cls}ForCausalLM")(config)
-    if ws.get("init"):  # tiny-sums: from the arith checkpoint's weights, which can already add
-        model = getattr(transformers, f"{cls}ForCausalLM").from_pretrained(tiny_checkpoint(ws["init"]))
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id, do_sample=False
-    )
-    rng = np.random.RandomState(ws["seed"])
-    probe = [train[i] for i in rng.choice(len(train), ws["probe_size"], replace=False)]
-    opt = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
-    eos = [tok.eos_token_id]
-    for step in range(1, ws["max_steps"] + 1):
-        batch = [train[i] for i in rng.randint(0, len(train), ws["batch"])]
-        prompts = [tok(ex["prompt"])["input_ids"] for ex in batch]
-        answers = [tok(target(ex))["input_ids"] + eos for ex in batch]
-        roll = Rollout.from_lists(prompts, answers, tok.pad_token_id)
-        logp, _ = completion_logprobs(model, roll)
-        loss = -(logp * roll.completion_mask).sum() / roll.completion_mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % ws["probe_every"] == 0:
-            acc = evaluate(model, tok, probe, max_new_tokens=ws.get("probe_tokens", 5))["accuracy"]
-            if acc >= ws["target_accuracy"]:
-                break
-    model.eval()
-    return model, tok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,7 +758,7 @@ def sample(
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
     and every position after it is padding. Greedy output equals `model.generate`'s (tests:
-    test_common.py, test_speed.py; bench: tests/bench_sampler.py).
+    test_common.py, test_speed.py; bench: benchmarks/sampler.py).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
     once), dropping the rows that have finished whenever half of the batch is done. Any other
@@ -1168,14 +1087,6 @@ def normalize_number(s: str) -> str | None:
     return s
 
 
-def extract_answer(completion: str) -> str | None:
-    """The final answer, strictly: the text after the last '####' if present, else the whole
-    completion, and it must be exactly one number. A completion that merely contains the right
-    number somewhere ("46 or 47", "I think 46") has no answer. Empty text has no answer."""
-    text = completion.rsplit("####", 1)[-1] if "####" in completion else completion
-    return normalize_number(text)
-
-
 def extract_boxed(completion: str) -> str | None:
     """The content of the last \\boxed{...}, braces balanced ("\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}");
     None when there is none or the last one is never closed."""
@@ -1322,9 +1233,8 @@ class Rewards:
         by_parser = {}  # (correct, format_ok) per answer parser, computed once
 
         def answer_scores(parser):
-            if parser not in by_parser:  # exact's call is also what tests patch (3 arguments) to fix the rewards
-                args = (tok, roll, answers) if parser == "exact" else (tok, roll, answers, parser)
-                by_parser[parser] = score_rollout(*args)
+            if parser not in by_parser:
+                by_parser[parser] = score_rollout(tok, roll, answers, parser)
             return by_parser[parser]
 
         texts = None
@@ -1491,16 +1401,9 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6b. Reward models: --reward-model (a learned reward, one --reward component), the Bradley-Terry
-#     trainer (`python common.py train-reward-model`), the embedded tiny-rm, kl_to_init
+# 6b. Reward models: --reward-model (a learned reward, one --reward component; trained by
+#     tools/train_reward_model.py), the policy's KL to its start (kl_to_init)
 # ---------------------------------------------------------------------------------------------
-
-
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """[N], [N] -> scalar: mean of -log sigmoid(r_chosen - r_rejected) (InstructGPT; TRL's
-    RewardTrainer), the negative log-likelihood of the preference under the Bradley-Terry model.
-    Its gradient on r_chosen is -sigmoid(r_rejected - r_chosen) / N."""
-    return -F.logsigmoid(chosen - rejected).mean()
 
 
 def reward_model_text(tok, prompt: str, completion: str) -> str:
@@ -1529,14 +1432,6 @@ def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64) 
     return torch.cat(scores) if scores else torch.zeros(0, device=device)
 
 
-TINY_RM = "tiny-rm"
-
-# tiny-rm: the warm-started tiny policy's trunk plus a scalar head, trained by Bradley-Terry on
-# arithmetic preference pairs (`arith_preference_pairs`); built on first use, cached by this hash.
-TINY_RM_RECIPE = dict(seed=0, prompts=3000, policy_prompts=500, policy_samples=4, steps=300, batch=32, lr=2e-3,
-                      eval_frac=0.1, max_new_tokens=8)  # fmt: skip
-
-
 def check_reward_model(spec: str):
     """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output.
     AutoModelForSequenceClassification would load a causal LM without complaint (with a random
@@ -1557,7 +1452,7 @@ def check_reward_model(spec: str):
     archs = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise UsageError(f"--reward-model {spec}: is a {'/'.join(archs) or 'model of unknown class'}, not a sequence "
-                         "classifier (train one: python common.py train-reward-model)")  # fmt: skip
+                         "classifier (train one: python tools/train_reward_model.py)")  # fmt: skip
     if config.num_labels != 1:
         raise UsageError(f"--reward-model {spec}: has {config.num_labels} labels; a reward model has one output")
 
@@ -1572,7 +1467,7 @@ def load_reward_model(spec: str, device: torch.device):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     check_reward_model(spec)
-    path = tiny_reward_model() if spec == TINY_RM else spec
+    path = tiny_checkpoint(TINY_RM) if spec == TINY_RM else spec
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -1616,171 +1511,6 @@ def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float
     return {"kl_to_init": global_mean(((logp - init_logp) * roll.completion_mask).sum(1))}
 
 
-def load_pairs(path: str) -> list[dict]:
-    """JSONL preference pairs {"prompt", "chosen", "rejected"} (all strings)."""
-    pairs = []
-    for i, rec in jsonl_objects(path):
-        if not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
-            raise UsageError(f"--data {path}: line {i} needs string fields prompt, chosen and rejected")
-        pairs.append(rec)
-    if len(pairs) < 2:
-        raise UsageError(f"--data {path}: needs at least 2 pairs (one to train on, one held out)")
-    return pairs
-
-
-def split_pairs(pairs: list[dict], eval_frac: float, seed: int) -> tuple[list, list]:
-    """(train, held-out): whole prompts go to one side, so the held-out pairs ask unseen questions."""
-    prompts = sorted({p["prompt"] for p in pairs})
-    np.random.RandomState(seed).shuffle(prompts)
-    held = set(prompts[: max(1, round(len(prompts) * eval_frac))])
-    train = [p for p in pairs if p["prompt"] not in held]
-    return (train, [p for p in pairs if p["prompt"] in held]) if train else (pairs[1:], pairs[:1])
-
-
-@torch.no_grad()
-def pairwise_accuracy(model, tok, pairs: list[dict], batch_size: int = 64) -> float:
-    """Share of pairs whose chosen completion the reward model scores strictly above the rejected one."""
-    was_training = model.training
-    model.eval()
-    prompts = [p["prompt"] for p in pairs]
-    chosen = reward_model_scores(model, tok, prompts, [p["chosen"] for p in pairs], batch_size)
-    rejected = reward_model_scores(model, tok, prompts, [p["rejected"] for p in pairs], batch_size)
-    model.train(was_training)
-    return (chosen > rejected).float().mean().item()
-
-
-def train_reward_model(pairs, model_name: str, out, steps: int = 400, batch_size: int = 32, lr: float = 1e-3,
-                       eval_frac: float = 0.1, seed: int = 0, log=print) -> dict:  # fmt: skip
-    """Bradley-Terry training of a reward model from a causal-LM checkpoint ('tiny' or a directory /
-    hub id): its trunk plus a new scalar head (AutoModelForSequenceClassification, num_labels=1),
-    every weight trained by `bradley_terry_loss` with AdamW, minibatches of `batch_size` pairs drawn
-    with `seed`. Saves a standard sequence-classification checkpoint (weights and tokenizer) at `out`
-    and returns {"pairwise_accuracy" (held-out), "train_pairs", "eval_pairs", "steps", "time_s"}."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.utils import logging as transformers_logging
-
-    t0 = time.perf_counter()
-    path = tiny_checkpoint(model_name) if model_name in TINY_MODELS else model_name
-    train, held_out = split_pairs(pairs, eval_frac, seed)
-    torch.manual_seed(seed)  # the new head's initialisation
-    tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()  # not the "newly initialized: score.weight" notice: that is the point
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, **_tiny_attention(model_name in TINY_MODELS)
-        )
-    finally:
-        transformers_logging.set_verbosity(verbosity)
-    model.config.pad_token_id = tok.pad_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = np.random.RandomState(seed)
-    model.train()
-    for step in range(1, steps + 1):
-        batch = [train[i] for i in rng.randint(0, len(train), batch_size)]
-        prompts = [p["prompt"] for p in batch] * 2
-        scores = reward_model_scores(model, tok, prompts, [p["chosen"] for p in batch] + [p["rejected"] for p in batch],
-                                     batch_size=2 * batch_size)  # fmt: skip
-        loss = bradley_terry_loss(scores[:batch_size], scores[batch_size:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if log and (step % 100 == 0 or step == steps):
-            log(f"reward model step {step}/{steps}: loss {loss.item():.4f}")
-    acc = pairwise_accuracy(model, tok, held_out)
-    model.config.architectures = [type(model).__name__]
-    Path(out).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    result = {"pairwise_accuracy": acc, "train_pairs": len(train), "eval_pairs": len(held_out), "steps": steps,
-              "time_s": time.perf_counter() - t0}  # fmt: skip
-    (Path(out) / "reward_model.json").write_text(json.dumps(result, indent=1) + "\n")
-    return result
-
-
-def wrong_sums(a: int, b: int) -> list[str]:
-    """Plausible wrong answers to a+b: each digit of the sum off by one, and the sum without its carries."""
-    right = str(a + b)
-    wrong = []
-    for i, d in enumerate(right):
-        for delta in (-1, 1):
-            if 0 <= int(d) + delta <= 9 and not (i == 0 and int(d) + delta == 0 and len(right) > 1):
-                wrong.append(right[:i] + str(int(d) + delta) + right[i + 1 :])
-    no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:03d}", f"{b:03d}")))
-    if str(no_carry) != right:
-        wrong.append(str(no_carry))
-    return wrong
-
-
-def arith_preference_pairs(examples, seed: int = 0, policy=None, tok=None, policy_samples: int = 4,
-                           policy_prompts: int = 0, max_new_tokens: int = 8) -> list[dict]:  # fmt: skip
-    """Preference pairs on `arith` records: chosen the right sum; rejected a plausible wrong sum
-    (a digit off by one, a dropped carry), or a failure shape a policy produces: an empty answer,
-    extra text, a completion cut at max_new_tokens without EOS (the answer repeated); and, with
-    `policy`, that policy's own wrong samples (temperature 1) on the first `policy_prompts` records."""
-    rng = np.random.RandomState(seed)
-    pairs = []
-    for ex in examples:
-        a, b = map(int, ex["prompt"].rstrip("=").split("+"))
-        right = ex["answer"]
-        shapes = wrong_sums(a, b) + ["", f"{right}+{b}", f"{right}={right}", (right * max_new_tokens)[:max_new_tokens]]
-        pairs.append({"prompt": ex["prompt"], "chosen": right, "rejected": shapes[rng.randint(len(shapes))]})
-    if policy is not None and policy_prompts:
-        chosen = examples[:policy_prompts]
-        prompts = [tok(ex["prompt"])["input_ids"] for ex in chosen for _ in range(policy_samples)]
-        gen = torch.Generator().manual_seed(seed)
-        roll = sample(policy, prompts, max_new_tokens, eos_token_ids(policy, tok), tok.pad_token_id, generator=gen)
-        texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            ex = chosen[i // policy_samples]
-            if not score(text, ex["answer"])[0]:
-                pairs.append({"prompt": ex["prompt"], "chosen": ex["answer"], "rejected": text})
-    return pairs
-
-
-def tiny_reward_model() -> str:
-    """Path of the embedded tiny-rm, built on first use (`build_tiny_reward_model`) and cached under
-    a hash of its recipe and of the tiny policy it starts from."""
-    recipe = json.dumps([TINY_RM_RECIPE, Path(tiny_checkpoint("tiny")).name], sort_keys=True)
-    path = cache_root() / f"tiny-rm-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if not (path / "config.json").is_file():
-        build_tiny_reward_model(path)
-    return str(path)
-
-
-def build_tiny_reward_model(path: Path, recipe: dict | None = None) -> dict:
-    """Pairs from `arith` training prompts (and the warm-started policy's own wrong samples), then
-    `train_reward_model` from the tiny checkpoint; saved atomically at `path`. The caller's random
-    state is untouched. Returns the trainer's report (held-out pairwise accuracy, time)."""
-    r = recipe or TINY_RM_RECIPE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
-    threads = torch.get_num_threads()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            train, _ = arith_split()
-            examples = [train[i] for i in np.random.RandomState(r["seed"]).permutation(len(train))[: r["prompts"]]]
-            policy, tok = load_model("tiny", torch.device("cpu"))
-            # One thread: batches of 64 rows of ~12 tokens are too small to split, and on a shared 2-core
-            # machine two threads made a step 3-40x slower (0.3-5 s against 0.1 s).
-            torch.set_num_threads(1)
-            pairs = arith_preference_pairs(examples, r["seed"], policy.eval(), tok, r["policy_samples"],
-                                           r["policy_prompts"], r["max_new_tokens"])  # fmt: skip
-            report = train_reward_model(pairs, "tiny", tmp, r["steps"], r["batch"], r["lr"], r["eval_frac"],
-                                        r["seed"], log=None)  # fmt: skip
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return report
-
-
 # ---------------------------------------------------------------------------------------------
 # 7. Log-probs: per-token log-probs and entropy in float32, chunked over the vocabulary; the training forward
 # ---------------------------------------------------------------------------------------------
@@ -1820,7 +1550,7 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
 
 # float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary. A chunk costs about 4x this at its
 # peak (logits, softmax, their product or the backward's gradient): 2**26 made that 1.0-1.3 GB of a 64 x 256-token
-# step's peak RSS at that vocabulary, 2**24 about 0.3 GB (tests/bench_memory.py)
+# step's peak RSS at that vocabulary, 2**24 about 0.3 GB (benchmarks/memory.py)
 LOGITS_CHUNK_ELEMENTS = 2**24
 
 
@@ -1965,7 +1695,7 @@ GRPO_CLIP = 0.2  # grpo.py's default --eps-low / --eps-high: the yardstick of ra
 
 def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
     """How far an update's policy has moved from pi_old, measured the same way whatever the
-    algorithm (issue 19), over the update's completion tokens (mask [B, T]):
+    algorithm, over the update's completion tokens (mask [B, T]):
       log_ratio_std             population std of the per-token log(pi / pi_old)
       ratio_outside_grpo_clip   share of tokens whose own ratio lies outside [1 - 0.2, 1 + 0.2]
     On-policy (the first update of a rollout) both are 0."""
@@ -2653,36 +2383,6 @@ def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.
     return ((differ * m).sum() / m.sum().clamp(min=1)).item()
 
 
-def reward_model_cli(argv=None):
-    """python common.py train-reward-model --data pairs.jsonl --model tiny --out DIR: Bradley-Terry
-    training (`train_reward_model`); prints the held-out pairwise accuracy. docs/reward_model.md."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            die(message)
-
-    parser = Parser(prog="python common.py train-reward-model", description=reward_model_cli.__doc__.split(":")[0])
-    parser.add_argument("--data", required=True, help="JSONL preference pairs {prompt, chosen, rejected}")
-    parser.add_argument("--model", default="tiny", help="causal-LM checkpoint to start from: tiny, a dir or a hub id")
-    parser.add_argument("--out", required=True, help="where to save the sequence-classification checkpoint")
-    parser.add_argument("--steps", type=_number(int), default=400, help="AdamW steps (default: 400)")
-    parser.add_argument("--batch-size", type=_number(int), default=32, help="pairs per step (default: 32)")
-    parser.add_argument("--lr", type=_number(float), default=1e-3, help="learning rate (default: 1e-3; a 0.5B: 1e-5)")
-    parser.add_argument("--eval-frac", type=_number(float), default=0.1, help="prompts held out (default: 0.1)")
-    parser.add_argument("--seed", type=_number(int), default=0, help="held-out split, batches, head init")
-    a = parser.parse_args(argv)
-    try:
-        if a.steps < 1 or a.batch_size < 1 or not 0 < a.eval_frac < 1:
-            raise UsageError("--steps and --batch-size must be >= 1 and --eval-frac in (0, 1)")
-        check_model_name(a.model)
-        pairs = load_pairs(a.data)
-        result = train_reward_model(pairs, a.model, a.out, a.steps, a.batch_size, a.lr, a.eval_frac, a.seed)
-    except UsageError as e:
-        die(str(e))
-    print(f"held-out pairwise accuracy {result['pairwise_accuracy']:.3f} on {result['eval_pairs']} pairs "
-          f"({result['train_pairs']} trained on, {result['time_s']:.0f} s); saved {a.out}")  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------
 # 13. LoRA (--lora-rank): peft adapters on a frozen base; the reference is the base, adapters off
 # ---------------------------------------------------------------------------------------------
@@ -2805,232 +2505,3 @@ def save_merged(model, tok, directory: Path):
     merged = model.merge_and_unload()
     merged.save_pretrained(directory)
     tok.save_pretrained(directory)
-
-
-# ---------------------------------------------------------------------------------------------
-# 14. Memory planner: will it fit? Peak memory by component, before anything is loaded
-# ---------------------------------------------------------------------------------------------
-
-# Published configurations (the fields that set memory and the dry run's shapes), so that the planner
-# and tests/bench_real_size.py need no download. Qwen2 has q/k/v biases; Qwen3 has per-head q/k norms.
-QWEN_CONFIGS = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                       tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       tie_word_embeddings=False, max_position_embeddings=32768),
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       tie_word_embeddings=True, max_position_embeddings=40960),
-}  # fmt: skip
-for _c in QWEN_CONFIGS.values():  # shared by all five
-    _c.update(rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
-
-
-def model_shape(config) -> dict:
-    """The sizes the planner needs from a config (a dict of config.json fields, or a PretrainedConfig)."""
-    c = config if isinstance(config, dict) else config.to_dict()
-    H, heads = c["hidden_size"], c["num_attention_heads"]
-    D = c.get("head_dim") or H // heads
-    return dict(V=c["vocab_size"], H=H, I=c["intermediate_size"], L=c["num_hidden_layers"], heads=heads,
-                kv_heads=c["num_key_value_heads"], D=D, q=heads * D, kv=c["num_key_value_heads"] * D,
-                tied=c.get("tie_word_embeddings", False), qk_norm=c.get("model_type") == "qwen3",
-                qkv_bias=c.get("model_type") == "qwen2" or c.get("attention_bias", False))  # fmt: skip
-
-
-def linear_shapes(s: dict) -> dict:
-    """(in, out) features of each projection of one decoder layer."""
-    H, I, q, kv = s["H"], s["I"], s["q"], s["kv"]
-    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
-            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}  # fmt: skip
-
-
-def count_parameters(s: dict) -> dict:
-    """{"trunk": embedding + layers + final norm, "lm_head": 0 when tied to the embedding}."""
-    per_layer = sum(i * o for i, o in linear_shapes(s).values()) + 2 * s["H"]  # projections, two RMSNorms
-    per_layer += (s["q"] + 2 * s["kv"]) * s["qkv_bias"] + 2 * s["D"] * s["qk_norm"]
-    trunk = s["V"] * s["H"] + s["L"] * per_layer + s["H"]
-    return {"trunk": trunk, "lm_head": 0 if s["tied"] else s["V"] * s["H"]}
-
-
-def activation_elements_per_token(s: dict, grad_checkpointing: bool) -> int:
-    """Elements autograd saves for backward per token of a training forward (the decoder, float32),
-    counted from the saved tensors of a Qwen2 / Qwen3 layer (tests/test_memory_plan.py measures them):
-    per layer 6H (two RMSNorms' input and output, the projections' inputs) + 4I (gate, up, act(gate),
-    the down projection's input) + 2q + 2kv + heads (attention: rotated q, k, v, output, logsumexp)
-    + 2 (norm statistics); Qwen3's q/k norms add 2q + 2kv + heads + kv_heads. Once per forward: the
-    final norm (2H + 1), cos and sin (2D), the ids. With gradient checkpointing a layer keeps only its
-    input (H), and backward recomputes one layer at a time."""
-    layer = 6 * s["H"] + 4 * s["I"] + 2 * s["q"] + 2 * s["kv"] + s["heads"] + 2
-    if s["qk_norm"]:
-        layer += 2 * s["q"] + 2 * s["kv"] + s["heads"] + s["kv_heads"]
-    once = 2 * s["H"] + 1 + 2 * s["D"] + 2
-    return once + (s["L"] * s["H"] + layer if grad_checkpointing else s["L"] * layer)
-
-
-def plan_memory(
-    config,
-    algo: str,
-    rows: int,
-    prompt_tokens: int,
-    new_tokens: int,
-    minibatches: int = 1,
-    grad_checkpointing: bool = False,
-    lora_rank: int = 0,
-    reference: bool | None = None,
-    reward_model=None,
-    device: str = "cuda",
-) -> dict:
-    """Expected peak memory in bytes, by component, of one script's training step: `rows` completions
-    per step (prompts x group size) of `prompt_tokens` + `new_tokens` tokens, in `minibatches` updates.
-    Float32 master weights, AdamW; on "cuda" the training forward runs under bf16 autocast (activations
-    half size, plus a bf16 copy of the weights that autocast keeps for backward); on "cpu" everything is
-    float32 and the sampler adds its fused q/k/v and gate/up weight copies (see _StaticKVDecoder).
-
-    reference: a frozen copy of the initial policy (PPO always; GRPO with --kl-coef > 0; any script
-    with --reward-model, for kl_to_init); None = the script's default. With LoRA (lora_rank > 0) only
-    the adapters train and the reference is the base model with adapters off (no copy). The critic
-    (PPO) is a second trunk with its own gradients and AdamW state (with LoRA: frozen, and only its own
-    adapters and value head train); its loss goes backward before the policy's forward, so one trunk's
-    activations are alive at a time.
-    reward_model: its config (scored without gradients; its activations are not counted).
-    peak = the fixed part + the larger of the sampling phase and the update phase."""
-    s = model_shape(config)
-    n = count_parameters(s)
-    params = n["trunk"] + n["lm_head"]
-    lora = lora_rank * sum((i + o) for i, o in linear_shapes(s).values()) * s["L"]
-    trainable = lora if lora_rank else params
-    if reference is None:
-        reference = algo == "ppo" or reward_model is not None
-    cuda, f32 = device == "cuda", 4
-    act_bytes = 2 if cuda else f32  # bf16 under autocast (its norm statistics stay float32: a small share)
-    rows_mb = -(-rows // minibatches)
-    seq = prompt_tokens + new_tokens
-    acts = rows_mb * seq * activation_elements_per_token(s, grad_checkpointing) * act_bytes
-    chunk_tokens = min(rows_mb * new_tokens, max(1, LOGITS_CHUNK_ELEMENTS // s["V"]))
-    plan = {
-        "weights": (params + lora) * f32,  # the base, and the adapters (LoRA)
-        "gradients": trainable * f32,
-        "adamw_state": 2 * trainable * f32,
-        "reference": params * f32 if reference and not lora_rank else 0,
-        "critic": 0,
-        "reward_model": 0,
-        # bf16 casts of the weights, kept until backward: in autocast's cache (weights that train) or as saved
-        # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer
-        "autocast_weight_copy": n["trunk"] * 2 if cuda and not (lora_rank and grad_checkpointing) else 0,
-    }
-    if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW; with LoRA a frozen trunk + its own adapters
-        critic = n["trunk"] + s["H"] + 1
-        plan["critic"] = (n["trunk"] + 4 * (lora + s["H"] + 1) if lora_rank else 4 * critic) * f32
-        # its forward on the same minibatch goes backward before the policy's forward: one trunk's activations at a time
-    if reward_model is not None:
-        rm = model_shape(reward_model)
-        plan["reward_model"] = (count_parameters(rm)["trunk"] + rm["H"]) * f32
-    kv_cache = rows * seq * s["L"] * 2 * s["kv"] * f32  # the sampler's K and V, float32 like the weights
-    sampler_logits = 4 * rows * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
-    fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * f32 if not cuda else 0
-    update = {
-        "activations": acts,
-        "logprob_chunk": 4 * chunk_tokens * s["V"] * f32,  # logits, softmax, product or gradient
-        # a tied embedding gets two [V, H] gradients (output projection, input lookup) before autograd sums them
-        "tied_embedding_grad": s["V"] * s["H"] * f32 if s["tied"] and not lora_rank else 0,
-    }
-    sampling = {"kv_cache": kv_cache, "sampler_logits": sampler_logits, "sampler_fused_weights": fused}
-    fixed = sum(plan.values())
-    plan.update(update)
-    plan.update(sampling)
-    plan["peak"] = fixed + max(sum(update.values()), sum(sampling.values()))
-    plan["parameters"], plan["trainable_parameters"] = params, trainable
-    return plan
-
-
-PLAN_ROWS = [  # (key, label, phase) in the printed table
-    ("weights", "policy weights (float32)", "fixed"),
-    ("gradients", "gradients", "fixed"),
-    ("adamw_state", "AdamW state (2 moments)", "fixed"),
-    ("reference", "reference (frozen copy)", "fixed"),
-    ("critic", "critic (PPO: trunk, grads, AdamW)", "fixed"),
-    ("reward_model", "reward model", "fixed"),
-    ("autocast_weight_copy", "bf16 weight copy (autocast)", "fixed"),
-    ("activations", "activations (one minibatch)", "update"),
-    ("logprob_chunk", "largest log-prob chunk", "update"),
-    ("tied_embedding_grad", "tied embedding's 2nd gradient", "update"),
-    ("kv_cache", "sampler KV cache", "sampling"),
-    ("sampler_logits", "sampler logits", "sampling"),
-    ("sampler_fused_weights", "sampler fused weights (CPU)", "sampling"),
-]
-
-
-def load_config(spec: str) -> dict:
-    """A named config (QWEN_CONFIGS) or a checkpoint directory's config.json."""
-    if spec in QWEN_CONFIGS:
-        return QWEN_CONFIGS[spec]
-    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
-    if not path.is_file():
-        raise UsageError(f"--model {spec}: neither a named config ({', '.join(QWEN_CONFIGS)}) nor a config.json")
-    try:
-        config = json.loads(path.read_text())
-        model_shape(config)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"--model {spec}: not a decoder config ({_describe(e)})") from e
-    return config
-
-
-def plan_memory_cli(argv=None):
-    """python common.py plan-memory --model qwen2.5-0.5b --algo grpo ...: the expected peak memory
-    of a training step by component (`plan_memory`), one column per --model."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            die(message)
-
-    p = Parser(prog="python common.py plan-memory", description=plan_memory_cli.__doc__.split(":")[0])
-    p.add_argument("--model", nargs="+", default=["qwen2.5-0.5b"], help=f"{', '.join(QWEN_CONFIGS)} or a dir")
-    p.add_argument("--algo", choices=["ppo", "grpo", "gspo"], default="grpo")
-    p.add_argument("--prompts-per-step", type=_number(int), default=32)
-    p.add_argument("--group-size", type=_number(int), default=8)
-    p.add_argument("--prompt-tokens", type=_number(int), default=128, help="longest prompt, in tokens")
-    p.add_argument("--max-new-tokens", type=_number(int), default=512)
-    p.add_argument("--minibatches", type=_number(int), default=4)
-    p.add_argument("--grad-checkpointing", action="store_true")
-    p.add_argument("--lora-rank", type=_number(int), default=0)
-    p.add_argument("--kl-coef", type=_number(float), default=0.0, help="GRPO: > 0 keeps a reference")
-    p.add_argument("--reward-model", help="its config: a named config or a dir")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    a = p.parse_args(argv)
-    try:
-        if min(a.prompts_per_step, a.group_size, a.max_new_tokens, a.minibatches) < 1 or a.lora_rank < 0:
-            raise UsageError("sizes must be >= 1 and --lora-rank >= 0")
-        configs = [load_config(m) for m in a.model]
-        rm = load_config(a.reward_model) if a.reward_model else None
-    except UsageError as e:
-        die(str(e))
-    reference = a.algo == "ppo" or rm is not None or (a.algo == "grpo" and a.kl_coef > 0)
-    rows = a.prompts_per_step * a.group_size
-    plans = [plan_memory(c, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
-                         a.grad_checkpointing, a.lora_rank, reference, rm, a.device) for c in configs]  # fmt: skip
-    print(f"{a.algo}: {rows} completions x ({a.prompt_tokens} + {a.max_new_tokens}) tokens, {a.minibatches} "
-          f"minibatches, {a.device}{', grad checkpointing' if a.grad_checkpointing else ''}"
-          f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}; GB (2^30 bytes)")  # fmt: skip
-    width = max(12, *(len(m) + 2 for m in a.model))
-    print(f"{'':42}" + "".join(f"{m:>{width}}" for m in a.model))
-    for key, label, phase in PLAN_ROWS:
-        if any(plan[key] for plan in plans):
-            print(f"{label + ' [' + phase + ']':42}" + "".join(f"{plan[key] / 2**30:>{width}.2f}" for plan in plans))
-    print(f"{'peak: fixed + max(update, sampling)':42}" + "".join(f"{p['peak'] / 2**30:>{width}.2f}" for p in plans))
-
-
-if __name__ == "__main__":
-    commands = {"train-reward-model": reward_model_cli, "plan-memory": plan_memory_cli}
-    if sys.argv[1:2] and sys.argv[1] in commands:
-        commands[sys.argv[1]](sys.argv[2:])
-    else:
-        die("usage: python common.py train-reward-model --data PAIRS.jsonl --model tiny --out DIR, or "
-            "python common.py plan-memory --model qwen2.5-0.5b --algo grpo (each has --help)")  # fmt: skip

@@ -4,8 +4,8 @@
 # --moe: the MoE experiment instead (GRPO, GRPO with --routing-replay, GSPO on --model tiny-moe).
 # --reward-model: each script with the learned reward tiny-rm against the same script with the rule reward.
 # --staleness: GRPO vs GSPO (and PPO) on the long `sums` task at 1, 4, 8 minibatches per rollout
-#   (tests/staleness_sweep.py: resumes, skipping finished runs; its own table and plots).
-# `bash run_all.sh --help` lists the settings; the report is tests/compare_report.py.
+#   (experiments/staleness_sweep.py: resumes, skipping finished runs; its own table and plots).
+# `bash run_all.sh --help` lists the settings; the report is experiments/compare_report.py.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -58,7 +58,7 @@ Flags:
                   PROMPTS_PER_STEP, GROUP_SIZE, EVAL_EVERY, EVAL_SIZE, OUT [runs/staleness]; with
                   --quick one seed of 20 steps in runs/staleness-quick; --plan prints the grid and
                   its planned time and runs nothing; --report-only as below. The settings and
-                  defaults: python tests/staleness_sweep.py --help and the file's docstring.
+                  defaults: python experiments/staleness_sweep.py --help and the file's docstring.
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
                   (with the STEPS and SEEDS of the runs)
   --help          this text
@@ -105,7 +105,7 @@ if [[ $STALENESS == 1 ]]; then  # its own driver and report, in Python
     [[ $QUICK == 1 ]] && sweep+=(--quick)
     [[ $PLAN == 1 ]] && sweep+=(--plan)
     [[ $REPORT_ONLY == 1 ]] && sweep+=(--report-only)
-    exec "${PYTHON:-python}" "$ROOT/tests/staleness_sweep.py" "${sweep[@]+"${sweep[@]}"}"
+    exec "${PYTHON:-python}" "$ROOT/experiments/staleness_sweep.py" "${sweep[@]+"${sweep[@]}"}"
 fi
 if [[ $PLAN == 1 ]]; then
     echo "run_all.sh: --plan belongs to --staleness" >&2
@@ -261,7 +261,7 @@ fi
 # ------------------------------------------------------------------------------------------------
 # Report: verify every run, then the table and the curves.
 # ------------------------------------------------------------------------------------------------
-report=("$PYTHON" "$ROOT/tests/compare_report.py" --out "$OUT" --configs "${CONFIGS[@]}"
+report=("$PYTHON" "$ROOT/experiments/compare_report.py" --out "$OUT" --configs "${CONFIGS[@]}"
         --seeds "${SEED_LIST[@]}" --steps "$STEPS" --command "$CMD")
 [[ $MOE == 1 ]] && report+=(--moe)
 [[ $RM == 1 ]] && report+=(--reward-model)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the repository root on sys.path, the cached tiny checkpoint, the char tokenizer."""
+"""Shared fixtures: the root, tools/ and experiments/ on sys.path; the tiny checkpoint; the char tokenizer."""
 
 import os
 import sys
@@ -8,8 +8,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "tools", ROOT / "experiments"):  # the tests of the tools and experiments import them
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+import build_checkpoints  # noqa: E402
 
 import common  # noqa: E402
 
@@ -26,4 +29,4 @@ def tiny_path() -> str:
 
 @pytest.fixture(scope="session")
 def char_tok():
-    return common.build_char_tokenizer()
+    return build_checkpoints.build_char_tokenizer()

@@ -170,13 +170,27 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     assert ours == pytest.approx(hf_acc, abs=1e-6)  # evaluate averages in float32
 
 
+def test_every_embedded_checkpoint_ships_under_its_recipe_key():
+    """tiny, tiny-sums, tiny-moe and tiny-rm all resolve to checkpoints/<checkpoint_key>: a run never
+    builds one. The key is the recipe's hash, so a changed recipe fails here until it is rebuilt
+    (python tools/build_checkpoints.py NAME --into checkpoints --force) and shipped again."""
+    from pathlib import Path
+
+    for name in (*common.TINY_MODELS, common.TINY_RM):
+        path = Path(common.tiny_checkpoint(name))
+        assert path == common.SHIPPED_CHECKPOINTS / common.checkpoint_key(name), name
+        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), name
+    assert len({common.checkpoint_key(n) for n in (*common.TINY_MODELS, common.TINY_RM)}) == 4
+
+
 def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
     """The recipe that made the shipped checkpoint, run again: a checkpoint whose held-out accuracy
     lies in the band that leaves room for RL (10-35%; it stops at the first probe of training
     prompts past 20%, mid-rise, so where exactly depends on the CPU's rounding)."""
+    from build_checkpoints import build_tiny_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    common.build_tiny_checkpoint("tiny", tmp_path / "rebuilt")
+    build_tiny_checkpoint("tiny", tmp_path / "rebuilt")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt", dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tmp_path / "rebuilt")
     _, held_out = common.arith_split()
@@ -186,41 +200,53 @@ def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
 FAST_RECIPE = "common.TINY_WARMSTART = dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
 
 
-def test_building_the_tiny_checkpoint_leaves_the_random_state_alone(tmp_path, monkeypatch):
-    """The first call builds the checkpoint (its own seeded SFT run); the caller's torch, numpy and
-    Python random streams must continue as if nothing had run, or a first run differs from every
-    later one. A recipe of 3 SFT steps (its own cache key) in an empty cache keeps this fast."""
+def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_state_alone(tmp_path, monkeypatch):
+    """A recipe of 3 SFT steps (its own key) in an empty cache: tiny_checkpoint refuses it with one
+    line naming the command that builds it; tools/build_checkpoints.py then builds it into the cache
+    (its own seeded SFT run), after which it resolves there. The caller's torch, numpy and Python
+    random streams continue as if the build had not run."""
     import random
+
+    import build_checkpoints
 
     monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
     monkeypatch.setattr(common, "TINY_WARMSTART", dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    key = common.checkpoint_key("tiny")
+    with pytest.raises(common.UsageError, match=r"tiny: its checkpoint tiny-qwen3-\w+ is neither shipped") as e:
+        common.tiny_checkpoint()
+    assert str(e.value).endswith("build it with: python tools/build_checkpoints.py tiny") and "\n" not in str(e.value)
+    assert key != "tiny-qwen3-6ef631b1222a" and not (tmp_path / key).exists()
     common.seed_everything(7)
     expected = (torch.rand(4), np.random.rand(4), random.random())
     common.seed_everything(7)
-    path = common.tiny_checkpoint()
-    assert path.startswith(str(tmp_path))  # it was built here, now
+    build_checkpoints.main(["tiny"])
     after = (torch.rand(4), np.random.rand(4), random.random())
     assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
+    assert common.tiny_checkpoint() == str(tmp_path / key)  # built here, now, under the recipe's key
+    assert [p.name for p in tmp_path.iterdir()] == [key]  # and nothing half-built left beside it
 
 
-def test_first_run_that_builds_the_checkpoint_equals_the_next(tmp_path, monkeypatch):
-    """`python gspo.py` twice on an empty cache: the first run builds the embedded checkpoint, the
-    second loads it; with the same seed both log the same metrics (timings aside)."""
-    from helpers import ROOT, run_smoke
+def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_line(tmp_path, monkeypatch):
+    """`python gspo.py` with a changed recipe on an empty cache: exit status 2, one line on stderr that
+    names the build command, nothing written to --out, no checkpoint built."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
 
     script = tmp_path / "gspo_fast_recipe.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n" + FAST_RECIPE
                       + "common.main(gspo.train, gspo.Args, 'gspo')\n")  # fmt: skip
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("RLREF_CACHE", str(cache))  # the subprocesses inherit it
-    runs = []
-    for name in ("first", "second"):
-        runs.append(run_smoke(str(script), tmp_path / name)[0])
-        assert cache.is_dir() and len(list(cache.iterdir())) == 1  # built once, by the first run
-    for a, b in zip(*runs):
-        assert {k: v for k, v in a.items() if "time" not in k and "per_s" not in k} == {
-            k: v for k, v in b.items() if "time" not in k and "per_s" not in k
-        }
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    env = {**os.environ, "RLREF_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, str(script), "--steps", "2", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tiny: its checkpoint tiny-qwen3-"), proc.stderr
+    assert lines[0].endswith("python tools/build_checkpoints.py tiny")
+    assert not out.exists() and not cache.exists()
 
 
 @given(st.text(alphabet=st.sampled_from(common.TINY_CHARS), max_size=40))
@@ -617,7 +643,7 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, chunk, temperat
 
 def test_auto_chunks_at_qwen_vocabulary_equal_float64():
     # "auto" at Qwen's 151,936-token vocabulary: chunks of LOGITS_CHUNK_ELEMENTS // V tokens (the
-    # memory setting, tests/bench_memory.py), so 3 chunks here, the last one short; values and
+    # memory setting, benchmarks/memory.py), so 3 chunks here, the last one short; values and
     # gradients against float64 autograd of the unchunked formula
     V, H, temperature = 151_936, 8, 0.9
     per_chunk = common.LOGITS_CHUNK_ELEMENTS // V
@@ -758,36 +784,35 @@ words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20)
 
 @given(integers)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_extract_answer_plain_integer(n):
-    assert common.extract_answer(str(n)) == str(n)
-    assert common.extract_answer(f"  {n}\n") == str(n)
+def test_final_answer_plain_integer(n):
     assert common.score(str(n), str(n)) == (1.0, 1.0)
+    assert common.score(f"  {n}\n", str(n)) == (1.0, 1.0)
 
 
 @given(st.text(max_size=60), integers)
 @example("Let me think: 12+34 = 46, so", 46)
 @example("#### 5 then", 46)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_extract_answer_after_marker(text, n):
+def test_final_answer_after_marker(text, n):
     # text ending in '#' makes a run of five or more '#'; that case has its own test below
     assume(not text.endswith("#"))
     for completion in (f"{text}#### {n}", f"{text}\n####{n}\n", f"{text} #### {n:,}"):
-        assert common.extract_answer(completion) == str(n)
+        assert common.score(completion, str(n)) == (1.0, 1.0)
         assert common.score(completion, str(n)) == (1.0, 1.0)
 
 
-def test_extract_answer_marker_inside_hash_run():
+def test_final_answer_marker_inside_hash_run():
     """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'."""
-    assert common.extract_answer("##### 46") == "46"
+    assert common.score("##### 46", "46") == (1.0, 1.0)
     assert common.score("work ##### 46", "46")[0] == 1.0
 
 
 @given(integers)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
 def test_commas_and_trailing_zero_decimals_normalise(n):
-    assert common.extract_answer(f"{n:,}") == str(n)
-    assert common.extract_answer(f"{n}.0") == str(n)
-    assert common.extract_answer(f"{n:,}.00") == str(n)
+    assert common.score(f"{n:,}", str(n)) == (1.0, 1.0)
+    assert common.score(f"{n}.0", str(n)) == (1.0, 1.0)
+    assert common.score(f"{n:,}.00", str(n)) == (1.0, 1.0)
     assert common.score(f"#### {n:,}", str(n)) == (1.0, 1.0)
     assert common.score(str(n), f"{n:,}")[0] == 1.0
     assert common.score(f"{n}.0", str(n))[0] == 1.0
@@ -828,7 +853,7 @@ def test_only_the_exact_final_answer_scores(n, m):
 @given(st.text(alphabet=" \t\n\r", max_size=10), integers)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
 def test_empty_or_whitespace_completion_scores_zero(blank, n):
-    assert common.extract_answer(blank) is None
+    assert common.score(blank, "0")[1] == 0.0  # no final answer at all
     assert common.score(blank, str(n)) == (0.0, 0.0)
     assert common.score(f"####{blank}", str(n)) == (0.0, 0.0)
 

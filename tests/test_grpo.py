@@ -400,7 +400,7 @@ def test_zero_advantage_rows_carry_the_kl_gradient():
 # A reward that depends on the row alone (row i of B): 1 for the first row of every even group of
 # 4, else 0, so that exactly half the groups are constant whatever the model samples on this CPU.
 ALTERNATING_CONSTANT_GROUPS = (
-    "def rows_reward(tok, roll, answers):\n"
+    'def rows_reward(tok, roll, answers, parser="exact"):\n'
     "    B = len(answers)\n"
     "    return torch.tensor([float(i % 8 == 0) for i in range(B)]), torch.ones(B)\n"
     "common.score_rollout = rows_reward\n"

@@ -517,7 +517,7 @@ def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, l
 # A reward that depends on the row alone (row i of B): 1 for the first row of every even group of
 # 4, else 0, so that exactly half the groups are constant whatever the model samples on this CPU.
 ALTERNATING_CONSTANT_GROUPS = (
-    "def rows_reward(tok, roll, answers):\n"
+    'def rows_reward(tok, roll, answers, parser="exact"):\n'
     "    B = len(answers)\n"
     "    return torch.tensor([float(i % 8 == 0) for i in range(B)]), torch.ones(B)\n"
     "common.score_rollout = rows_reward\n"

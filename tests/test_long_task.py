@@ -233,7 +233,7 @@ def test_smoke_run_on_the_task(tmp_path, script, extra):
 
 
 # ----------------------------------------------------------------------------------------------
-# The sweep's reductions on hand-made curves (tests/staleness_sweep.py)
+# The sweep's reductions on hand-made curves (experiments/staleness_sweep.py)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
 from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
 from test_real_checkpoints import build_tiny_qwen2  # noqa: E402
 from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
@@ -174,7 +175,7 @@ def test_the_merged_checkpoint_loads_as_peft_loads_the_adapter(ppo_runs, tiny_pa
     final = ppo_runs / "full" / "final"
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), final).eval()
-    ids = torch.tensor([common.build_char_tokenizer()("12+34=46")["input_ids"]])
+    ids = torch.tensor([build_checkpoints.build_char_tokenizer()("12+34=46")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
 

@@ -1,12 +1,13 @@
-"""The memory planner (common.py section 13) against independent counts: parameter counts against
+"""The memory planner (tools/plan_memory.py) against independent counts: parameter counts against
 Hugging Face's own models (built on the meta device, no memory), saved activations against the
 bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
 against its buffers, a hand-worked plan, and the command line's errors. Its figures against the
-measured peaks of real-size runs: tests/bench_real_size.py (minutes, ~20 GB: a benchmark)."""
+measured peaks of real-size runs: benchmarks/real_size.py (minutes, ~20 GB: a benchmark)."""
 
 import subprocess
 import sys
 
+import plan_memory  # tools/, on sys.path through conftest.py
 import pytest
 import torch
 import transformers
@@ -15,25 +16,27 @@ from helpers import ROOT
 import common
 
 
-@pytest.mark.parametrize("name", list(common.QWEN_CONFIGS))
+@pytest.mark.parametrize("name", list(plan_memory.QWEN_CONFIGS))
 def test_parameter_count_matches_the_hugging_face_model(name):
-    fields = dict(common.QWEN_CONFIGS[name])
+    fields = dict(plan_memory.QWEN_CONFIGS[name])
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    n = common.count_parameters(common.model_shape(common.QWEN_CONFIGS[name]))
+    n = plan_memory.count_parameters(plan_memory.model_shape(plan_memory.QWEN_CONFIGS[name]))
     assert n["trunk"] + n["lm_head"] == sum(p.numel() for p in model.parameters())
     assert n["trunk"] == sum(p.numel() for p in model.get_decoder().parameters())
 
 
 def test_published_sizes():
     """The named configs are the published models: 0.49B, 0.6B (0.44B without embeddings), 7.6B."""
-    count = lambda name: sum(common.count_parameters(common.model_shape(common.QWEN_CONFIGS[name])).values())  # noqa: E731
+    count = lambda name: sum(
+        plan_memory.count_parameters(plan_memory.model_shape(plan_memory.QWEN_CONFIGS[name])).values()
+    )  # noqa: E731
     assert round(count("qwen2.5-0.5b") / 1e9, 2) == 0.49
     assert round(count("qwen2.5-1.5b") / 1e9, 2) == 1.54
     assert round(count("qwen2.5-3b") / 1e9, 2) == 3.09
     assert round(count("qwen2.5-7b") / 1e9, 2) == 7.62
-    q3 = common.QWEN_CONFIGS["qwen3-0.6b"]
+    q3 = plan_memory.QWEN_CONFIGS["qwen3-0.6b"]
     assert round((count("qwen3-0.6b") - q3["vocab_size"] * q3["hidden_size"]) / 1e9, 2) == 0.44
 
 
@@ -77,7 +80,7 @@ def test_activation_count_matches_what_autograd_saves(model_type, rows, prompt, 
     planned = (
         rows
         * (prompt + new)
-        * common.activation_elements_per_token(common.model_shape(fields | {"model_type": model_type}), False)
+        * plan_memory.activation_elements_per_token(plan_memory.model_shape(fields | {"model_type": model_type}), False)
         * 4
     )
     assert saved_bytes(model, roll) == planned
@@ -93,14 +96,14 @@ def test_kv_cache_matches_the_sampler_buffers():
     for _ in range(new):  # every slot written: the cache at its largest
         decoder.step(torch.full((rows,), 5))
     cache = sum(t.nbytes for t in decoder.k + decoder.v)
-    plan = common.plan_memory(fields | {"model_type": "qwen3"}, "grpo", rows, prompt, new, device="cpu")
+    plan = plan_memory.plan_memory(fields | {"model_type": "qwen3"}, "grpo", rows, prompt, new, device="cpu")
     assert cache == plan["kv_cache"]
 
 
 def test_hand_worked_plan():
     """Qwen2.5-0.5B, GRPO, 8 completions of 6 + 32 tokens, 2 minibatches, CPU, worked by hand."""
-    c = common.QWEN_CONFIGS["qwen2.5-0.5b"]
-    plan = common.plan_memory(c, "grpo", 8, 6, 32, 2, device="cpu")
+    c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
+    plan = plan_memory.plan_memory(c, "grpo", 8, 6, 32, 2, device="cpu")
     n = 494_032_768
     assert (plan["weights"], plan["gradients"], plan["adamw_state"]) == (4 * n, 4 * n, 8 * n)
     assert plan["reference"] == plan["critic"] == plan["autocast_weight_copy"] == 0
@@ -114,16 +117,16 @@ def test_hand_worked_plan():
     update = plan["activations"] + plan["logprob_chunk"] + plan["tied_embedding_grad"]
     sampling = plan["kv_cache"] + plan["sampler_logits"] + plan["sampler_fused_weights"]
     assert plan["peak"] == fixed + max(update, sampling)
-    ppo = common.plan_memory(c, "ppo", 8, 6, 32, 2, device="cpu")
+    ppo = plan_memory.plan_memory(c, "ppo", 8, 6, 32, 2, device="cpu")
     assert ppo["reference"] == 4 * n and ppo["critic"] == 16 * (n + 896 + 1)  # tied: the trunk is every weight
     assert ppo["activations"] == plan["activations"]  # the critic's backward runs before the policy's forward
-    gpu = common.plan_memory(c, "grpo", 8, 6, 32, 2, device="cuda")
+    gpu = plan_memory.plan_memory(c, "grpo", 8, 6, 32, 2, device="cuda")
     assert gpu["activations"] * 2 == plan["activations"] and gpu["autocast_weight_copy"] == 2 * n
 
 
 def test_lora_trains_only_the_adapters():
-    c = common.QWEN_CONFIGS["qwen2.5-0.5b"]
-    plan = common.plan_memory(c, "ppo", 8, 6, 32, lora_rank=16, device="cuda")
+    c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
+    plan = plan_memory.plan_memory(c, "ppo", 8, 6, 32, lora_rank=16, device="cuda")
     per_rank_layer = (896 + 896) + 2 * (896 + 128) + (896 + 896) + 2 * (896 + 4864) + (4864 + 896)
     assert plan["trainable_parameters"] == 16 * 24 * per_rank_layer
     lora = plan["trainable_parameters"]
@@ -133,7 +136,7 @@ def test_lora_trains_only_the_adapters():
 
 
 def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
-    cmd = [sys.executable, "common.py", "plan-memory"]
+    cmd = [sys.executable, "tools/plan_memory.py"]
     ok = subprocess.run(cmd + ["--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert ok.returncode == 0, ok.stderr

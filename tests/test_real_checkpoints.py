@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
+
 import common  # noqa: E402
 
 CHAT_TEMPLATE = (
@@ -38,7 +40,7 @@ def build_tiny_qwen2(path: Path) -> Path:
     (<|im_end|>, the tokenizer's own, and <|eot|>, only in generation_config)."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tok = common.build_char_tokenizer()
+    tok = build_checkpoints.build_char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", SECOND_EOS]})
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)

@@ -376,8 +376,8 @@ def alternating_rewards(monkeypatch):
     advantages and leaves the weights unchanged; which steps do depends on the CPU's rounding.)"""
     score_rollout = common.score_rollout
 
-    def alternating(tok, roll, answers):
-        _, *rest = score_rollout(tok, roll, answers)  # the format flags (and whatever else it returns) stay
+    def alternating(tok, roll, answers, parser="exact"):
+        _, *rest = score_rollout(tok, roll, answers, parser)  # the format flags (and whatever else it returns) stay
         return torch.tensor([float(i % 2) for i in range(len(answers))]), *rest
 
     monkeypatch.setattr(common, "score_rollout", alternating)

@@ -1,5 +1,5 @@
-"""--reward-model and the Bradley-Terry trainer (common.py section 6b): the loss against a hand case
-and float64, scores independent of batch and padding, re-tokenisation across tokenizers, the saved
+"""--reward-model (common.py) and the Bradley-Terry trainer (tools/train_reward_model.py): the loss against
+a hand case and float64, scores independent of batch and padding, re-tokenisation across tokenizers, the saved
 checkpoint through AutoModelForSequenceClassification, the bad-checkpoint messages, tiny-rm's build
 (a few-step recipe) and a short run of each script. Every model is tiny and built here."""
 
@@ -10,9 +10,11 @@ import subprocess
 import sys
 import types
 
+import build_checkpoints  # tools/, on sys.path through conftest.py
 import numpy as np
 import pytest
 import torch
+import train_reward_model  # tools/
 import transformers
 from helpers import ROOT
 
@@ -63,7 +65,7 @@ def test_bradley_terry_loss_hand_case():
     r_chosen is -sigmoid(r_rejected - r_chosen) / 2 and on r_rejected the opposite."""
     chosen = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
     rejected = torch.tensor([0.0, 2.0], dtype=torch.float64, requires_grad=True)
-    loss = common.bradley_terry_loss(chosen, rejected)
+    loss = train_reward_model.bradley_terry_loss(chosen, rejected)
     loss.backward()
     expected = (math.log1p(math.exp(-1)) + math.log1p(math.exp(2))) / 2
     assert loss.item() == pytest.approx(expected, abs=1e-12)
@@ -79,7 +81,7 @@ def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
     r = torch.randn(257, generator=g, dtype=torch.float64) * 30
     c32, r32 = c.float().requires_grad_(), r.float().requires_grad_()
     c64, r64 = c.clone().requires_grad_(), r.clone().requires_grad_()
-    loss32, loss64 = common.bradley_terry_loss(c32, r32), common.bradley_terry_loss(c64, r64)
+    loss32, loss64 = train_reward_model.bradley_terry_loss(c32, r32), train_reward_model.bradley_terry_loss(c64, r64)
     loss32.backward()
     loss64.backward()
     assert torch.isfinite(loss32) and loss32.item() == pytest.approx(loss64.item(), rel=1e-5)
@@ -196,7 +198,7 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
     base = save_causal_lm(tmp_path / "lm", char_tok)
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     out = tmp_path / "rm"
-    result = common.train_reward_model(pairs, base, out, steps=3, batch_size=4, eval_frac=0.25, log=None)
+    result = train_reward_model.train_reward_model(pairs, base, out, steps=3, batch_size=4, eval_frac=0.25, log=None)
     assert 0 <= result["pairwise_accuracy"] <= 1 and result["eval_pairs"] == 6 and result["train_pairs"] == 18
     loaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     assert type(loaded).__name__ == "Qwen3ForSequenceClassification" and loaded.config.num_labels == 1
@@ -208,7 +210,7 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
         a = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
         b = common.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(a, b)
-    assert common.pairwise_accuracy(model, tok, pairs) == pytest.approx(
+    assert train_reward_model.pairwise_accuracy(model, tok, pairs) == pytest.approx(
         float(
             np.mean(
                 [
@@ -230,13 +232,13 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
 def test_train_reward_model_command_line(tmp_path, char_tok):
     base = save_causal_lm(tmp_path / "lm", char_tok)
     write_pairs(tmp_path / "pairs.jsonl")
-    cmd = [sys.executable, "common.py", "train-reward-model", "--data", str(tmp_path / "pairs.jsonl"), "--model",
+    cmd = [sys.executable, "tools/train_reward_model.py", "--data", str(tmp_path / "pairs.jsonl"), "--model",
            base, "--out", str(tmp_path / "rm"), "--steps", "2", "--batch-size", "4"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "held-out pairwise accuracy" in proc.stdout
     assert (tmp_path / "rm" / "config.json").is_file()
-    bad = subprocess.run(cmd[:4] + [str(tmp_path / "missing.jsonl")] + cmd[5:], cwd=ROOT, capture_output=True,
+    bad = subprocess.run(cmd[:3] + [str(tmp_path / "missing.jsonl")] + cmd[4:], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: --data") and bad.stderr.count("\n") == 1
 
@@ -274,6 +276,40 @@ def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, 
     assert shifted == pytest.approx(0.5 * roll.completion_mask.sum(1).float().mean().item(), rel=1e-6)
 
 
+def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
+    """kl_to_init against a plain float64 loop over each row alone (no padding anywhere): the policy
+    and a perturbed initial model differ at every position, padding included, so a sum that let
+    the padding positions in (their log-probs are finite) would give another figure."""
+    policy = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    init = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in init.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_path)
+    prompts = [tok(p)["input_ids"] for p in ("1+2=", "12+34=", "7+80=")]
+    completions = [tok(c)["input_ids"] + [tok.eos_token_id] for c in ("3", "46", "8")]  # lengths 2, 3, 2
+    roll = common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
+    with torch.no_grad():
+        logp = common.completion_logprobs(policy, roll)[0]
+        got = common.kl_to_init(init, roll, logp)["kl_to_init"]
+        per_row = []
+        for p, c in zip(prompts, completions):
+            ids = torch.tensor([p + c])
+            total = 0.0
+            for model, sign in ((policy, 1.0), (init, -1.0)):
+                logits = model(input_ids=ids).logits[0].double()  # [P + T, V]
+                logps = logits.log_softmax(-1)
+                for t, token in enumerate(c):  # position len(p) - 1 + t predicts completion token t
+                    total += sign * logps[len(p) - 1 + t, token].item()
+            per_row.append(total)
+        init_logp = common.completion_logprobs(init, roll)[0]
+    expected = sum(per_row) / len(per_row)
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    with_padding = (logp - init_logp).sum(1).mean().item()
+    assert abs(with_padding - expected) > 1e-3  # the padding positions do differ: the mask matters here
+
+
 FAST_RM_RECIPE = dict(common.TINY_RM_RECIPE, prompts=16, policy_prompts=4, policy_samples=2, steps=2, batch=4)
 
 
@@ -288,11 +324,11 @@ def test_building_tiny_rm_leaves_the_random_state_alone(tmp_path):
     np.random.seed(1)
     torch.manual_seed(1)
     threads = torch.get_num_threads()
-    report = common.build_tiny_reward_model(tmp_path / "a", FAST_RM_RECIPE)
+    report = build_checkpoints.build_tiny_reward_model(tmp_path / "a", FAST_RM_RECIPE)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert torch.get_num_threads() == threads
     assert 0 <= report["pairwise_accuracy"] <= 1 and report["steps"] == 2
-    common.build_tiny_reward_model(tmp_path / "b", FAST_RM_RECIPE)
+    build_checkpoints.build_tiny_reward_model(tmp_path / "b", FAST_RM_RECIPE)
     a = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "a")
     b = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "b")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
@@ -302,7 +338,7 @@ def test_building_tiny_rm_leaves_the_random_state_alone(tmp_path):
 
 def test_preference_pairs_cover_the_failure_shapes():
     examples = [{"prompt": "58+67=", "answer": "125"}] * 200
-    pairs = common.arith_preference_pairs(examples, seed=0)
+    pairs = train_reward_model.arith_preference_pairs(examples, seed=0)
     rejected = {p["rejected"] for p in pairs}
     assert {p["chosen"] for p in pairs} == {"125"}
     assert {"", "115", "124", "126", "135", "15", "125+67", "125=125", "12512512"} <= rejected  # "15": no carries

@@ -1,4 +1,4 @@
-"""run_all.sh and its report (tests/compare_report.py): the report from fabricated run directories,
+"""run_all.sh and its report (experiments/compare_report.py): the report from fabricated run directories,
 its functions on hand-worked cases, and loud failures (no torch, no training)."""
 
 import inspect
@@ -257,7 +257,7 @@ if os.environ.get("FAKE_FAIL") == f"{script}-seed{opts['--seed']}":
 @pytest.fixture
 def fake_python(tmp_path):
     """A PYTHON that runs a fake trainer for `PYTHON {ppo,grpo,gspo}.py ...` and the real interpreter
-    otherwise (the report, tests/compare_report.py, runs for real)."""
+    otherwise (the report, experiments/compare_report.py, runs for real)."""
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(
         FAKE_TRAINER
@@ -400,7 +400,7 @@ def test_help_documents_moe_and_quick_moe_is_a_usage_error():
 
 
 # ------------------------------------------------------------------------------------------------
-# tests/compare_report.py's functions, called directly
+# experiments/compare_report.py's functions, called directly
 # ------------------------------------------------------------------------------------------------
 
 
@@ -557,7 +557,7 @@ def test_rm_table_hand_worked(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# --staleness (tests/staleness_sweep.py): its flags, its grid, and the resume that skips finished runs
+# --staleness (experiments/staleness_sweep.py): its flags, its grid, and the resume that skips finished runs
 # ------------------------------------------------------------------------------------------------
 def test_staleness_flags_that_do_not_combine_exit_2():
     for flags in (("--staleness", "--moe"), ("--staleness", "--reward-model"), ("--plan",)):

@@ -1,8 +1,8 @@
 """Tests for the fast paths in common.py: chunked log-probs at a realistic vocabulary size, and the
 sampler's own decoder (static KV cache, dropped rows) against Hugging Face.
 
-The benchmarks themselves are scripts, not tests: tests/bench_sampler.py, tests/bench_memory.py,
-tests/bench_speed.py, tests/gpu_bench.sh.
+The benchmarks themselves are scripts, not tests: benchmarks/sampler.py, benchmarks/memory.py,
+benchmarks/speed.py, benchmarks/gpu.sh.
 """
 
 import copy

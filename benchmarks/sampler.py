@@ -1,6 +1,6 @@
 """Benchmark: common.sample against Hugging Face's model.generate on the same model, prompts and settings.
 
-    python tests/bench_sampler.py [--batch 64] [--new-tokens 64] [--repeats 7] [--threads 1]
+    python benchmarks/sampler.py [--batch 64] [--new-tokens 64] [--repeats 7] [--threads 1]
 
 The embedded tiny checkpoint on CPU, `--batch` prompts from arith_split()'s training part, greedy,
 `--new-tokens` new tokens. Three settings:

@@ -2,7 +2,7 @@
 GRPO: token level) on the same tiny checkpoint, prompts and sizes, CPU.
 
     pip install trl==1.16.0 -c <(pip freeze | grep -E '^(torch|transformers|tokenizers|numpy)==')
-    python tests/bench_speed.py [--algos gspo,grpo] [--rounds 3] [--steps 4]
+    python benchmarks/speed.py [--algos gspo,grpo] [--rounds 3] [--steps 4]
 
 TRL is needed only here (it is not in requirements.txt); the constraint keeps pip from touching
 torch and transformers (TRL 1.16.0 runs on transformers 5.23; its new dependencies are

@@ -1,9 +1,9 @@
 """Benchmark: peak resident memory of whole runs at Qwen's vocabulary, like for like, and of one training step.
 
-    python tests/bench_memory.py                       # the three scripts' whole runs, side by side
-    python tests/bench_memory.py --phases              # also where each run's memory goes, phase by phase
-    python tests/bench_memory.py --step                # one training step, chunked log-probs against naive
-    python tests/bench_memory.py --step --only chunked # skip the memory-hungry naive runs (~10+ GB)
+    python benchmarks/memory.py                       # the three scripts' whole runs, side by side
+    python benchmarks/memory.py --phases              # also where each run's memory goes, phase by phase
+    python benchmarks/memory.py --step                # one training step, chunked log-probs against naive
+    python benchmarks/memory.py --step --only chunked # skip the memory-hungry naive runs (~10+ GB)
 
 Whole runs (the default): a randomly initialised Qwen3 with the embedded tiny model's trunk (hidden
 128, 4 layers, tied embeddings) and Qwen's 151,936-token vocabulary (a word-level tokenizer of that
@@ -81,7 +81,7 @@ def training_step(
     of the `minibatches` minibatch updates (log-probs with grad, the script's loss, backward,
     gradient clipping, optimizer step). With chunk_tokens=None the old log-probs are taken one
     minibatch at a time (the whole rollout at once would need about 4x the memory). `mark(phase)`,
-    if given, is called after each phase. Returns the last loss. Shared with tests/gpu_bench.py."""
+    if given, is called after each phase. Returns the last loss. Shared with benchmarks/gpu.py."""
     import torch
 
     import common
@@ -166,11 +166,14 @@ def child(algo: str, mode: str, batch: int, tokens: int, minibatches: int, promp
     if algo == "ppo":
         import ppo
 
+        sys.path.insert(0, str(ROOT / "tools"))
+        from build_checkpoints import build_char_tokenizer
+
         ref_model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
         ref_model.load_state_dict(model.state_dict())
         with tempfile.TemporaryDirectory() as tmp:  # ppo.Critic loads its trunk from a checkpoint
             model.save_pretrained(tmp)
-            common.build_char_tokenizer().save_pretrained(tmp)
+            build_char_tokenizer().save_pretrained(tmp)
             critic = ppo.Critic(tmp, torch.device("cpu"))
         params += list(critic.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-5)

@@ -1,6 +1,6 @@
 """How the sampler should see LoRA adapters: read through them, or merge them before each rollout.
 
-    python tests/bench_lora.py            (a few minutes on 2 CPU cores; not a test)
+    python benchmarks/lora.py            (a few minutes on 2 CPU cores; not a test)
 
 read-through  what common.sample does: the fused q/k/v and gate/up copies it makes per call are
               built from W + (alpha / r) B A, and o_proj / down_proj run as peft's modules

@@ -2,19 +2,19 @@
 metrics.jsonl, refuse unless every (config, seed) run finished the requested steps, then a table and
 curves. It trains nothing and imports none of the training scripts.
 
-    python tests/compare_report.py --out runs/compare --configs ppo grpo gspo --seeds 0 1 2 --steps 200 \
+    python experiments/compare_report.py --out runs/compare --configs ppo grpo gspo --seeds 0 1 2 --steps 200 \
         --command "bash run_all.sh"
         runs in OUT/<config>-seed<k>/ (logs OUT/<config>-seed<k>.log); writes
         OUT/results.md    one row per config: mean +- sample std over seeds, command, date, machine
         OUT/results.json  the same numbers plus every seed's values
         OUT/curves.png    eval accuracy and reward against step and against wall-clock
 
-    python tests/compare_report.py --moe --out runs/moe --configs grpo grpo-replay gspo --seeds 0 1 --steps 120
+    python experiments/compare_report.py --moe --out runs/moe --configs grpo grpo-replay gspo --seeds 0 1 --steps 120
         runs in OUT/<config>/seed<k>/ (logs OUT/<config>/seed<k>.log); writes
         OUT/moe_results.md   one row per config: means over seeds (and over steps for the MoE metrics)
         OUT/moe_curves.png   eval accuracy, reward, routing drift, ratio std, clip frac against step
 
-    python tests/compare_report.py --reward-model --out runs/rm --configs ppo ppo-rm grpo grpo-rm gspo gspo-rm \
+    python experiments/compare_report.py --reward-model --out runs/rm --configs ppo ppo-rm grpo grpo-rm gspo gspo-rm \
         --seeds 0 1 2 --steps 200
         runs in OUT/<config>-seed<k>/ (<algo>-rm: --reward-model tiny-rm); writes
         OUT/rm_results.md    one row per config: eval accuracy, the reward model's eval score,

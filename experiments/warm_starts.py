@@ -1,9 +1,9 @@
 """The warm-start study (issue 20): how much does each script gain at its defaults, from the shipped
 checkpoint and from the same recipe's other warm starts? Defaults are chosen by the worst of these.
 
-    python tests/warmstart_study.py                build the warm starts, run the grid, write the report
-    python tests/warmstart_study.py --plan         print the grid; run nothing
-    python tests/warmstart_study.py --report-only  the report from OUT's finished runs
+    python experiments/warm_starts.py                build the warm starts, run the grid, write the report
+    python experiments/warm_starts.py --plan         print the grid; run nothing
+    python experiments/warm_starts.py --report-only  the report from OUT's finished runs
 
 Warm starts: SFT seed 0 is the shipped checkpoint (`common.tiny_checkpoint("tiny")`: the recipe
 `common.TINY_WARMSTART` with seed 0, built once on the AMD EPYC host). SFT seed k > 0 is the same
@@ -89,13 +89,16 @@ def warm_start(out: Path, sft: int) -> str:
     """The checkpoint of SFT seed `sft`: the shipped one for 0, else built (once) into OUT."""
     import common
 
+    sys.path.insert(0, str(ROOT / "tools"))
+    from build_checkpoints import build_tiny_checkpoint
+
     if sft == 0:
         return "tiny"  # the shipped checkpoint, by name: the script loads it as the demo does
     path = checkpoint_path(out, sft)
     if not (path / "config.json").is_file():
         t0 = time.time()
         print(f"building warm start SFT seed {sft} -> {path}", flush=True)
-        common.build_tiny_checkpoint("tiny", path.resolve(), recipe=dict(common.TINY_WARMSTART, seed=sft))
+        build_tiny_checkpoint("tiny", path.resolve(), recipe=dict(common.TINY_WARMSTART, seed=sft))
         print(f"      built in {time.time() - t0:.0f} s", flush=True)
     return str(path)
 
@@ -317,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         s = settings_from(dict(os.environ))
     except UsageError as e:
-        print(f"warmstart_study.py: error: {e}", file=sys.stderr)
+        print(f"warm_starts.py: error: {e}", file=sys.stderr)
         return 2
     keys = ("SCRIPTS", "SFT_SEEDS", "SEEDS", "OUT", "PPO_ARGS", "GRPO_ARGS", "GSPO_ARGS")
-    cmd = " ".join(f'{k}="{s[k]}"' for k in keys if s[k]) + " python tests/warmstart_study.py"
+    cmd = " ".join(f'{k}="{s[k]}"' for k in keys if s[k]) + " python experiments/warm_starts.py"
     if a.plan:
         out = Path(s["OUT"])
         for script, sft, seed in grid(s):

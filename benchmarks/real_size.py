@@ -1,13 +1,13 @@
 """Real size without a GPU: two steps of each script against randomly initialised models with the
-published configurations of Qwen2.5-0.5B-Instruct and Qwen3-0.6B (common.QWEN_CONFIGS: vocabulary,
+published configurations of Qwen2.5-0.5B-Instruct and Qwen3-0.6B (tools/plan_memory.py's QWEN_CONFIGS: vocabulary,
 hidden size, layers, heads, KV heads, head_dim, intermediate size, tied embeddings, RoPE), through the
 scripts' normal command lines, float32 on the CPU. Not a test: it takes minutes and up to ~20 GB.
 
-    python tests/bench_real_size.py                       # both configs, all three scripts
-    python tests/bench_real_size.py --configs qwen2.5-0.5b --scripts grpo gspo --extra=--grad-checkpointing
+    python benchmarks/real_size.py                       # both configs, all three scripts
+    python benchmarks/real_size.py --configs qwen2.5-0.5b --scripts grpo gspo --extra=--grad-checkpointing
 
 Per run it prints seconds per step, the peak RSS (the process's ru_maxrss), the planner's figure for
-the same run (`common.plan_memory`, device "cpu", plus the measured import baseline) and the losses
+the same run (`plan_memory.plan_memory`, device "cpu", plus the measured import baseline) and the losses
 and gradient norms, which must be finite and non-zero. A random model never writes a correct answer,
 so the exact-match reward would give every advantage 0 (GRPO and GSPO skip every row, PPO's whitened
 advantages vanish) and prove nothing about the backward pass: the reward here is the completion's
@@ -38,15 +38,17 @@ def completion_length(prompts, completions, **fields):
 def build_checkpoint(name: str, path: Path):
     """A random model with the published config `name` and a tokenizer whose vocabulary has the real
     size (the char tokenizer's entries, then filler tokens up to vocab_size), saved at `path`."""
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
     import torch
+    from build_checkpoints import build_char_tokenizer
+    from plan_memory import QWEN_CONFIGS
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     import common
 
-    fields = dict(common.QWEN_CONFIGS[name])
-    chars = common.build_char_tokenizer().get_vocab()  # {token: id}: PAD 0, EOS 1, then the characters
+    fields = dict(QWEN_CONFIGS[name])
+    chars = build_char_tokenizer().get_vocab()  # {token: id}: PAD 0, EOS 1, then the characters
     vocab = dict(chars)
     vocab.update({f"<f{i}>": i for i in range(len(chars), fields["vocab_size"])})
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -116,8 +118,8 @@ def main():
     parser.add_argument("--extra", default="", help="more flags for every script, e.g. --grad-checkpointing")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/rl-reference/real-size"))
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    import common
+    sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+    import plan_memory
 
     extra = args.extra.split()
     print(f"2 steps, 8 completions x 32 new tokens per step, 2 minibatches, float32 on CPU "
@@ -145,7 +147,7 @@ def main():
             norms = [row[k] for row in rows for k in ("grad_norm", "critic_grad_norm") if k in row]
             ok = all(v == v and abs(v) not in (0.0, float("inf")) for v in losses + norms)
             lora_rank = int(extra[extra.index("--lora-rank") + 1]) if "--lora-rank" in extra else 0
-            plan = common.plan_memory(common.QWEN_CONFIGS[name], script, 8, PROMPT_TOKENS, 32, 2,
+            plan = plan_memory.plan_memory(plan_memory.QWEN_CONFIGS[name], script, 8, PROMPT_TOKENS, 32, 2,
                                       "--grad-checkpointing" in extra, lora_rank, device="cpu")  # fmt: skip
             planned = (plan["peak"] + BASELINE_BYTES) / 2**30
             step_s = sum(row["step_time_s"] for row in rows) / len(rows)

@@ -1,7 +1,7 @@
 """GPU benchmark at a realistic size: rollout tokens/s, training tokens/s and peak GPU memory.
 
-    bash tests/gpu_bench.sh               # on a CUDA machine, no network needed (about 2-4 minutes)
-    python tests/gpu_bench.py --cpu-smoke # a tiny version of every measurement, on CPU: does it run?
+    bash benchmarks/gpu.sh               # on a CUDA machine, no network needed (about 2-4 minutes)
+    python benchmarks/gpu.py --cpu-smoke # a tiny version of every measurement, on CPU: does it run?
 
 The model is randomly initialised with Qwen2.5-0.5B's dimensions and vocabulary (Qwen2ForCausalLM:
 hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings), float32
@@ -16,7 +16,7 @@ plus common.sample at temperature 1 (the training setting); the median of --repe
 warm-up each; and how many greedy rows are identical to generate's (bf16 kernels can break
 near-ties differently, so a few differing rows are not a bug).
 Training: one step of each script's loss (gspo, grpo, ppo with its critic and reference model),
-as tests/bench_memory.py defines it: old log-probs of the rollout, then --minibatches updates of
+as benchmarks/memory.py defines it: old log-probs of the rollout, then --minibatches updates of
 (backward, AdamW step); float32 log-probs through the output projection in chunks of ~110 tokens
 ("chunked") or all at once ("naive"); tokens/s = rollout tokens / step time (median of 2 after one
 warm-up); peak = torch.cuda.max_memory_allocated during the step (weights, grads, optimizer state
@@ -38,8 +38,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from bench_memory import training_step  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
+import build_checkpoints  # noqa: E402
+from memory import training_step  # noqa: E402
 
 import common  # noqa: E402
 
@@ -113,7 +115,7 @@ def main():
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     t_start = time.perf_counter()
-    tok = common.build_char_tokenizer()
+    tok = build_checkpoints.build_char_tokenizer()
     pad, eos = tok.pad_token_id, tok.eos_token_id
     torch.manual_seed(0)
     config = Qwen2Config(pad_token_id=pad, eos_token_id=eos, bos_token_id=None, **dims)

@@ -1,4 +1,4 @@
-"""tests/warmstart_study.py (issue 20): the grid, the gains and the targets on hand-made runs, and the
+"""experiments/warm_starts.py (issue 20): the grid, the gains and the targets on hand-made runs, and the
 warm-start recipe built with another SFT seed."""
 
 import json
@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_starts as ws  # experiments/, on sys.path through conftest.py
+from build_checkpoints import build_tiny_checkpoint  # tools/, likewise
 
 import common
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import warmstart_study as ws  # noqa: E402
-
-STUDY = Path(__file__).resolve().parent / "warmstart_study.py"
+STUDY = Path(__file__).resolve().parents[1] / "experiments" / "warm_starts.py"
 
 
 def test_grid_puts_the_shipped_checkpoint_first_then_rl_seed_major():
@@ -74,7 +73,7 @@ def test_report_from_hand_made_runs(tmp_path, monkeypatch):
         d = ws.run_dir(tmp_path, "grpo", sft, seed)
         fake_run(d, "grpo", seed, befores[sft], after, [1.5, 2.5, 3.0], mids[(sft, seed)])
     env = {"OUT": str(tmp_path), "SCRIPTS": "grpo", "SFT_SEEDS": "0 1", "SEEDS": "0 1"}
-    monkeypatch.setattr(sys, "argv", ["warmstart_study.py"])
+    monkeypatch.setattr(sys, "argv", ["warm_starts.py"])
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert ws.main(["--report-only"]) == 0
@@ -134,7 +133,7 @@ def test_the_recipe_built_with_another_sft_seed(tmp_path):
     short = dict(common.TINY_WARMSTART, max_steps=2, probe_every=1000)
 
     def build(seed, name):
-        common.build_tiny_checkpoint("tiny", tmp_path / name, recipe=dict(short, seed=seed))
+        build_tiny_checkpoint("tiny", tmp_path / name, recipe=dict(short, seed=seed))
         model, _ = common.load_model(str(tmp_path / name), torch.device("cpu"))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 

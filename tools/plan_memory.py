@@ -1,0 +1,237 @@
+"""tools/plan_memory.py: will it fit? The expected peak memory of one training step, by component,
+before anything is loaded or downloaded.
+
+    python tools/plan_memory.py --model qwen2.5-0.5b qwen2.5-7b --algo grpo --grad-checkpointing
+
+`plan_memory` counts float32 master weights, gradients, AdamW's two moments, the reference and the
+critic where the script keeps them, activations per token of a Qwen2 / Qwen3 decoder layer, the
+largest chunk of the log-probs, and the sampler's KV cache; the peak is the fixed part plus the
+larger of the sampling and the update phase. docs/memory.md compares it with measured peaks
+(benchmarks/real_size.py, benchmarks/gpu.py); tests/test_memory_plan.py checks it against autograd's
+saved tensors.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
+
+from common import LOGITS_CHUNK_ELEMENTS, ArgumentParser, UsageError, _describe, _number, die  # noqa: E402
+
+# Published configurations (the fields that set memory and the dry run's shapes), so that the planner
+# and benchmarks/real_size.py need no download. Qwen2 has q/k/v biases; Qwen3 has per-head q/k norms.
+QWEN_CONFIGS = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                       tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False, max_position_embeddings=32768),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, max_position_embeddings=40960),
+}  # fmt: skip
+
+
+for _c in QWEN_CONFIGS.values():  # shared by all five
+    _c.update(rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
+
+
+def model_shape(config) -> dict:
+    """The sizes the planner needs from a config (a dict of config.json fields, or a PretrainedConfig)."""
+    c = config if isinstance(config, dict) else config.to_dict()
+    H, heads = c["hidden_size"], c["num_attention_heads"]
+    D = c.get("head_dim") or H // heads
+    return dict(V=c["vocab_size"], H=H, I=c["intermediate_size"], L=c["num_hidden_layers"], heads=heads,
+                kv_heads=c["num_key_value_heads"], D=D, q=heads * D, kv=c["num_key_value_heads"] * D,
+                tied=c.get("tie_word_embeddings", False), qk_norm=c.get("model_type") == "qwen3",
+                qkv_bias=c.get("model_type") == "qwen2" or c.get("attention_bias", False))  # fmt: skip
+
+
+def linear_shapes(s: dict) -> dict:
+    """(in, out) features of each projection of one decoder layer."""
+    H, I, q, kv = s["H"], s["I"], s["q"], s["kv"]
+    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}  # fmt: skip
+
+
+def count_parameters(s: dict) -> dict:
+    """{"trunk": embedding + layers + final norm, "lm_head": 0 when tied to the embedding}."""
+    per_layer = sum(i * o for i, o in linear_shapes(s).values()) + 2 * s["H"]  # projections, two RMSNorms
+    per_layer += (s["q"] + 2 * s["kv"]) * s["qkv_bias"] + 2 * s["D"] * s["qk_norm"]
+    trunk = s["V"] * s["H"] + s["L"] * per_layer + s["H"]
+    return {"trunk": trunk, "lm_head": 0 if s["tied"] else s["V"] * s["H"]}
+
+
+def activation_elements_per_token(s: dict, grad_checkpointing: bool) -> int:
+    """Elements autograd saves for backward per token of a training forward (the decoder, float32),
+    counted from the saved tensors of a Qwen2 / Qwen3 layer (tests/test_memory_plan.py measures them):
+    per layer 6H (two RMSNorms' input and output, the projections' inputs) + 4I (gate, up, act(gate),
+    the down projection's input) + 2q + 2kv + heads (attention: rotated q, k, v, output, logsumexp)
+    + 2 (norm statistics); Qwen3's q/k norms add 2q + 2kv + heads + kv_heads. Once per forward: the
+    final norm (2H + 1), cos and sin (2D), the ids. With gradient checkpointing a layer keeps only its
+    input (H), and backward recomputes one layer at a time."""
+    layer = 6 * s["H"] + 4 * s["I"] + 2 * s["q"] + 2 * s["kv"] + s["heads"] + 2
+    if s["qk_norm"]:
+        layer += 2 * s["q"] + 2 * s["kv"] + s["heads"] + s["kv_heads"]
+    once = 2 * s["H"] + 1 + 2 * s["D"] + 2
+    return once + (s["L"] * s["H"] + layer if grad_checkpointing else s["L"] * layer)
+
+
+def plan_memory(
+    config,
+    algo: str,
+    rows: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    minibatches: int = 1,
+    grad_checkpointing: bool = False,
+    lora_rank: int = 0,
+    reference: bool | None = None,
+    reward_model=None,
+    device: str = "cuda",
+) -> dict:
+    """Expected peak memory in bytes, by component, of one script's training step: `rows` completions
+    per step (prompts x group size) of `prompt_tokens` + `new_tokens` tokens, in `minibatches` updates.
+    Float32 master weights, AdamW; on "cuda" the training forward runs under bf16 autocast (activations
+    half size, plus a bf16 copy of the weights that autocast keeps for backward); on "cpu" everything is
+    float32 and the sampler adds its fused q/k/v and gate/up weight copies (see _StaticKVDecoder).
+
+    reference: a frozen copy of the initial policy (PPO always; GRPO with --kl-coef > 0; any script
+    with --reward-model, for kl_to_init); None = the script's default. With LoRA (lora_rank > 0) only
+    the adapters train and the reference is the base model with adapters off (no copy). The critic
+    (PPO) is a second trunk with its own gradients and AdamW state (with LoRA: frozen, and only its own
+    adapters and value head train); its loss goes backward before the policy's forward, so one trunk's
+    activations are alive at a time.
+    reward_model: its config (scored without gradients; its activations are not counted).
+    peak = the fixed part + the larger of the sampling phase and the update phase."""
+    s = model_shape(config)
+    n = count_parameters(s)
+    params = n["trunk"] + n["lm_head"]
+    lora = lora_rank * sum((i + o) for i, o in linear_shapes(s).values()) * s["L"]
+    trainable = lora if lora_rank else params
+    if reference is None:
+        reference = algo == "ppo" or reward_model is not None
+    cuda, f32 = device == "cuda", 4
+    act_bytes = 2 if cuda else f32  # bf16 under autocast (its norm statistics stay float32: a small share)
+    rows_mb = -(-rows // minibatches)
+    seq = prompt_tokens + new_tokens
+    acts = rows_mb * seq * activation_elements_per_token(s, grad_checkpointing) * act_bytes
+    chunk_tokens = min(rows_mb * new_tokens, max(1, LOGITS_CHUNK_ELEMENTS // s["V"]))
+    plan = {
+        "weights": (params + lora) * f32,  # the base, and the adapters (LoRA)
+        "gradients": trainable * f32,
+        "adamw_state": 2 * trainable * f32,
+        "reference": params * f32 if reference and not lora_rank else 0,
+        "critic": 0,
+        "reward_model": 0,
+        # bf16 casts of the weights, kept until backward: in autocast's cache (weights that train) or as saved
+        # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer
+        "autocast_weight_copy": n["trunk"] * 2 if cuda and not (lora_rank and grad_checkpointing) else 0,
+    }
+    if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW; with LoRA a frozen trunk + its own adapters
+        critic = n["trunk"] + s["H"] + 1
+        plan["critic"] = (n["trunk"] + 4 * (lora + s["H"] + 1) if lora_rank else 4 * critic) * f32
+        # its forward on the same minibatch goes backward before the policy's forward: one trunk's activations at a time
+    if reward_model is not None:
+        rm = model_shape(reward_model)
+        plan["reward_model"] = (count_parameters(rm)["trunk"] + rm["H"]) * f32
+    kv_cache = rows * seq * s["L"] * 2 * s["kv"] * f32  # the sampler's K and V, float32 like the weights
+    sampler_logits = 4 * rows * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
+    fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * f32 if not cuda else 0
+    update = {
+        "activations": acts,
+        "logprob_chunk": 4 * chunk_tokens * s["V"] * f32,  # logits, softmax, product or gradient
+        # a tied embedding gets two [V, H] gradients (output projection, input lookup) before autograd sums them
+        "tied_embedding_grad": s["V"] * s["H"] * f32 if s["tied"] and not lora_rank else 0,
+    }
+    sampling = {"kv_cache": kv_cache, "sampler_logits": sampler_logits, "sampler_fused_weights": fused}
+    fixed = sum(plan.values())
+    plan.update(update)
+    plan.update(sampling)
+    plan["peak"] = fixed + max(sum(update.values()), sum(sampling.values()))
+    plan["parameters"], plan["trainable_parameters"] = params, trainable
+    return plan
+
+
+PLAN_ROWS = [  # (key, label, phase) in the printed table
+    ("weights", "policy weights (float32)", "fixed"),
+    ("gradients", "gradients", "fixed"),
+    ("adamw_state", "AdamW state (2 moments)", "fixed"),
+    ("reference", "reference (frozen copy)", "fixed"),
+    ("critic", "critic (PPO: trunk, grads, AdamW)", "fixed"),
+    ("reward_model", "reward model", "fixed"),
+    ("autocast_weight_copy", "bf16 weight copy (autocast)", "fixed"),
+    ("activations", "activations (one minibatch)", "update"),
+    ("logprob_chunk", "largest log-prob chunk", "update"),
+    ("tied_embedding_grad", "tied embedding's 2nd gradient", "update"),
+    ("kv_cache", "sampler KV cache", "sampling"),
+    ("sampler_logits", "sampler logits", "sampling"),
+    ("sampler_fused_weights", "sampler fused weights (CPU)", "sampling"),
+]
+
+
+def load_config(spec: str) -> dict:
+    """A named config (QWEN_CONFIGS) or a checkpoint directory's config.json."""
+    if spec in QWEN_CONFIGS:
+        return QWEN_CONFIGS[spec]
+    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--model {spec}: neither a named config ({', '.join(QWEN_CONFIGS)}) nor a config.json")
+    try:
+        config = json.loads(path.read_text())
+        model_shape(config)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--model {spec}: not a decoder config ({_describe(e)})") from e
+    return config
+
+
+def plan_memory_cli(argv=None):
+    """python tools/plan_memory.py --model qwen2.5-0.5b --algo grpo ...: the expected peak memory
+    of a training step by component (`plan_memory`), one column per --model."""
+
+    p = ArgumentParser(prog="python tools/plan_memory.py", description=plan_memory_cli.__doc__.split(":")[0])
+    p.add_argument("--model", nargs="+", default=["qwen2.5-0.5b"], help=f"{', '.join(QWEN_CONFIGS)} or a dir")
+    p.add_argument("--algo", choices=["ppo", "grpo", "gspo"], default="grpo")
+    p.add_argument("--prompts-per-step", type=_number(int), default=32)
+    p.add_argument("--group-size", type=_number(int), default=8)
+    p.add_argument("--prompt-tokens", type=_number(int), default=128, help="longest prompt, in tokens")
+    p.add_argument("--max-new-tokens", type=_number(int), default=512)
+    p.add_argument("--minibatches", type=_number(int), default=4)
+    p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--lora-rank", type=_number(int), default=0)
+    p.add_argument("--kl-coef", type=_number(float), default=0.0, help="GRPO: > 0 keeps a reference")
+    p.add_argument("--reward-model", help="its config: a named config or a dir")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    a = p.parse_args(argv)
+    try:
+        if min(a.prompts_per_step, a.group_size, a.max_new_tokens, a.minibatches) < 1 or a.lora_rank < 0:
+            raise UsageError("sizes must be >= 1 and --lora-rank >= 0")
+        configs = [load_config(m) for m in a.model]
+        rm = load_config(a.reward_model) if a.reward_model else None
+    except UsageError as e:
+        die(str(e))
+    reference = a.algo == "ppo" or rm is not None or (a.algo == "grpo" and a.kl_coef > 0)
+    rows = a.prompts_per_step * a.group_size
+    plans = [plan_memory(c, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
+                         a.grad_checkpointing, a.lora_rank, reference, rm, a.device) for c in configs]  # fmt: skip
+    print(f"{a.algo}: {rows} completions x ({a.prompt_tokens} + {a.max_new_tokens}) tokens, {a.minibatches} "
+          f"minibatches, {a.device}{', grad checkpointing' if a.grad_checkpointing else ''}"
+          f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}; GB (2^30 bytes)")  # fmt: skip
+    width = max(12, *(len(m) + 2 for m in a.model))
+    print(f"{'':42}" + "".join(f"{m:>{width}}" for m in a.model))
+    for key, label, phase in PLAN_ROWS:
+        if any(plan[key] for plan in plans):
+            print(f"{label + ' [' + phase + ']':42}" + "".join(f"{plan[key] / 2**30:>{width}.2f}" for plan in plans))
+    print(f"{'peak: fixed + max(update, sampling)':42}" + "".join(f"{p['peak'] / 2**30:>{width}.2f}" for p in plans))
+
+
+if __name__ == "__main__":
+    plan_memory_cli()
