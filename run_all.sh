@@ -47,7 +47,7 @@ Flags:
                     $OUT/rm_curves.png   eval accuracy and reward-model score against step, and
                                          against kl_to_init (Gao et al. 2022's axis)
                   Default OUT [runs/rm]; the other settings as without it.
-  --staleness     the staleness sweep (issue 19; docs/staleness.md): grpo (seq-mean-token-mean),
+  --staleness     the staleness sweep (docs/staleness.md): grpo (seq-mean-token-mean),
                   gspo (sequence), grpo-tokenmean, gspo-token and ppo on the long `sums` task
                   (--task sums), --minibatches 1, 4 and 8 with 1 epoch, seeds 0 1 2. Prints its
                   planned total first; RESUMES: a run that reached its last step is skipped. Writes

@@ -1,4 +1,4 @@
-"""The staleness sweep (issue 19), run by `bash run_all.sh --staleness`: when does GSPO's sequence
+"""The staleness sweep, run by `bash run_all.sh --staleness`: when does GSPO's sequence
 ratio beat GRPO's token ratios? GRPO (the paper's seq-mean-token-mean) and GSPO (sequence), plus
 GRPO token-mean, GSPO-token and PPO, on the long `sums` task, with 1, 4 or 8 minibatch updates per
 rollout and 1 epoch (every update after a rollout's first is off-policy: the more minibatches, the

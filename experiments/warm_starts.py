@@ -1,4 +1,4 @@
-"""The warm-start study (issue 20): how much does each script gain at its defaults, from the shipped
+"""The warm-start study: how much does each script gain at its defaults, from the shipped
 checkpoint and from the same recipe's other warm starts? Defaults are chosen by the worst of these.
 
     python experiments/warm_starts.py                build the warm starts, run the grid, write the report
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SCRIPTS = ("ppo", "grpo", "gspo")
-TARGET_SHIPPED = 0.40  # issue 20: at least 40 points from the shipped checkpoint, every RL seed
+TARGET_SHIPPED = 0.40  # the target: at least 40 points from the shipped checkpoint, every RL seed
 TARGET_OTHER = 0.30  # ... and at least 30 from every alternative warm start
 BUDGET_S = 300.0  # ... within 5 minutes of training on a 2-core CPU
 

@@ -1,4 +1,4 @@
-"""The long `sums` task (issue 19): its generator, its reward, its defaults and checkpoint, a smoke run
+"""The long `sums` task: its generator, its reward, its defaults and checkpoint, a smoke run
 of each script on it, the ratio statistics every script logs, the on-policy check of the staleness
 sweep, and the sweep's per-run reductions (collapse, gradient-norm spikes) on hand-made curves.
 Reference values are plain Python loops or hand-worked numbers, never the code under test."""
@@ -109,10 +109,12 @@ def test_the_task_brings_its_defaults_and_explicit_flags_win():
 
 
 def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(tmp_path, monkeypatch):
-    """A 3-step recipe (its own cache key) built twice in empty caches gives the same weights, and
-    the caller's random streams continue as if nothing had run (the build runs under fork_rng)."""
+    """A 3-step recipe (its own cache key) built twice by tools/build_checkpoints.py in empty caches
+    gives the same weights, and the caller's random streams continue as if nothing had run (the
+    build runs under fork_rng)."""
     import random
 
+    import build_checkpoints
     import numpy as np
 
     monkeypatch.setattr(common, "SUMS_WARMSTART", dict(common.SUMS_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
@@ -122,6 +124,7 @@ def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(t
         common.seed_everything(7)
         expected = (torch.rand(4), np.random.rand(4), random.random())
         common.seed_everything(7)
+        build_checkpoints.main(["tiny-sums"])
         path = common.tiny_checkpoint("tiny-sums")
         assert path.startswith(str(tmp_path / cache))  # built here, now
         after = (torch.rand(4), np.random.rand(4), random.random())

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def moe():
-    """(model, tok) of the tiny MoE checkpoint (built on first use, then cached), float32 on CPU."""
+    """(model, tok) of the tiny MoE checkpoint (shipped in checkpoints/), float32 on CPU."""
     return common.load_model("tiny-moe", torch.device("cpu"))
 
 
@@ -36,7 +36,7 @@ def test_moe_checkpoint_round_trip_and_band(moe):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = common.tiny_checkpoint("tiny-moe")
-    assert path != common.tiny_checkpoint("tiny")  # its own cache entry; the dense one is untouched
+    assert path != common.tiny_checkpoint("tiny")  # its own checkpoint beside the dense one
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == "qwen3_moe" and config.num_experts == 8 and config.num_experts_per_tok == 2
     model = AutoModelForCausalLM.from_pretrained(path)

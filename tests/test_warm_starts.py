@@ -1,4 +1,4 @@
-"""experiments/warm_starts.py (issue 20): the grid, the gains and the targets on hand-made runs, and the
+"""experiments/warm_starts.py: the grid, the gains and the targets on hand-made runs, and the
 warm-start recipe built with another SFT seed."""
 
 import json
