@@ -104,6 +104,26 @@ class ArgumentParser(argparse.ArgumentParser):
         die(message)
 
 
+# The flags all three scripts share, in the order each script's Args lists them after its own (the
+# algorithm's, with the paper's defaults), and the --help group each appears in.
+SHARED_FLAGS = {
+    "model and data": ("model", "task", "data", "eval_data", "system_prompt"),
+    "reward": ("reward", "reward_weights", "reward_model", "reward_model_weight", "reward_model_norm"),
+    "sampling": ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p"),
+    "optimisation": ("lr", "weight_decay", "max_grad_norm", "anneal_lr", "minibatches", "epochs", "grad_checkpointing"),
+    "evaluation and logging": ("eval_every", "eval_size", "eval_samples", "report_to"),
+    "run: seed, output, checkpoints, device": (
+        "seed",
+        "out",
+        "save_every",
+        "resume",
+        "max_consecutive_skips",
+        "device",
+    ),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_targets", "merge_lora"),
+}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -117,20 +137,25 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     parser = ArgumentParser(
         description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0], argument_default=argparse.SUPPRESS
     )
+    shared = {name: title for title, names in SHARED_FLAGS.items() for name in names}
+    script = Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
+    own = parser.add_argument_group(f"{script}.py's own flags (the paper's defaults)")
+    groups = {title: parser.add_argument_group(title) for title in SHARED_FLAGS}
     for f in dataclasses.fields(args_cls):
+        group = groups[shared[f.name]] if f.name in shared else own
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         help_text = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")  # "10%": not a format
         if f.type in (bool, "bool"):
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
         elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike
             kind = _number(float) if "float" in str(f.type) else str
-            parser.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
+            group.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
         else:
             type_name = str(f.type)  # "int", "float | None", ... (annotations are strings here)
             kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
             if "None" in type_name:  # Optional fields: "none" on the command line means None
                 kind = _optional(kind)
-            parser.add_argument(_flag(f.name), type=kind, help=help_text)
+            group.add_argument(_flag(f.name), type=kind, help=help_text)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
         flag, value = argv[i - 1], argv[i]

@@ -13,17 +13,13 @@ used; with one advantage per sequence its loss and gradient equal GSPO's. As in 
 is no KL term and no reference model. A group whose rewards are all equal has A_i = 0 and adds
 nothing; it stays in the batch (no DAPO-style resampling) but is not forwarded.
 
-What this file deliberately leaves out (what large frameworks add for scale): a separate
-inference engine (the policy samples itself, through common.sample, so sampling and training
-never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
-(FSDP, tensor parallelism: torchrun here is plain data parallel). The reward is a function of the
-completion's text (--reward, common.Rewards, docs/rewards.md) or a learned reward model, one more
-component of that sum (--reward-model, docs/reward_model.md).
+What this file leaves out, as all three do (a separate inference engine, sharded training, ...):
+docs/scope.md.
 
 Where to read: `gspo_loss` (the objective), `seq_log_ratio`, `group_advantages`, then `train()`,
 whose numbered steps are the algorithm; `common.py` holds everything else.
 
-Run (CPU, embedded tiny Qwen3, about 3 minutes):   python gspo.py
+Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python gspo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
 A real Qwen on a GPU:   python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6
@@ -46,13 +42,24 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # sequence log-ratio bounds before exp (GSPO: <
 
 @dataclass
 class Args:
+    eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
+    eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
+    variant: str = arg("sequence", "sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)")
+    mask_truncated: bool = arg(
+        False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
+    )
+    # the flags every script shares (common.SHARED_FLAGS: the same order in all three)
     model: str = arg(
-        "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(
         None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
     )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
+    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
+    system_prompt: str = arg(
+        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+    )
     reward: list[str] = arg(
         [],
         "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
@@ -64,10 +71,7 @@ class Args:
     )
     reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
     reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    system_prompt: str = arg(
-        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
-    )
-    steps: int = arg(1000, "number of rollout + update steps (about 4 minutes of training on a 2-core CPU)")
+    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
     prompts_per_step: int = arg(64, "prompts sampled per step")
     group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
@@ -82,26 +86,19 @@ class Args:
         "minibatch updates per epoch over each rollout (the paper uses 4; every update after the first is off-policy)",
     )
     epochs: int = arg(1, "passes over each rollout")
-    eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
-    eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
-    variant: str = arg("sequence", "sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)")
-    mask_truncated: bool = arg(
-        False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
-    )
-    seed: int = arg(0, "random seed (data order, sampling, init)")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
-    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
     eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    out: str = arg("runs/gspo", "output directory")
-    device: str = arg("auto", "auto, cpu or cuda")
     report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
+    seed: int = arg(0, "random seed (data order, sampling, init)")
+    out: str = arg("runs/gspo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    device: str = arg("auto", "auto, cpu or cuda")
     lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")

@@ -18,30 +18,15 @@ second model's weights, gradients and AdamW state (about 4x the parameter bytes 
 activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0). That
 memory is what GRPO and GSPO save by using the group as the baseline.
 
-The KL penalty matters more than its size suggests: on the tiny model --kl-coef 0.1 (TRL's default
-is 0.05) pulls the policy back after the first rollouts' large moves, while the critic still
-predicts no better than a constant; at 0.01, from the shipped checkpoint, PPO ended 14-27 points
-lower (docs/warm_starts.md, round 4).
+Why the KL penalty is 0.1, and how the critic meets LoRA: docs/ppo_design.md.
 
-With --lora-rank the policy trains adapters on its frozen base, the reference is that base with
-the adapters disabled (no copy), and the critic stays a separate network that trains adapters of
-its own on its own frozen copy of the base, plus its full head: of its four copies of the weights
-(weights, gradients, AdamW's two moments) three go. Sharing the policy's frozen base would save
-the fourth, but the policy and critic forwards of one update would then switch peft's active
-adapter back and forth (which also flips the adapters' requires_grad), and under torchrun each
-forward would leave one adapter without gradient; a separate critic keeps the loop as it is.
-
-What this file deliberately leaves out (what large frameworks add for scale): a separate
-inference engine (the policy samples itself, through common.sample, so sampling and training
-never disagree on the weights), asynchronous or off-policy rollout buffers, sharded training
-(FSDP, tensor parallelism: torchrun here is plain data parallel). The reward is a function of the
-completion's text (--reward, common.Rewards, docs/rewards.md) or a learned reward model, one more
-component of that sum (--reward-model, docs/reward_model.md).
+What this file leaves out, as all three do (a separate inference engine, sharded training, ...):
+docs/scope.md.
 
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
 
-Run (CPU, embedded tiny Qwen3, about 5 minutes):   python ppo.py
+Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
 A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
@@ -65,40 +50,7 @@ LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as ve
 
 @dataclass
 class Args:
-    model: str = arg(
-        "tiny", "'tiny' (embedded Qwen3, built on first use), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
-    )
-    task: str = arg(
-        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
-    )
-    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    reward: list[str] = arg(
-        [],
-        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
-        "with --reward-model)",
-    )
-    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
-    reward_model: str = arg(
-        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
-    )
-    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
-    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    system_prompt: str = arg(
-        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
-    )
-    steps: int = arg(500, "number of rollout + update steps (about 4 minutes of training on a 2-core CPU)")
-    prompts_per_step: int = arg(128, "prompts sampled per step")
-    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(6e-4, "policy AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
     critic_lr: float = arg(1e-3, "critic AdamW learning rate")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold (policy and critic each)")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
-    epochs: int = arg(1, "passes over each rollout")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
     dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
@@ -110,20 +62,54 @@ class Args:
     vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
     cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
-    seed: int = arg(0, "random seed (data order, sampling, init)")
+    # the flags every script shares (common.SHARED_FLAGS: the same order in all three)
+    model: str = arg(
+        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+    )
+    task: str = arg(
+        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+    )
+    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
+    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
+    system_prompt: str = arg(
+        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+    )
+    reward: list[str] = arg(
+        [],
+        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
+        "with --reward-model)",
+    )
+    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_model: str = arg(
+        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
+    )
+    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
+    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
+    steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    prompts_per_step: int = arg(128, "prompts sampled per step")
+    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
+    lr: float = arg(6e-4, "policy AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold (policy and critic each)")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
+    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
+    epochs: int = arg(1, "passes over each rollout")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
-    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
     eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    out: str = arg("runs/ppo", "output directory")
-    device: str = arg("auto", "auto, cpu or cuda")
     report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
+    seed: int = arg(0, "random seed (data order, sampling, init)")
+    out: str = arg("runs/ppo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    device: str = arg("auto", "auto, cpu or cuda")
     lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
@@ -246,7 +232,8 @@ class Critic(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def train(args: Args):
+def check_ppo_args(args: Args):
+    """Range checks of PPO's own flags (common.setup checks the shared ones); one line, exit status 2."""
     for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
         if getattr(args, name) < 0:
             raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -254,6 +241,10 @@ def train(args: Args):
         raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
+
+
+def train(args: Args):
+    check_ppo_args(args)
     env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself

@@ -21,7 +21,7 @@ Writes OUT/warmstart_results.md and .json: per script x warm start, held-out acc
 each RL seed, the gains, training time (sum of step times; model loading and evaluations excluded),
 and the targets: a gain of at least TARGET_SHIPPED from the shipped checkpoint and TARGET_OTHER from
 every other warm start, on every RL seed, within BUDGET_S of training.
-Not collected by pytest; tests/test_warmstart_study.py tests its functions.
+Not collected by pytest; tests/test_warm_starts.py tests its functions.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Shared helpers for tests/test_gspo.py and tests/test_grpo.py.
 
 Reference computations here are plain Python loops over float64 (Python floats), written from the
-papers' equations (GRPO: arXiv 2402.03300; GSPO: arXiv 2507.18071), never from the code under test. Hypothesis strategies draw small
-batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
+papers' equations (GRPO: arXiv 2402.03300; GSPO: arXiv 2507.18071), never from the code under test.
+Hypothesis strategies draw small batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
 """
 
 from __future__ import annotations
