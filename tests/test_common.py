@@ -226,6 +226,32 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_s
     assert [p.name for p in tmp_path.iterdir()] == [key]  # and nothing half-built left beside it
 
 
+def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
+    """tools/build_checkpoints.py --force: a build that fails half-way leaves the old checkpoint as it
+    was; one that succeeds replaces it, leaving nothing else beside it."""
+    import build_checkpoints
+
+    monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
+    monkeypatch.setattr(common, "TINY_WARMSTART", dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    build_checkpoints.main(["tiny"])
+    key = common.checkpoint_key("tiny")
+    weights = (tmp_path / key / "model.safetensors").read_bytes()
+
+    def crash(name, recipe=None):
+        raise RuntimeError("killed mid-build")
+
+    with monkeypatch.context() as m:
+        m.setattr(build_checkpoints, "_warm_start_tiny", crash)
+        with pytest.raises(RuntimeError, match="killed mid-build"):
+            build_checkpoints.main(["tiny", "--force"])
+    assert (tmp_path / key / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in tmp_path.iterdir()] == [key]
+    (tmp_path / key / "marker").write_text("the old build")
+    build_checkpoints.main(["tiny", "--force"])
+    assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [key]
+
+
 def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_line(tmp_path, monkeypatch):
     """`python gspo.py` with a changed recipe on an empty cache: exit status 2, one line on stderr that
     names the build command, nothing written to --out, no checkpoint built."""

@@ -70,11 +70,12 @@ def build_char_tokenizer():
     )
 
 
-def build_atomically(path: Path, build, threads: int):
+def build_atomically(path: Path, build, threads: int, replace: bool = False):
     """`build(tmp)` into a fresh directory beside `path`, with `threads` torch threads and the caller's
     random state untouched (a run that found the checkpoint equals one that built it), then renamed
-    to `path`: atomic, so a concurrent builder or a crash never leaves half a model. Returns what
-    `build` returned."""
+    to `path`: atomic, so a concurrent builder or a crash never leaves half a model. With `replace`
+    (--force) a checkpoint already at `path` is swapped out only once the new one is complete.
+    Returns what `build` returned."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     caller_threads = torch.get_num_threads()
@@ -82,18 +83,25 @@ def build_atomically(path: Path, build, threads: int):
         torch.set_num_threads(threads)
         with torch.random.fork_rng(devices=[]):
             result = build(tmp)
-        try:
+        if replace and path.exists():
+            old = path.with_name(f".replaced-{path.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
             os.rename(tmp, path)
-        except OSError:  # another builder was first
-            if not (path / "config.json").is_file():
-                raise
+            shutil.rmtree(old)
+        else:
+            try:
+                os.rename(tmp, path)
+            except OSError:  # another builder was first
+                if not (path / "config.json").is_file():
+                    raise
     finally:
         torch.set_num_threads(caller_threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 
-def build_tiny_checkpoint(name: str, path: Path, recipe: dict | None = None):
+def build_tiny_checkpoint(name: str, path: Path, recipe: dict | None = None, replace: bool = False):
     """Run the warm-start recipe of `name` (or `recipe` in its place: experiments/warm_starts.py builds
     the same recipe with other SFT seeds) and save the checkpoint at `path`."""
 
@@ -103,7 +111,7 @@ def build_tiny_checkpoint(name: str, path: Path, recipe: dict | None = None):
         tok.save_pretrained(tmp)
 
     # SFT batches: 2 threads ~1.7x faster on a quiet machine
-    build_atomically(path, build, threads=min(2, os.cpu_count() or 1))
+    build_atomically(path, build, threads=min(2, os.cpu_count() or 1), replace=replace)
 
 
 def _warm_start_tiny(name: str = "tiny", recipe: dict | None = None):
@@ -150,7 +158,7 @@ def _warm_start_tiny(name: str = "tiny", recipe: dict | None = None):
     return model, tok
 
 
-def build_tiny_reward_model(path: Path, recipe: dict | None = None) -> dict:
+def build_tiny_reward_model(path: Path, recipe: dict | None = None, replace: bool = False) -> dict:
     """Pairs from `arith` training prompts (and the warm-started policy's own wrong samples), then
     `train_reward_model` from the tiny checkpoint, saved at `path`. Returns the trainer's report
     (held-out pairwise accuracy, time)."""
@@ -168,7 +176,7 @@ def build_tiny_reward_model(path: Path, recipe: dict | None = None) -> dict:
         return train_reward_model(pairs, "tiny", tmp, r["steps"], r["batch"], r["lr"], r["eval_frac"], r["seed"],
                                   log=None)  # fmt: skip
 
-    return build_atomically(path, build, threads=1)
+    return build_atomically(path, build, threads=1, replace=replace)
 
 
 def main(argv=None):
@@ -185,14 +193,12 @@ def main(argv=None):
         if (path / "config.json").is_file() and not a.force:
             print(f"{name}: {path} already exists (--force rebuilds it)")
             continue
-        if path.exists():
-            shutil.rmtree(path)
         t0 = time.perf_counter()
         if name == TINY_RM:
-            report = build_tiny_reward_model(path)
+            report = build_tiny_reward_model(path, replace=a.force)
             done = f"held-out pairwise accuracy {report['pairwise_accuracy']:.3f}"
         else:
-            build_tiny_checkpoint(name, path)
+            build_tiny_checkpoint(name, path, replace=a.force)
             done = "warm-started"
         print(f"{name}: built {path} in {time.perf_counter() - t0:.0f} s ({done})")
 
