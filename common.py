@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -56,11 +57,30 @@ from tqdm import tqdm
 # ---------------------------------------------------------------------------------------------
 
 
-def arg(default, help: str):
-    """A dataclass field that carries its --help text."""
+def arg(default, help: str, choices: tuple | None = None):
+    """A dataclass field that carries its --help text and, for a flag with a fixed set of values, its
+    `choices`: any other value (given, resumed or passed to Args directly) is a one-line error."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
     if isinstance(default, (list, dict)):  # a fresh copy per instance: never one shared list, nor LORA_TARGETS itself
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _did_you_mean(word: str, candidates) -> str:
+    """' (did you mean X?)' for the candidate nearest `word`, or '' when none is near."""
+    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def check_choices(args):
+    """Every field declared with `choices` holds one of them (None stays allowed where it is the default)."""
+    for f in dataclasses.fields(args):
+        choices, value = f.metadata.get("choices"), getattr(args, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):
+            raise UsageError(
+                f"{_flag(f.name)} must be one of {', '.join(map(str, choices))}, got {value!r}"
+                + _did_you_mean(str(value), choices)
+            )
 
 
 class UsageError(Exception):
@@ -98,7 +118,21 @@ def _optional(kind):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose own errors (an unknown flag, a bad value) are one line and exit status 2, no usage dump:
-    the scripts' parser, and the tools' (tools/)."""
+    the scripts' parser, and the tools' (tools/). A flag must be spelled out (argparse would take --step for
+    --steps), and an unknown one is answered with the nearest real flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = [s for a in self._actions for s in a.option_strings]
+            first = next((u for u in unknown if u.startswith("-")), unknown[0])
+            hint = _did_you_mean(first.split("=")[0], flags) if first.startswith("-") else ""
+            self.error(f"unrecognized argument {first}{hint}" if first.startswith("-") else
+                       f"unrecognized arguments: {' '.join(unknown)}")  # fmt: skip
+        return namespace
 
     def error(self, message):
         die(message)
@@ -110,7 +144,16 @@ SHARED_FLAGS = {
     "model and data": ("model", "task", "data", "eval_data", "system_prompt"),
     "reward": ("reward", "reward_weights", "reward_model", "reward_model_weight", "reward_model_norm"),
     "sampling": ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p"),
-    "optimisation": ("lr", "weight_decay", "max_grad_norm", "anneal_lr", "minibatches", "epochs", "grad_checkpointing"),
+    "optimisation": (
+        "lr",
+        "weight_decay",
+        "max_grad_norm",
+        "anneal_lr",
+        "minibatches",
+        "epochs",
+        "grad_checkpointing",
+        "entropy_coef",
+    ),
     "evaluation and logging": ("eval_every", "eval_size", "eval_samples", "report_to"),
     "run: seed, output, checkpoints, device": (
         "seed",
@@ -135,7 +178,9 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
 
     # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
     parser = ArgumentParser(
-        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0], argument_default=argparse.SUPPRESS
+        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0],
+        epilog="With --resume, every flag not marked 'may change on --resume' keeps the checkpoint's value.",
+        argument_default=argparse.SUPPRESS,
     )
     shared = {name: title for title, names in SHARED_FLAGS.items() for name in names}
     script = Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
@@ -144,7 +189,10 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     for f in dataclasses.fields(args_cls):
         group = groups[shared[f.name]] if f.name in shared else own
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        help_text = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")  # "10%": not a format
+        resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
+        help_text = (f.metadata.get("help", "") + f" (default: {default}{resume})").replace("%", "%%")  # "10%": text
+        choices = f.metadata.get("choices")
+        metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
         if f.type in (bool, "bool"):
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
         elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike
@@ -155,7 +203,7 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
             kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
             if "None" in type_name:  # Optional fields: "none" on the command line means None
                 kind = _optional(kind)
-            group.add_argument(_flag(f.name), type=kind, help=help_text)
+            group.add_argument(_flag(f.name), type=kind, help=help_text, **metavar)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
         flag, value = argv[i - 1], argv[i]
@@ -165,7 +213,9 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
     if given.get("resume") and algo is not None:
         given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
     given = with_task_defaults(given, {f.name for f in dataclasses.fields(args_cls)})  # --task sums: its own
-    return args_cls(**given)
+    args = args_cls(**given)
+    check_choices(args)
+    return args
 
 
 def check_common_args(args, needs_group: bool):
@@ -202,8 +252,9 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
     if args.eval_samples < 0 or args.eval_samples == 1:
         raise UsageError(f"--eval-samples must be 0 (off) or >= 2 (pass@n needs n samples), got {args.eval_samples}")
-    if args.report_to not in ("none", "tensorboard"):
-        raise UsageError(f"--report-to must be none or tensorboard, got {args.report_to!r}")
+    check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
+    if not 0 <= args.entropy_coef < math.inf:
+        raise UsageError(f"--entropy-coef must be a finite number >= 0, got {args.entropy_coef}")
     if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
     if not 0 <= args.seed <= MAX_SEED:
@@ -337,6 +388,10 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     check_lora_targets(args)
+    given = f"--data {args.data}" if args.data else f"--task {args.task or 'arith'}"
+    sources = [(given, train_set), (f"--eval-data {args.eval_data}" if args.eval_data else given, eval_set)]
+    tok = load_tokenizer(args.model)
+    check_characters(tok, args.model, sources, system_prompt if getattr(tok, "chat_template", None) else "")
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
 
@@ -480,6 +535,7 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
 
 
 TASKS = ("arith", "sums", "gsm8k", "jsonl")
+REPORT_TO = ("none", "tensorboard")
 
 
 def load_task(
@@ -589,7 +645,7 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
     master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
     forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
     grad_checkpointing: recompute activations in backward (in train mode), less memory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(name) if name in TINY_MODELS else name
     if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
@@ -602,19 +658,63 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
         dtype = torch.float32
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    tok = load_tokenizer(name)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
+        if name in TINY_MODELS:
+            raise
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device), tok
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tiny_checkpoint(name) if name in TINY_MODELS else name)
+    except Exception as e:
         if name in TINY_MODELS:
             raise
         raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    if grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device), tok
+    return tok
+
+
+def check_characters(tok, model: str, sources: list[tuple[str, list]], system_prompt: str = ""):
+    """Every character of the records' prompts and answers (and of the system prompt, where a chat
+    template uses it) must be one `tok` can represent: a tokenizer with an unknown token (the tiny
+    one covers printable ASCII and newline) turns any other into it, decoding drops it, and a task
+    written in them trains on text the model cannot see, with no error. UsageError naming the first
+    record (`sources`: (where, records) in order) and its characters. A byte-level tokenizer (Qwen's)
+    or one with byte fallback has nothing to report."""
+    if tok.unk_token_id is None:
+        return
+    texts = [(where, r, [r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str))
+             for where, records in sources for r in records]  # fmt: skip
+    chars = sorted(set("".join(t for _, _, ts in texts for t in ts)) | set(system_prompt or ""))
+    encoded = tok(chars, add_special_tokens=False)["input_ids"] if chars else []
+    bad = {c for c, ids in zip(chars, encoded) if tok.unk_token_id in ids}
+    if not bad:
+        return
+    whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
+        f"--model {model}'s tokenizer")  # fmt: skip
+    why = f"each would become {tok.unk_token}, which decoding drops: use characters it knows or another --model"
+    hits = [(where, r, sorted(set("".join(ts)) & bad)) for where, r, ts in texts if set("".join(ts)) & bad]
+    if not hits:  # only the system prompt
+        listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in sorted(set(system_prompt) & bad))
+        raise UsageError(f"--system-prompt has characters {whose} cannot represent: {listed}; {why}")
+    where, record, found = hits[0]
+    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in found)
+    raise UsageError(
+        f"{where}: the record with prompt {_clip(record['prompt'])} has characters {whose} cannot represent: "
+        f"{listed} ({len(hits)} of {len(texts)} records have such characters); {why}"
+    )
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -630,7 +730,7 @@ TINY_MODELS = ("tiny", "tiny-moe", "tiny-sums")
 
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
 
-TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: any JSONL text tokenizes
+TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII and newline; others: <unk> (check_characters)
 
 TINY_CONFIG = dict(
     hidden_size=128,
@@ -1541,12 +1641,16 @@ def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float
 # ---------------------------------------------------------------------------------------------
 
 
-def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
+def completion_logprobs(
+    model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto", entropy_grad: bool = False
+):
     """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
-    Padding positions hold finite values; multiply by `roll.completion_mask` before use."""
+    Padding positions hold finite values; multiply by `roll.completion_mask` before use. The
+    entropy is a detached diagnostic unless `entropy_grad`: then it carries a gradient, for a loss
+    term (--entropy-coef)."""
     hidden = completion_hidden_states(model.get_decoder(), roll)
     weight = model.get_output_embeddings().weight
-    return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens)
+    return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens, entropy_grad)
 
 
 class CompletionLogprobs(torch.nn.Module):
@@ -1558,8 +1662,10 @@ class CompletionLogprobs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, roll: Rollout, temperature: float = 1.0):
-        return completion_logprobs(self.model, roll, temperature)
+    def forward(self, roll: Rollout, temperature: float = 1.0, entropy_grad: bool = False):
+        """(logp, entropy) [B, T]; `entropy_grad=True`: the per-token entropy with its gradient, the
+        one call a loss term on the entropy needs (the scripts' --entropy-coef uses it)."""
+        return completion_logprobs(self.model, roll, temperature, entropy_grad=entropy_grad)
 
 
 def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
@@ -1579,9 +1685,12 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
 LOGITS_CHUNK_ELEMENTS = 2**24
 
 
-def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto"):
+def logprobs_from_hidden(
+    hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto", entropy_grad=False
+):
     """Per-token log p(target) and the distribution's entropy from hidden states [..., H] and the
-    output projection `weight` [V, H], in float32 from logits / temperature. The vocabulary-sized
+    output projection `weight` [V, H], in float32 from logits / temperature (the entropy detached
+    unless `entropy_grad`). The vocabulary-sized
     logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
     [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
     vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
@@ -1590,11 +1699,11 @@ def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chun
     if chunk_tokens == "auto":
         chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
     if chunk_tokens is None or h.shape[0] <= chunk_tokens:
-        logp, ent = _logp_entropy_chunk(h, weight, y, temperature)
+        logp, ent = _logp_entropy_chunk(h, weight, y, temperature, entropy_grad)
         return logp.view(shape), ent.view(shape)
     logps, ents = [], []
     for s in range(0, h.shape[0], chunk_tokens):
-        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature)
+        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature, entropy_grad)
         if torch.is_grad_enabled():
             lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
         else:
@@ -1604,12 +1713,12 @@ def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chun
     return torch.cat(logps).view(shape), torch.cat(ents).view(shape)
 
 
-def _logp_entropy_chunk(hidden, weight, targets, temperature: float):
+def _logp_entropy_chunk(hidden, weight, targets, temperature: float, entropy_grad: bool = False):
     logits = (hidden @ weight.T).float() / temperature  # [n, V] float32, one chunk only
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    with torch.no_grad():  # entropy is a diagnostic here: no graph kept for it
-        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # else a diagnostic: no graph kept
+        entropy = logz - (logits.softmax(-1) * logits).sum(-1)  # H = log Z - sum_v p_v z_v
     return logp, entropy
 
 
@@ -1776,6 +1885,7 @@ class Run:
         self.progress = Progress()
         self.state = {**state, "progress": self.progress}
         t_start = time.perf_counter()
+        self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
             load_checkpoint(env.resume_from, model, self.state)
@@ -1798,6 +1908,26 @@ class Run:
                            args.eval_samples, args.temperature, args.top_p, generator, self.SAMPLES_SHOWN)  # fmt: skip
         samples = [{"step": step, **s} for s in metrics.pop("samples")]
         return metrics, samples
+
+    def check_rewards(self):
+        """Call the reward on batches of the run's own shapes before the first step, so that a reward
+        function that fits only some (one value per distinct prompt, say) fails before anything is
+        written: a training batch (this rank's prompts-per-step share, each prompt --group-size times in
+        a row) and, on --resume, where no step-0 evaluation runs first, an evaluation batch (and one of
+        --eval-samples rows per prompt). Greedy completions of the first records, one per distinct
+        prompt, repeated: no random stream moves, so a run is the same with the check as without."""
+        args, env = self.args, self.env
+        n = args.prompts_per_step // env.world
+        shapes = [(env.train_set[: n * env.world][env.rank :: env.world], args.group_size)]
+        if env.resume_from:  # evaluate()'s first batch, and its pass@n batch
+            share = env.eval_set[env.rank :: env.world][: max(1, 256 // max(1, args.eval_samples))]
+            shapes += [(share, 1)] + [(share, args.eval_samples)] * (args.eval_samples > 0)
+        eos = eos_token_ids(self.model, self.tok)
+        for examples, copies in shapes:
+            prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt)
+            roll = sample(self.model, prompts, args.max_new_tokens, eos, self.tok.pad_token_id, greedy=True)
+            rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
+            env.reward_fn(self.tok, roll[rows], [r for r in records for _ in range(copies)])
 
     def show(self, samples: list):
         """Print each sample on one line and append them to samples.jsonl (rank 0)."""
@@ -1830,12 +1960,15 @@ class Run:
             if stop_requested():
                 return
 
-    def log(self, row: dict):
+    def log(self, row: dict, no_signal: bool = False):
         """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the evaluation's
-        (eval_accuracy, eval_format_rate, eval_reward, eval_pass@1, ...)."""
+        (eval_accuracy, eval_format_rate, eval_reward, eval_pass@1, ...). `no_signal`: this step's
+        rewards gave the update nothing to learn from (the script says when); after NO_SIGNAL_STEPS
+        such steps in a row, one warning, kept in summary.json, and the run goes on."""
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.progress.clip_fracs.append(row.get("clip_frac", 0.0))
+        self.watch_signal(step, no_signal, grouped="zero_std_frac" in row)
         samples = []
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             last, samples = self.evaluate(step)
@@ -1848,6 +1981,24 @@ class Run:
         last = self.progress.last_eval
         self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{last.get('accuracy', last.get('reward')):.3f}")
         self.progress.step, self.progress.wall_time_s = step, time.perf_counter() - self.t_start
+
+    def watch_signal(self, step: int, no_signal: bool, grouped: bool):
+        progress = self.progress
+        progress.no_signal_steps += bool(no_signal)
+        progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
+        if progress.no_signal_streak == NO_SIGNAL_STEPS and progress.no_signal is None:
+            first = step - NO_SIGNAL_STEPS + 1
+            progress.no_signal = {"from_step": first, "warned_at_step": step}
+            why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
+                   if grouped else "every reward in the batch was equal, or the policy's entropy stayed below "
+                   f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
+                   "completion is better")  # fmt: skip
+            if self.env.rank == 0:
+                tqdm.write(
+                    f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
+                    "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
+                    "(the run goes on)"
+                )
 
     def save_checkpoint_if_due(self, step: int):
         """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came."""
@@ -1888,6 +2039,9 @@ class Run:
                 "wall_time_s": time.perf_counter() - self.t_start,
                 "peak_mem_mb": peak_memory_mb(self.env.device),
                 "mean_clip_frac": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+                # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
+                "no_signal": progress.no_signal,
+                "no_signal_steps": progress.no_signal_steps,
                 "args": dataclasses.asdict(args),
             }
         )
@@ -1895,6 +2049,16 @@ class Run:
         if interrupted:
             raise Interrupted(progress.step, self.logger.out)
         return progress.last_eval
+
+
+NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
+NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
+
+
+def all_equal(x: torch.Tensor) -> bool:
+    """Whether every element of `x` on every rank is the same value."""
+    extremes = all_reduce_max(torch.stack([x.float().max(), -x.float().min()]))
+    return bool(extremes[0] == -extremes[1])
 
 
 def describe_eval(metrics: dict) -> str:
@@ -1912,6 +2076,9 @@ class Progress:
     last_eval: dict | None = None
     clip_fracs: list = field(default_factory=list)
     wall_time_s: float = 0.0
+    no_signal_streak: int = 0  # steps in a row without a learning signal (Run.watch_signal)
+    no_signal_steps: int = 0
+    no_signal: dict | None = None  # where the warning was given
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -2249,6 +2416,18 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     device = x.device
     x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # NCCL: GPU tensors only
     dist.all_reduce(x)
+    return x.to(device)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum of `x` over all ranks (a new tensor); `x` itself without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    device = x.device
+    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x.to(device)
 
 

@@ -51,9 +51,13 @@ class Args:
     eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
     kl_coef: float = arg(0.0, "beta of the k3 KL penalty to a frozen reference (0: no reference in memory)")
     loss_agg: str = arg(
-        "seq-mean-token-mean", "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)"
+        "seq-mean-token-mean",
+        "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)",
+        choices=AGGREGATIONS,
     )
-    scale_rewards: str = arg("std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)")
+    scale_rewards: str = arg(
+        "std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)", choices=("std", "none")
+    )
     mask_truncated: bool = arg(
         False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
     )
@@ -65,7 +69,9 @@ class Args:
         "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(
-        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+        None,
+        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
+        choices=common.TASKS,
     )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
@@ -98,10 +104,15 @@ class Args:
     )
     epochs: int = arg(1, "passes over each rollout")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
+    report_to: str = arg(
+        "none",
+        "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
+        choices=common.REPORT_TO,
+    )
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/grpo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -219,10 +230,6 @@ def loss_denominator(agg: str, minibatch_mask: torch.Tensor, max_len: int) -> to
 
 
 def train(args: Args):
-    if args.loss_agg not in AGGREGATIONS:
-        raise common.UsageError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {args.loss_agg!r}")
-    if args.scale_rewards not in ("std", "none"):
-        raise common.UsageError(f"--scale-rewards must be std or none, got {args.scale_rewards!r}")
     if args.kl_coef < 0:
         raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
     env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
@@ -268,9 +275,9 @@ def train(args: Args):
 
         # 4. Log-probs of pi_old (and of the reference), once per rollout, without gradient, for the rows the
         #    updates will forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing
-        #    unless the KL term pulls it, so without one it is left out.
-        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device,
-                                   advantages if args.kl_coef == 0 else None)  # [(idx, rows)]  # fmt: skip
+        #    unless the KL term or the entropy bonus pulls it, so without them it is left out.
+        skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
+        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
             old_logp = common.logprobs_of_forwarded_rows(
                 model, roll, plan, args.temperature, every_row=bool(routing.blocks or args.reward_model)
@@ -287,10 +294,13 @@ def train(args: Args):
             ref = ref_logp[rows] if args.kl_coef > 0 else None
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
-                logp, _ = policy(roll[rows], args.temperature)
+                logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
                 loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
                                         args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
                                         denominator)  # fmt: skip
+                if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
+                    bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
+                    loss = loss - args.entropy_coef * bonus
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -300,6 +310,7 @@ def train(args: Args):
                 updates.append({**stats, **ratio_stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
         # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
+        zero_std_frac = common.global_mean((rewards.view(-1, args.group_size).std(1) == 0).float())  # all ranks'
         run.log(
             {
                 "step": step,
@@ -312,9 +323,10 @@ def train(args: Args):
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
                 "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
-                "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+                "zero_std_frac": zero_std_frac,
                 "tokens_per_s": mask.sum().item() / sample_time,
-            }
+            },
+            no_signal=zero_std_frac == 1,  # every group's rewards equal: every advantage 0, no gradient
         )
         run.save_checkpoint_if_due(step)
     return run.finish()

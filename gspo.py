@@ -44,7 +44,9 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # sequence log-ratio bounds before exp (GSPO: <
 class Args:
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
     eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
-    variant: str = arg("sequence", "sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)")
+    variant: str = arg(
+        "sequence", "sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)", choices=("sequence", "token")
+    )
     mask_truncated: bool = arg(
         False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
     )
@@ -53,7 +55,9 @@ class Args:
         "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(
-        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+        None,
+        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
+        choices=common.TASKS,
     )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
@@ -87,10 +91,15 @@ class Args:
     )
     epochs: int = arg(1, "passes over each rollout")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
+    report_to: str = arg(
+        "none",
+        "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
+        choices=common.REPORT_TO,
+    )
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/gspo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -179,8 +188,6 @@ def gspo_loss(
 
 
 def train(args: Args):
-    if args.variant not in ("sequence", "token"):
-        raise common.UsageError(f"--variant must be sequence or token, got {args.variant!r}")
     env = common.setup(args, "gspo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
@@ -221,7 +228,9 @@ def train(args: Args):
 
         # 4. Log-probs of pi_old, once per rollout, without gradient, for the rows the updates will forward:
         #    the minibatches are drawn first, and a row whose advantage is 0 adds nothing, so it is left out.
-        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, advantages)  # [(idx, rows)]
+        #    (--entropy-coef: the bonus has a gradient on every row, so every row is forwarded)
+        skip_by = advantages if args.entropy_coef == 0 else None
+        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
             old_logp = common.logprobs_of_forwarded_rows(
                 model, roll, plan, args.temperature, bool(routing.blocks) or init_model is not None
@@ -231,10 +240,12 @@ def train(args: Args):
         model.train()
         updates = []
         for idx, rows in plan:
-            logp, _ = policy(roll[rows], args.temperature)
+            logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             # divided by the whole minibatch's size, len(idx)
             loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
                                     args.eps_high, args.variant, len(idx))  # fmt: skip
+            if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
+                loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -244,6 +255,7 @@ def train(args: Args):
                 updates.append({**stats, **ratio_stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
 
         # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
+        zero_std_frac = common.global_mean((rewards.view(-1, args.group_size).std(1) == 0).float())  # all ranks'
         run.log(
             {
                 "step": step,
@@ -256,9 +268,10 @@ def train(args: Args):
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
                 "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
-                "zero_std_frac": (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+                "zero_std_frac": zero_std_frac,
                 "tokens_per_s": mask.sum().item() / sample_time,
-            }
+            },
+            no_signal=zero_std_frac == 1,  # every group's rewards equal: every advantage 0, no gradient
         )
         run.save_checkpoint_if_due(step)
     return run.finish()

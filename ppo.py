@@ -67,7 +67,9 @@ class Args:
         "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
     )
     task: str = arg(
-        None, "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)"
+        None,
+        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
+        choices=common.TASKS,
     )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
@@ -98,10 +100,17 @@ class Args:
     minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
     epochs: int = arg(1, "passes over each rollout")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    entropy_coef: float = arg(
+        0.0, "weight of an entropy bonus in the loss, on every row (the PPO paper's c2, Eq. 9; 0: none, as RLHF PPO)"
+    )
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
     eval_size: int = arg(500, "held-out prompts used for evaluation")
     eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg("none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)")
+    report_to: str = arg(
+        "none",
+        "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
+        choices=common.REPORT_TO,
+    )
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/ppo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -290,7 +299,7 @@ def train(args: Args):
         # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout; then the
         #    per-token rewards (score - beta * KL) and their GAE advantages.
         with torch.no_grad():
-            old_logp, entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+            old_logp, old_entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
             ref_logp = None  # --kl-coef 0: no reference forward
             if args.kl_coef > 0:
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
@@ -313,10 +322,12 @@ def train(args: Args):
                 value(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
             )
             (args.vf_coef * v_loss * scale).backward()
-            logp, _ = policy(roll[idx], args.temperature)
+            logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             pg_loss, stats = ppo_policy_loss(
                 logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
             )
+            if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
+                pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
             loss = pg_loss + args.vf_coef * v_loss
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -330,6 +341,7 @@ def train(args: Args):
                 updates.append({**stats, **v_stats, **losses, **norms, **ratio_stats})
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
+        mean_entropy = masked_mean(old_entropy, mask).item()
         run.log(
             {
                 "step": step,
@@ -341,12 +353,16 @@ def train(args: Args):
                 **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
                 "value_mean": masked_mean(old_values, mask).item(),
-                "entropy": masked_mean(entropy, mask).item(),
+                "entropy": mean_entropy,
                 "response_len": mask.sum(1).mean().item(),
                 "eos_rate": ends.float().mean().item(),
                 "truncated_frac": common.global_mean((~ends).float()),  # cut at --max-new-tokens
                 "tokens_per_s": mask.sum().item() / sample_time,
-            }
+            },
+            # one completion per prompt is no group: no signal when every reward in the batch is equal (the
+            # critic then learns a constant, and the advantages are its noise) or the policy has stopped
+            # exploring (entropy near 0: every completion of a prompt the same)
+            no_signal=common.all_equal(scores) or mean_entropy < common.NO_SIGNAL_ENTROPY,
         )
         run.save_checkpoint_if_due(step)
     return run.finish(critic=critic.state_dict())  # final/critic.pt beside the policy
