@@ -369,7 +369,9 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
         )
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
     needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
-    train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer)
+    tok = load_tokenizer(args.model)  # the data's characters are checked against it as it loads
+    check = functools.partial(check_characters, tok, args.model)
+    train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer, check=check)
     eval_set = eval_set[: args.eval_size]
     device = resolve_device(args.device, local_rank)
     reward_model = None
@@ -388,10 +390,9 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     check_lora_targets(args)
-    given = f"--data {args.data}" if args.data else f"--task {args.task or 'arith'}"
-    sources = [(given, train_set), (f"--eval-data {args.eval_data}" if args.eval_data else given, eval_set)]
-    tok = load_tokenizer(args.model)
-    check_characters(tok, args.model, sources, system_prompt if getattr(tok, "chat_template", None) else "")
+    bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
+    if bad:  # (without a chat template the system prompt is not used)
+        raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
 
@@ -539,16 +540,25 @@ REPORT_TO = ("none", "tensorboard")
 
 
 def load_task(
-    task: str | None, data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1, needs_answer=True
+    task: str | None,
+    data: str | None,
+    eval_data: str | None = None,
+    eval_fraction: float = 0.1,
+    needs_answer=True,
+    check=None,
 ):
     """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
     that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
-    out (arith, sums: their fixed splits), which never overlaps training."""
+    out (arith, sums: their fixed splits), which never overlaps training. `check(where, records)`
+    sees each file's records in file order (setup: `check_characters`)."""
+    check = check or (lambda where, records: None)
     if task is None:
         task = "jsonl" if data else "arith"
     if task not in TASKS:
         raise UsageError(f"--task {task!r} is unknown; expected one of {', '.join(TASKS)}")
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
+    if held_out is not None:
+        check(f"--eval-data {eval_data}", held_out)
     if task in ("arith", "sums"):
         if data:
             raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
@@ -557,6 +567,7 @@ def load_task(
     if not data:
         raise UsageError(f"--task {task} needs --data FILE.jsonl")
     records = load_jsonl(data, "--data", needs_answer)
+    check(f"--data {data}", records)
     if held_out is not None:
         return records, held_out
     if len(records) < 2:
@@ -686,35 +697,37 @@ def load_tokenizer(name: str):
     return tok
 
 
-def check_characters(tok, model: str, sources: list[tuple[str, list]], system_prompt: str = ""):
-    """Every character of the records' prompts and answers (and of the system prompt, where a chat
-    template uses it) must be one `tok` can represent: a tokenizer with an unknown token (the tiny
-    one covers printable ASCII and newline) turns any other into it, decoding drops it, and a task
-    written in them trains on text the model cannot see, with no error. UsageError naming the first
-    record (`sources`: (where, records) in order) and its characters. A byte-level tokenizer (Qwen's)
-    or one with byte fallback has nothing to report."""
-    if tok.unk_token_id is None:
-        return
-    texts = [(where, r, [r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str))
-             for where, records in sources for r in records]  # fmt: skip
-    chars = sorted(set("".join(t for _, _, ts in texts for t in ts)) | set(system_prompt or ""))
-    encoded = tok(chars, add_special_tokens=False)["input_ids"] if chars else []
-    bad = {c for c, ids in zip(chars, encoded) if tok.unk_token_id in ids}
-    if not bad:
-        return
+def unknown_characters(tok, chars) -> set:
+    """The characters of `chars` that `tok` turns into its unknown token (none without one: a
+    byte-level tokenizer such as Qwen's, or one with byte fallback, represents every character)."""
+    chars = sorted(set(chars))
+    if tok.unk_token_id is None or not chars:
+        return set()
+    return {c for c, ids in zip(chars, tok(chars, add_special_tokens=False)["input_ids"]) if tok.unk_token_id in ids}
+
+
+def check_characters(tok, model: str, where: str, records: list[dict]):
+    """Every character of the records' prompts and answers must be one `tok` can represent: a
+    tokenizer with an unknown token (the tiny one covers printable ASCII and newline) turns any
+    other into it, decoding drops it, and a task written in them trains on text the model cannot
+    see, without an error. UsageError naming the first record (in file order) and its characters."""
+    texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
+    bad = unknown_characters(tok, "".join(texts))
+    if bad:
+        hits = [i for i, t in enumerate(texts) if bad & set(t)]
+        first = sorted(bad & set(texts[hits[0]]))
+        raise UsageError(
+            f"{where}: record {hits[0] + 1} (prompt {_clip(records[hits[0]]['prompt'])}) has characters "
+            f"{_cannot_represent(tok, model, first)} ({len(hits)} of {len(records)} records have such characters)"
+        )
+
+
+def _cannot_represent(tok, model: str, chars) -> str:
     whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
         f"--model {model}'s tokenizer")  # fmt: skip
-    why = f"each would become {tok.unk_token}, which decoding drops: use characters it knows or another --model"
-    hits = [(where, r, sorted(set("".join(ts)) & bad)) for where, r, ts in texts if set("".join(ts)) & bad]
-    if not hits:  # only the system prompt
-        listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in sorted(set(system_prompt) & bad))
-        raise UsageError(f"--system-prompt has characters {whose} cannot represent: {listed}; {why}")
-    where, record, found = hits[0]
-    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in found)
-    raise UsageError(
-        f"{where}: the record with prompt {_clip(record['prompt'])} has characters {whose} cannot represent: "
-        f"{listed} ({len(hits)} of {len(texts)} records have such characters); {why}"
-    )
+    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars)
+    return (f"{whose} cannot represent: {listed}; each would become {tok.unk_token}, which decoding drops "
+            "(use characters it knows, or another --model)")  # fmt: skip
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -1997,7 +2010,8 @@ class Run:
                 tqdm.write(
                     f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
                     "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
-                    "(the run goes on)"
+                    "(the run goes on)",
+                    file=sys.stderr,
                 )
 
     def save_checkpoint_if_due(self, step: int):

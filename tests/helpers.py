@@ -205,6 +205,8 @@ SUMMARY_KEYS = {
     "wall_time_s",
     "peak_mem_mb",
     "mean_clip_frac",
+    "no_signal",
+    "no_signal_steps",
     "args",
 }
 

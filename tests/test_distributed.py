@@ -28,9 +28,12 @@ import common  # noqa: E402
 import grpo  # noqa: E402
 import gspo  # noqa: E402
 import ppo  # noqa: E402
+from common import masked_mean  # noqa: E402
 
 WORLD = 2
 CASES = ["grpo-token-mean", "grpo-seq-mean-token-mean", "gspo", "ppo"]
+CASES += [f"{case}+entropy" for case in CASES]  # --entropy-coef: the bonus, aggregated as each script does
+ENTROPY_COEF = 0.5
 
 
 def _free_port() -> int:
@@ -58,16 +61,20 @@ def fixed_batch(tok, B=8, T=6, seed=0):
 def loss_for(case, train_model, batch, rows):
     """The loss of `rows` of the batch as the scripts' update computes it (with their torchrun delta)."""
     roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
-    logp, _ = train_model(roll, 1.0)
+    case, bonus = case.removesuffix("+entropy"), case.endswith("+entropy")
+    c = ENTROPY_COEF if bonus else 0.0
+    logp, entropy = train_model(roll, 1.0, entropy_grad=bonus)
     old = (logp.detach() + batch["old_shift"][rows]) * mask
     if case.startswith("grpo"):
         agg = case[len("grpo-") :]
-        denominator = common.mean_denominator(mask.sum()) if agg == "token-mean" else None
-        return grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
+        denominator = common.mean_denominator(mask.sum()) if agg == "token-mean" else mask.shape[0]
+        loss = grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
+        return loss - c * grpo.aggregate(entropy, mask, agg, None, denominator)
     if case == "gspo":
-        return gspo.gspo_loss(logp, old, batch["adv"][rows], mask, 0.05, 0.05)[0]
+        loss = gspo.gspo_loss(logp, old, batch["adv"][rows], mask, 0.05, 0.05)[0]
+        return loss - c * masked_mean(entropy, mask, dim=1).sum() / mask.shape[0]
     adv = ppo.whiten(batch["token_adv"][rows], mask)  # whitened over all ranks' tokens
-    loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0]
+    loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0] - c * masked_mean(entropy, mask)
     return loss * mask.sum().clamp(min=1) / common.mean_denominator(mask.sum())
 
 
@@ -111,9 +118,13 @@ def test_two_ranks_update_equals_one_process(model_dir, tmp_path):
     tok = common.load_model(model_dir, torch.device("cpu"))[1]
     batch = fixed_batch(tok)
     before = common.load_model(model_dir, torch.device("cpu"))[0].state_dict()
+    singles = {}
     for case in CASES:
-        single = one_step(case, model_dir, batch, slice(None), ddp=False)
+        single = singles[case] = one_step(case, model_dir, batch, slice(None), ddp=False)
         assert any(not torch.equal(single[k], before[k]) for k in single), case  # the step moved the weights
+        if case.endswith("+entropy"):  # and the bonus moved them elsewhere
+            plain = singles[case.removesuffix("+entropy")]
+            assert max((single[k] - plain[k]).abs().max().item() for k in single) > 1e-4, case
         for k in single:
             torch.testing.assert_close(ddp[case][k], single[k], rtol=1e-5, atol=1e-6, msg=f"{case}: {k}")
 

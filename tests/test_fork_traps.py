@@ -1,0 +1,412 @@
+"""The traps a new user met making the scripts their own, each reproduced and then shown fixed:
+characters the tokenizer cannot represent, a reward that never separates a group's completions, an
+entropy bonus that had no gradient, a reward of the wrong length found only after --out was written,
+a fork's string flag without a check, and argparse taking --step for --steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT
+
+import common
+import grpo
+import gspo
+import ppo
+
+SCRIPTS = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
+TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
+            "--eval-size", "8", "--eval-every", "0"]  # fmt: skip
+
+
+def run_main(name, argv, capsys):
+    """common.main of script `name` in this process: (exit status, stdout, stderr)."""
+    module = SCRIPTS[name]
+    try:
+        common.main(module.train, module.Args, name, argv=[str(a) for a in argv])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# characters the tokenizer cannot represent
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_tiny_tokenizer_drops_what_it_cannot_represent():
+    """The trap itself: 'ä' becomes <unk>, and decoding drops it, so two prompts that differ only
+    in such characters are one prompt to the model."""
+    tok = common.load_tokenizer("tiny")
+    a, b = tok("Reverse: ab")["input_ids"], tok("Reverse: äöb")["input_ids"]
+    assert tok.unk_token_id in b and tok.unk_token_id not in a
+    assert tok.decode(b, skip_special_tokens=True) == "Reverse: b"
+    assert common.unknown_characters(tok, "Reverse: äöb\n") == {"ä", "ö"}
+    assert common.unknown_characters(tok, "".join(common.TINY_CHARS)) == set()
+    assert common.unknown_characters(tok, "tab\there") == {"\t"}  # printable ASCII and newline only
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data"])
+def test_unknown_characters_stop_the_run_before_anything_is_written(tmp_path, capsys, flag):
+    ascii_rows = [{"prompt": f"Reverse: {w}\n", "answer": w[::-1]} for w in ["abc", "hello", "xyz"] * 4]
+    bad_rows = ascii_rows[:3] + [{"prompt": "Reverse: über\n", "answer": "rebü"}] + ascii_rows[3:]
+    bad_rows.append({"prompt": "Reverse: café\n", "answer": "éfac"})
+    data = write_jsonl(tmp_path / "data.jsonl", bad_rows if flag == "--data" else ascii_rows)
+    argv = ["--data", data, "--out", tmp_path / "out", *TINY_RUN]
+    if flag == "--eval-data":
+        argv += ["--eval-data", write_jsonl(tmp_path / "eval.jsonl", bad_rows)]
+    status, _, err = run_main("gspo", argv, capsys)
+    line = one_line_error(err)
+    assert status == 2
+    source = data if flag == "--data" else tmp_path / "eval.jsonl"
+    assert line.startswith(f"error: {flag} {source}: record 4 (prompt 'Reverse: über\\n')"), line  # file order
+    assert "'ü' (U+00FC)" in line and "printable ASCII and newline" in line and "<unk>" in line
+    assert "2 of 14 records" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_byte_level_tokenizer_has_nothing_to_report():
+    class ByteLevel:  # Qwen's tokenizers: no unknown token, every character has bytes
+        unk_token_id = None
+
+    assert common.unknown_characters(ByteLevel(), "äöü 漢字 🙂") == set()
+    common.check_characters(ByteLevel(), "Qwen/Qwen2.5-0.5B", "--data x", [{"prompt": "漢字", "answer": "ü"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# a reward that gives no learning signal
+# ---------------------------------------------------------------------------------------------
+
+CONSTANT = "def constant(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+SPREAD = (
+    "import zlib\n"
+    "def spread(prompts, completions, **kw):\n"
+    "    return [zlib.crc32(c.encode()) % 7 for c in completions]\n"
+)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, name):
+    (tmp_path / "rewards.py").write_text(CONSTANT)
+    extra = ["--kl-coef", "0"] if name == "ppo" else []  # ppo: no per-token KL reward either
+    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", 25, "--out", tmp_path / "out", *TINY_RUN, *extra]
+    status, _, err = run_main(name, argv, capsys)
+    assert status == 0, err
+    warnings = [line for line in err.splitlines() if "no learning signal" in line]
+    assert len(warnings) == 1, err
+    assert "20 steps in a row (steps 1-20)" in warnings[0] and "partial credit" in warnings[0]
+    assert ("every group's rewards were equal" in warnings[0]) == (name != "ppo")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["no_signal"] == {"from_step": 1, "warned_at_step": 20}
+    assert summary["no_signal_steps"] == 25 and summary["step"] == 25
+
+
+@pytest.mark.parametrize("name", ["gspo", "ppo"])
+def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, name):
+    (tmp_path / "rewards.py").write_text(SPREAD)  # a hash of the text: different completions, different rewards
+    argv = ["--reward", f"{tmp_path}/rewards.py:spread", "--steps", 22, "--out", tmp_path / "out", *TINY_RUN]
+    argv[argv.index("--group-size") + 1] = "4"
+    status, _, err = run_main(name, argv, capsys)
+    assert status == 0 and "no learning signal" not in err, err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["no_signal"] is None and summary["no_signal_steps"] < 20
+
+
+def test_the_no_signal_streak_survives_resume(tmp_path, capsys):
+    """A streak cut by a checkpoint continues after --resume: the warning comes at the same step."""
+    (tmp_path / "rewards.py").write_text(CONSTANT)
+    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--out", tmp_path / "out", "--save-every", 5, *TINY_RUN]
+    assert run_main("gspo", [*argv, "--steps", 15], capsys)[0] == 0
+    status, _, err = run_main("gspo", ["--resume", tmp_path / "out", "--steps", 25], capsys)
+    assert status == 0 and "steps 1-20" in err, err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["no_signal"]["warned_at_step"] == 20
+
+
+# ---------------------------------------------------------------------------------------------
+# the entropy bonus
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = common.load_model("tiny", torch.device("cpu"))
+    return model, tok
+
+
+def rollout(tok, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tok(p)["input_ids"] for p in ["1+2=", "13+4=", "7+80=", "5+5="]]
+    completions = [torch.randint(10, 60, (n,), generator=g).tolist() for n in (3, 1, 5, 2)]
+    return common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
+
+
+def entropy_f64(model, roll, temperature):
+    """[B][T] entropies -sum_v p log p by a plain loop over rows and positions, float64: a float64
+    copy of the model, a full forward of each unpadded row, no chunking, no mask arithmetic."""
+    m64 = model.double()
+    out = []
+    for i in range(len(roll)):
+        p = roll.prompt_ids[i][roll.prompt_mask[i].bool()]
+        n = int(roll.completion_mask[i].sum())
+        ids = torch.cat([p, roll.completion_ids[i, :n]])[None]
+        logits = m64(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + n] / temperature
+        row = []
+        for t in range(n):
+            logq = torch.log_softmax(logits[t], -1)
+            row.append(-(logq.exp() * logq).sum())
+        out.append(row)
+    return out
+
+
+# the bonus as each script aggregates it: gspo per sequence then over sequences, grpo by --loss-agg, ppo token mean
+AGGREGATE_F64 = {
+    "gspo": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
+    "grpo-token-mean": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
+    "ppo": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
+}
+
+
+def bonus_as_the_script(case, entropy, mask):
+    if case == "gspo":
+        return common.masked_mean(entropy, mask, dim=1).sum() / mask.shape[0]
+    if case == "grpo-token-mean":
+        return grpo.aggregate(entropy, mask, "token-mean")
+    return common.masked_mean(entropy, mask)
+
+
+@pytest.mark.parametrize("case", AGGREGATE_F64)
+@pytest.mark.parametrize("chunk_tokens", [None, 2])
+def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
+    import copy
+
+    model, tok = tiny
+    model = copy.deepcopy(model).train()
+    roll, temperature = rollout(tok), 0.7
+    _, entropy = common.completion_logprobs(model, roll, temperature, chunk_tokens, entropy_grad=True)
+    bonus = bonus_as_the_script(case, entropy, roll.completion_mask)
+    bonus.backward()
+    m64 = copy.deepcopy(model).double()
+    ref = AGGREGATE_F64[case](entropy_f64(m64, roll, temperature))
+    ref.backward()
+    assert abs(bonus.item() - ref.item()) < 1e-5
+    for (name, p), p64 in zip(model.named_parameters(), m64.parameters()):
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_the_entropy_is_detached_unless_asked_for(tiny):
+    """The trap: `logp, ent = policy(...)` then `loss -= c * ent.mean()` moved nothing, because the
+    entropy is a diagnostic computed without a graph; entropy_grad=True gives it one."""
+    model, tok = tiny
+    policy = common.CompletionLogprobs(model)
+    logp, entropy = policy(rollout(tok), 1.0)
+    assert logp.requires_grad and not entropy.requires_grad
+    logp, entropy = policy(rollout(tok), 1.0, entropy_grad=True)
+    assert entropy.requires_grad
+    with torch.no_grad():
+        assert not policy(rollout(tok), 1.0, entropy_grad=True)[1].requires_grad
+
+
+def final_weights(out: Path, name: str = "final") -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / name / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
+    """With a constant reward every advantage is 0: without the bonus no row is worth forwarding
+    and the weights stay exactly where they started; with it every row is forwarded and the step
+    moves them."""
+    (tmp_path / "rewards.py").write_text(CONSTANT)
+    start = final_weights(Path(common.tiny_checkpoint("tiny")), "")
+    weights = {}
+    for coef in (0.0, 0.1):
+        out = tmp_path / f"c{coef}"
+        argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", 1, "--out", out, "--entropy-coef", coef]
+        assert run_main(name, [*argv, *TINY_RUN], capsys)[0] == 0
+        weights[coef] = final_weights(out)
+    assert all(torch.equal(weights[0.0][k], start[k]) for k in start)
+    assert any(not torch.equal(weights[0.1][k], start[k]) for k in start)
+
+
+def test_ppo_with_the_bonus_moves_the_weights_differently(tmp_path, capsys):
+    runs = {}
+    for coef in (0.0, 0.5):
+        out = tmp_path / f"c{coef}"
+        assert run_main("ppo", ["--steps", 1, "--out", out, "--entropy-coef", coef, *TINY_RUN], capsys)[0] == 0
+        runs[coef] = final_weights(out)
+    assert any(not torch.equal(runs[0.0][k], runs[0.5][k]) for k in runs[0.0])
+
+
+@pytest.mark.parametrize("value", ["-0.1", "inf", "nan"])
+def test_a_bad_entropy_coef_is_one_line(tmp_path, capsys, value):
+    status, _, err = run_main("grpo", ["--entropy-coef", value, "--out", tmp_path / "out"], capsys)
+    assert status == 2 and "--entropy-coef" in one_line_error(err)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a reward of the wrong length
+# ---------------------------------------------------------------------------------------------
+
+PER_PROMPT = "def per_prompt(prompts, completions, **kw):\n    return [1.0 for _ in dict.fromkeys(prompts)]\n"
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+def test_a_reward_of_the_wrong_length_stops_before_out_is_written(tmp_path, capsys, name):
+    """One value per distinct prompt fits the step-0 evaluation (one greedy completion per prompt);
+    the check on a real grouped batch catches it first, before --out exists."""
+    (tmp_path / "rewards.py").write_text(PER_PROMPT)
+    argv = ["--reward", f"{tmp_path}/rewards.py:per_prompt", "--out", tmp_path / "out", *TINY_RUN]
+    status, _, err = run_main(name, argv, capsys)
+    assert status == 2
+    assert "returned 4 values for 8 completions" in one_line_error(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_reward_check_moves_no_random_stream(tmp_path, capsys, monkeypatch):
+    """A run with the check and one without it end with the same weights and metrics."""
+    outs = {}
+    for checked in (True, False):
+        if not checked:
+            monkeypatch.setattr(common.Run, "check_rewards", lambda self: None)
+        out = outs[checked] = tmp_path / f"checked-{checked}"
+        assert run_main("gspo", ["--steps", 3, "--out", out, *TINY_RUN], capsys)[0] == 0
+    a, b = final_weights(outs[True]), final_weights(outs[False])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def metrics(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s")} for r in rows]
+
+    assert metrics(outs[True]) == metrics(outs[False])
+
+
+def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
+    """On --resume no step-0 evaluation runs first: the check scores an evaluation batch too. A
+    reward that fails on any batch but the training one (4 prompts x 2 = 8 rows; the evaluation
+    has 6) stops the resumed run before its first step, its outputs as they were."""
+    (tmp_path / "rewards.py").write_text(
+        "import os\n"
+        "def picky(prompts, completions, **kw):\n"
+        "    if os.environ.get('PICKY') and len(completions) != 8:\n"
+        "        return [0.0]\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    argv = ["--reward", f"{tmp_path}/rewards.py:picky", "--out", tmp_path / "out", "--save-every", 1, *TINY_RUN]
+    argv[argv.index("--eval-size") + 1] = "6"
+    assert run_main("grpo", [*argv, "--steps", 1], capsys)[0] == 0
+    before = (tmp_path / "out" / "metrics.jsonl").read_text()
+    monkeypatch.setenv("PICKY", "1")
+    status, _, err = run_main("grpo", ["--resume", tmp_path / "out", "--steps", 2], capsys)
+    assert status == 2 and "returned 1 values for 6 completions" in one_line_error(err)
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# flags: choices, no abbreviations, did you mean
+# ---------------------------------------------------------------------------------------------
+
+FIXED_SETS = {
+    "ppo": {"task": common.TASKS, "report_to": ("none", "tensorboard")},
+    "grpo": {
+        "task": common.TASKS,
+        "report_to": ("none", "tensorboard"),
+        "loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
+        "scale_rewards": ("std", "none"),
+    },
+    "gspo": {"task": common.TASKS, "report_to": ("none", "tensorboard"), "variant": ("sequence", "token")},
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_fixed_set_flag_declares_its_choices(name):
+    declared = {f.name: f.metadata["choices"] for f in dataclasses.fields(SCRIPTS[name].Args) if f.metadata["choices"]}
+    assert declared == FIXED_SETS[name]
+
+
+@pytest.mark.parametrize(
+    "name, argv, expected",
+    [
+        (
+            "gspo",
+            ["--variant", "tokn"],
+            "error: --variant must be one of sequence, token, got 'tokn' (did you mean token?)",
+        ),
+        ("grpo", ["--loss-agg", "token_mean"], "got 'token_mean' (did you mean token-mean?)"),
+        ("grpo", ["--scale-rewards", "max"], "error: --scale-rewards must be one of std, none, got 'max'"),
+        ("ppo", ["--report-to", "wandb"], "error: --report-to must be one of none, tensorboard, got 'wandb'"),
+        ("ppo", ["--task", "gsm8"], "(did you mean gsm8k?)"),
+        ("gspo", ["--step", "1"], "error: unrecognized argument --step (did you mean --steps?)"),
+        ("grpo", ["--eval-evry=5"], "error: unrecognized argument --eval-evry=5 (did you mean --eval-every?)"),
+        ("ppo", ["--lr", "1e-3", "extra"], "error: unrecognized arguments: extra"),
+    ],
+)
+def test_bad_flags_are_one_line_with_the_nearest_choice(tmp_path, capsys, name, argv, expected):
+    status, _, err = run_main(name, [*argv, "--out", tmp_path / "out"], capsys)
+    assert status == 2 and expected in one_line_error(err), err
+    if "did you mean" not in expected and "unrecognized" not in expected:
+        assert "did you mean" not in err  # nothing near: no guess
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_abbreviated_flag_is_not_taken_for_the_full_one():
+    """argparse's prefix matching took --step 1 for --steps 1 and ran a one-step run."""
+    with pytest.raises(SystemExit) as e:
+        common.parse_args(gspo.Args, ["--step", "1"])
+    assert e.value.code == 2
+    assert common.parse_args(gspo.Args, ["--steps", "1"]).steps == 1
+
+
+def test_a_forks_own_string_flag_gets_the_same_check(capsys):
+    """A fork adds `advantage: str = arg("grpo", ..., choices=(...))`: a bad value given on the
+    command line, saved in a checkpoint or passed to Args directly is the same one-line error."""
+
+    @dataclass
+    class ForkArgs(grpo.Args):
+        advantage: str = common.arg("grpo", "grpo or rloo", choices=("grpo", "rloo"))
+
+    ForkArgs.__module__ = grpo.__name__
+    with pytest.raises(common.UsageError, match=r"--advantage must be one of grpo, rloo, got 'rlooo' \(did you"):
+        common.parse_args(ForkArgs, ["--advantage", "rlooo"])
+    with pytest.raises(common.UsageError, match="--advantage must be one of grpo, rloo"):
+        common.check_common_args(ForkArgs(advantage="x"), needs_group=True)
+    assert common.parse_args(ForkArgs, ["--advantage", "rloo"]).advantage == "rloo"
+
+
+def test_the_tools_parsers_refuse_abbreviations_too():
+    proc = subprocess.run([sys.executable, "tools/plan_memory.py", "--alg", "grpo"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unrecognized argument --alg (did you mean --algo?)"
+
+
+def test_help_marks_what_may_change_on_resume():
+    proc = subprocess.run([sys.executable, "gspo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0
+    for name in common.RESUME_MAY_CHANGE:
+        if name != "resume":
+            assert f"{common._flag(name)}" in text
+    assert "may change on --resume" in text and "{sequence,token}" in text
+    assert text.count("may change on --resume") == len(common.RESUME_MAY_CHANGE) + 1  # and the epilog's
