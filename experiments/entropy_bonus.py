@@ -4,13 +4,15 @@ falls to about 0 within a few dozen steps, nearly every group's rewards become e
 near 1) and the policy settles on one answer. The same runs with an entropy bonus, several
 coefficients, 3 seeds each; every run is reported, whichever way it comes out.
 
-    python experiments/entropy_bonus.py                  the grid below (about 30 minutes on 2 CPU cores)
+    python experiments/entropy_bonus.py                  the grid below (about 40 minutes on 2 shared CPU cores)
     python experiments/entropy_bonus.py --plan           print the grid; run nothing
     python experiments/entropy_bonus.py --report-only    the table from the finished runs in --out
 
 The data (VOWEL_TASK: 2,000 words of 3-8 letters, seed 0; 10% held out by the scripts' own split)
 is written to OUT/vowels.jsonl. Each run: `python ALGO.py --data OUT/vowels.jsonl --steps STEPS
---seed S --entropy-coef C`, the scripts' defaults otherwise, in OUT/c<C>/seed<S>. A run that
+--seed S --entropy-coef C` and RUN_FLAGS, the scripts' defaults otherwise, in OUT/c<C>/seed<S>
+(a run with the bonus forwards every row, where the plain run skips the all-equal groups: several
+times the step time here). A run that
 reached its last step is skipped. Writes OUT/entropy_bonus.md (one row per run, then per
 coefficient: mean and range over seeds). Write-up: docs/entropy_bonus.md.
 """
@@ -31,9 +33,10 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 VOWEL_TASK = dict(seed=0, words=2000, min_len=3, max_len=8)
-COEFS = (0.0, 0.01, 0.03, 0.1)
+COEFS = (0.0, 0.01, 0.05)
 SEEDS = (0, 1, 2)
-LAST = 50  # the table's late-training means are over the last LAST steps
+LAST = 30  # the table's late-training means are over the last LAST steps
+RUN_FLAGS = ["--prompts-per-step", "32", "--eval-size", "200"]  # half the default batch: a bonus run forwards every row
 
 
 def vowel_records(seed: int, words: int, min_len: int, max_len: int) -> list[dict]:
@@ -41,7 +44,7 @@ def vowel_records(seed: int, words: int, min_len: int, max_len: int) -> list[dic
     records = []
     for _ in range(words):
         word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(min_len, max_len)))
-        records.append({"prompt": f"Count the vowels in {word}: ", "answer": str(sum(c in "aeiou" for c in word))})
+        records.append({"prompt": f"vowels in {word}=", "answer": str(sum(c in "aeiou" for c in word))})
     return records
 
 
@@ -77,7 +80,7 @@ def result(run: Path) -> dict:
 
 def report(out: Path, algo: str, steps: int, coefs, seeds) -> str:
     lines = [
-        f"{algo}.py, vowel counting (`exact` reward), {steps} steps, scripts' defaults otherwise; "
+        f"{algo}.py, vowel counting (`exact` reward), {steps} steps, {' '.join(RUN_FLAGS)}, defaults otherwise; "
         f"late = mean over the last {LAST} steps",
         "",
         "| --entropy-coef | seed | eval acc before | after | best | entropy (late) | zero_std_frac (late) "
@@ -112,7 +115,7 @@ def report(out: Path, algo: str, steps: int, coefs, seeds) -> str:
 def main(argv=None):
     p = common.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--algo", choices=["gspo", "grpo", "ppo"], default="gspo")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--coefs", type=float, nargs="+", default=list(COEFS))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--out", default="runs/entropy_bonus")
@@ -134,7 +137,7 @@ def main(argv=None):
                 continue
             run.parent.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, f"{args.algo}.py", "--data", str(data), "--steps", str(args.steps),
-                   "--seed", str(seed), "--entropy-coef", str(coef), "--out", str(run)]  # fmt: skip
+                   "--seed", str(seed), "--entropy-coef", str(coef), *RUN_FLAGS, "--out", str(run)]  # fmt: skip
             t0 = time.perf_counter()
             with open(run.parent / f"seed{seed}.log", "w") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode

@@ -129,7 +129,7 @@ def bad_inputs(tmp):
             "noprompt.jsonl:1: missing field 'prompt'",
         ),
         ("grpo", ["--data", tmp], "is a directory"),
-        ("gspo", ["--task", "poetry"], "--task 'poetry' is unknown"),
+        ("gspo", ["--task", "poetry"], "--task must be one of arith, sums, gsm8k, jsonl, got 'poetry'"),
         ("gspo", ["--steps", "0"], "--steps must be >= 1"),
         ("ppo", ["--steps", "2.5"], "argument --steps: invalid int value: '2.5'"),
         ("grpo", ["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
@@ -152,7 +152,7 @@ def bad_inputs(tmp):
         ("grpo", ["--resume", no_ckpt], "no checkpoint"),
         ("gspo", ["--save-every", "-1"], "--save-every must be >= 0"),
         ("ppo", ["--seed", "-1"], "--seed must be in"),
-        ("gspo", ["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+        ("gspo", ["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
     ]
 
 

@@ -270,8 +270,9 @@ def test_not_importable_exits_2_before_writing_anything(tmp_path):
     assert not out.exists()
 
 
-# A reward that is fine for the step-0 evaluation and step 1, then goes wrong in step 2 (its third
-# call: --eval-every 0 evaluates only before training and after the last step).
+# A reward that is fine for the check before the run (Run.check_rewards: one training-shaped batch),
+# the step-0 evaluation and step 1, then goes wrong in step 2 (its fourth call: --eval-every 0
+# evaluates only before training and after the last step).
 MID_RUN = """
 import math
 calls = [0]
@@ -279,7 +280,7 @@ calls = [0]
 def flaky(prompts, completions, **kwargs):
     calls[0] += 1
     values = [float(i % 2) for i in range(len(completions))]
-    if calls[0] < 3:
+    if calls[0] < 4:
         return values
     if MODE == "raise":
         raise RuntimeError("lookup table missing")
