@@ -410,3 +410,27 @@ def test_help_marks_what_may_change_on_resume():
             assert f"{common._flag(name)}" in text
     assert "may change on --resume" in text and "{sequence,token}" in text
     assert text.count("may change on --resume") == len(common.RESUME_MAY_CHANGE) + 1  # and the epilog's
+
+
+def test_the_entropy_bonus_experiments_task_and_table(tmp_path):
+    """experiments/entropy_bonus.py: its answers are vowel counts (counted here by a regex), and
+    its table lists every run given, finished or not, with its seed's numbers."""
+    import re
+
+    import entropy_bonus
+
+    records = entropy_bonus.vowel_records(seed=0, words=50, min_len=3, max_len=8)
+    for r in records:
+        word = re.fullmatch(r"vowels in ([a-z]{3,8})=", r["prompt"]).group(1)
+        assert r["answer"] == str(len(re.findall("[aeiou]", word)))
+    run = entropy_bonus.run_dir(tmp_path, 0.01, 1)
+    run.mkdir(parents=True)
+    rows = [{"step": s, "entropy": 1.0 / s, "zero_std_frac": 0.5, "eval_accuracy": 0.3} for s in range(1, 41)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"step": 40, "eval_accuracy_before": 0.1, "eval_accuracy_after": 0.3, "wall_time_s": 12.0,
+               "no_signal": {"from_step": 1, "warned_at_step": 20}}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    table = entropy_bonus.report(tmp_path, "gspo", 40, [0.0, 0.01], [1])
+    late = sum(1.0 / s for s in range(11, 41)) / 30  # the last LAST = 30 steps
+    assert "| 0 | 1 | (not run) |" in table
+    assert f"| 0.01 | 1 | 0.100 | 0.300 | 0.300 | {late:.3f} | 0.500 | 20 | 12 |" in table
