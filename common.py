@@ -1786,29 +1786,34 @@ def check_rollout_args(args):
 
 class Sampler:
     """The policy as the rollout samples it. --rollout-dtype float32: the policy itself. bfloat16:
-    a bf16 copy of its parameters (buffers, such as RoPE's frequencies, stay float32), refreshed from
-    the policy before every rollout, so its KV cache is bf16 too; with LoRA the copy holds the
-    adapters, so it samples the adapted policy. Records mu (Rollout.sample_logp) whenever anything
-    reads it: a bf16 rollout (the diagnostics), --old-logp rollout or --is-correction. Not saved in
-    checkpoints: it is a function of the policy's weights, so a resumed run rebuilds it exactly."""
+    a bf16 copy of its parameters (buffers, such as RoPE's frequencies, stay float32), cast from the
+    policy at the start of every rollout and freed at its end, so that it costs memory only while
+    sampling; its KV cache is bf16 too. With LoRA the copy holds the adapters: it samples the adapted
+    policy. Records mu (Rollout.sample_logp) whenever anything reads it: a bf16 rollout (the
+    diagnostics), --old-logp rollout or --is-correction. Nothing of it is saved in checkpoints: it is a
+    function of the policy's weights, so a resumed run samples exactly as an uninterrupted one."""
 
     def __init__(self, model, args):
         self.model, self.dtype = model, ROLLOUT_DTYPES[args.rollout_dtype]
         self.records = args.rollout_dtype != "float32" or args.old_logp != "recompute" or args.is_correction != "none"
         self.copy = None
-        if self.dtype != torch.float32:
-            self.copy = copy.deepcopy(model).requires_grad_(False).eval()
-            for p in self.copy.parameters():
-                p.data = p.data.to(self.dtype)
+        if self.dtype != torch.float32:  # the module structure only: its parameters are filled in per rollout
+            empty = {id(p): torch.nn.Parameter(torch.empty(0), requires_grad=False) for p in model.parameters()}
+            self.copy = copy.deepcopy(model, memo=empty).eval()
 
     def sample(self, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator) -> Rollout:
-        if self.copy is not None:
-            with torch.no_grad():
-                for dst, src in zip(self.copy.parameters(), self.model.parameters()):
-                    dst.copy_(src)  # cast to bf16
-        model = self.model if self.copy is None else self.copy
-        return sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator=generator,
-                      record_logp=self.records)  # fmt: skip
+        if self.copy is None:
+            return sample(self.model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                          generator=generator, record_logp=self.records)  # fmt: skip
+        pairs = list(zip(self.copy.parameters(), self.model.parameters()))
+        for dst, src in pairs:
+            dst.data = src.detach().to(self.dtype)
+        try:
+            return sample(self.copy, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                          generator=generator, record_logp=True)  # fmt: skip
+        finally:
+            for dst, src in pairs:
+                dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
 
 
 def old_logprobs(model, roll: Rollout, plan: list[tuple], temperature: float, old_logp: str, every_row=False):

@@ -119,26 +119,44 @@ def test_bf16_mu_equals_a_float64_recomputation_of_the_bf16_sampler(tiny):
             p = roll.prompt_ids[i][roll.prompt_mask[i].bool()]
             n = int(m[i].sum())
             ids = torch.cat([p, roll.completion_ids[i, :n]])[None]
-            logits = sampler.copy(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + n].double()
+            logits = bf16_twin(model)(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + n].double()
             ref[i, :n] = torch.log_softmax(logits, -1).gather(-1, roll.completion_ids[i, :n, None]).squeeze(-1)
         old = common.completion_logprobs(model, roll, 1.0)[0]
-    diff = (roll.sample_logp.double() - ref)[m]
+    diff = (roll.sample_logp.double() - ref)[m]  # (ref: through bf16_twin, the copy as it sampled)
     assert diff.abs().max() < 0.1 and diff.pow(2).mean().sqrt() < 0.02
     assert (roll.sample_logp - old)[m].abs().max() > 1e-3  # bf16 is not float32
 
 
-def test_the_bf16_copy_follows_the_policy(tiny):
+def bf16_twin(model):
+    """The policy with its parameters cast to bf16 and its buffers kept (what Sampler samples from)."""
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return twin
+
+
+def test_the_bf16_copy_follows_the_policy_and_is_freed_after_sampling(tiny, monkeypatch):
     model, tok = tiny
     model = copy.deepcopy(model)
     sampler = common.Sampler(model, args_for(rollout_dtype="bfloat16"))
+    seen = {}
+    real_sample = common.sample
+
+    def spy(m, *a, **kw):  # the parameters the sampler runs with, as it runs
+        seen["params"] = [p.detach().clone() for p in m.parameters()]
+        seen["buffers"] = {n: b.dtype for n, b in m.named_buffers()}
+        return real_sample(m, *a, **kw)
+
+    monkeypatch.setattr(common, "sample", spy)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.01)
+            p.add_(0.01)  # an update: the next rollout must see it
     sampler.sample(arith_prompts(tok, 1, 1), 2, common.eos_token_ids(model, tok), tok.pad_token_id, 1.0, 1.0, None)
-    for a, b in zip(sampler.copy.parameters(), model.parameters()):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16))
-    rope = [b for name, b in sampler.copy.named_buffers() if "inv_freq" in name]
-    assert rope and all(b.dtype == torch.float32 for b in rope)  # buffers stay float32
+    for a, b in zip(seen["params"], model.parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.detach().to(torch.bfloat16))
+    rope = [dtype for name, dtype in seen["buffers"].items() if "inv_freq" in name]
+    assert rope and all(d == torch.float32 for d in rope)  # buffers stay float32
+    assert all(p.numel() == 0 for p in sampler.copy.parameters())  # freed between rollouts
 
 
 # ---------------------------------------------------------------------------------------------
