@@ -5,8 +5,8 @@
 The training shape (64 prompts x 4 samples from arith_split()'s training part, sampled at
 temperature 1 with mu recorded, as the scripts do) through common.Sampler, for three models: the
 shipped tiny checkpoint (8 new tokens), the same at 64 new tokens with EOS off, and a random Qwen3
-of hidden size 1024 (8 layers, about 120M parameters; 64 new tokens, EOS off), where reading the
-weights and the cache starts to dominate. Each (model, dtype) runs in a fresh subprocess, so that
+of hidden size 512 (8 layers, about 25M parameters; 64 new tokens, EOS off), where reading the
+weights and the cache weighs more. Each (model, dtype) runs in a fresh subprocess, so that
 its peak memory is its own: generated tokens per second (median of --repeats after one warm-up)
 and the peak memory added by sampling (CPU: peak resident set size over the resident size before
 the first rollout; CUDA: torch.cuda.max_memory_allocated over the allocation before it). The CPU's
@@ -34,10 +34,10 @@ import common  # noqa: E402
 MODELS = {  # name -> (new tokens, EOS on)
     "tiny": (8, True),
     "tiny-64": (64, False),
-    "qwen3-1024": (64, False),
+    "qwen3-512": (64, False),
 }
-BIG = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
-           num_key_value_heads=8, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+BIG = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+           num_key_value_heads=4, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
 
 
 def cpu_bf16_flags() -> str:
@@ -52,7 +52,7 @@ def cpu_bf16_flags() -> str:
 def one(name: str, dtype: str, device: str, repeats: int) -> dict:
     dev = torch.device(device)
     model, tok = common.load_model("tiny", dev)
-    if name == "qwen3-1024":
+    if name == "qwen3-512":
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
