@@ -164,6 +164,7 @@ SHARED_FLAGS = {
         "device",
     ),
     "LoRA": ("lora_rank", "lora_alpha", "lora_targets", "merge_lora"),
+    "rollout precision (docs/rollout_mismatch.md)": ("rollout_dtype", "old_logp", "is_correction", "is_cap"),
 }
 
 
@@ -273,6 +274,7 @@ def check_common_args(args, needs_group: bool):
             raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     check_model_name(args.model)
     check_lora_args(args)
+    check_rollout_args(args)
     out = Path(args.out)
     existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
@@ -855,11 +857,15 @@ class Rollout:
     completion_ids: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T] 1 on generated tokens, the EOS token included
     entropy: torch.Tensor | None = None  # [B, T] the sampling distribution's entropy at each token (sample())
+    # sample(record_logp=True): the behaviour policy mu's log-prob of each sampled token, as sampled (after
+    # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
+    sample_logp: torch.Tensor | None = None  # [B, T] log mu
+    sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
 
     def __getitem__(self, idx):
-        entropy = None if self.entropy is None else self.entropy[idx]
+        pick = lambda x: None if x is None else x[idx]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
-                       entropy)  # fmt: skip
+                       pick(self.entropy), pick(self.sample_logp), pick(self.sample_logp_full))  # fmt: skip
 
     def __len__(self):
         return self.prompt_ids.shape[0]
@@ -892,11 +898,14 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     generator=None,
+    record_logp: bool = False,
 ) -> Rollout:
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
     samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
     and every position after it is padding. Greedy output equals `model.generate`'s (tests:
-    test_common.py, test_speed.py; bench: benchmarks/sampler.py).
+    test_common.py, test_speed.py; bench: benchmarks/sampler.py). The sampler runs in the weights'
+    dtype (a bf16 copy: `Sampler`); record_logp: also keep, per sampled token, its log-prob under
+    the distribution it was drawn from and under the untruncated one (Rollout.sample_logp*).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
     once), dropping the rows that have finished whenever half of the batch is done. Any other
@@ -931,12 +940,20 @@ def sample(
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
         entropy = None if greedy else torch.zeros(B, max_new_tokens, device=device)
+        if record_logp:
+            sample_logp, sample_logp_full = torch.zeros(2, B, max_new_tokens, device=device)
         for t in range(max_new_tokens):
             token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
             token = torch.where(alive, token, pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
             if entropy is not None:  # of logits / temperature before top-p, as completion_logprobs computes it
                 entropy[rows, t] = _entropy(logits.float() / temperature) * alive
+            if record_logp:  # the same arithmetic as _next_token's, at the token it drew
+                scaled = logits.float() / temperature
+                full = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+                kept = _top_p_filter(scaled, top_p).log_softmax(-1) if top_p < 1.0 else None
+                sampled = full if kept is None else kept.gather(-1, token[:, None]).squeeze(-1)
+                sample_logp_full[rows, t], sample_logp[rows, t] = full * alive, sampled * alive
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1 or not alive.any():
                 break
@@ -946,7 +963,10 @@ def sample(
                 rows, alive, token = rows[keep], alive[keep], token[keep]
             logits = decoder.step(token)
     entropy = None if entropy is None else entropy[:, : t + 1]
-    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1], entropy)
+    roll = Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1], entropy)
+    if record_logp:
+        roll.sample_logp, roll.sample_logp_full = sample_logp[:, : t + 1], sample_logp_full[:, : t + 1]
+    return roll
 
 
 def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
@@ -1744,6 +1764,158 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# 7b. Rollout precision: a bf16 sampler (--rollout-dtype), pi_old (--old-logp), the mismatch between the
+#     sampler mu and the trainer, and its correction (--is-correction); docs/rollout_mismatch.md
+# ---------------------------------------------------------------------------------------------
+
+ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OLD_LOGP = ("recompute", "rollout")
+IS_CORRECTIONS = ("none", "tis", "mask")
+
+
+def check_rollout_args(args):
+    """--rollout-dtype, --old-logp, --is-correction, --is-cap: one-line errors (check_common_args)."""
+    if not 1 <= args.is_cap < math.inf:
+        raise UsageError(f"--is-cap must be a finite number >= 1, got {args.is_cap}")
+    if args.is_correction != "none" and args.old_logp == "rollout":
+        raise UsageError(
+            "--is-correction weighs by pi_old / mu, and with --old-logp rollout pi_old is mu (every weight 1): "
+            "use --old-logp recompute, or leave the correction to the ratio itself"
+        )
+
+
+class Sampler:
+    """The policy as the rollout samples it. --rollout-dtype float32: the policy itself. bfloat16:
+    a bf16 copy of its parameters (buffers, such as RoPE's frequencies, stay float32), cast from the
+    policy at the start of every rollout and freed at its end, so that it costs memory only while
+    sampling; its KV cache is bf16 too. With LoRA the copy holds the adapters: it samples the adapted
+    policy. Records mu (Rollout.sample_logp) whenever anything reads it: a bf16 rollout (the
+    diagnostics), --old-logp rollout or --is-correction. Nothing of it is saved in checkpoints: it is a
+    function of the policy's weights, so a resumed run samples exactly as an uninterrupted one."""
+
+    def __init__(self, model, args):
+        self.model, self.dtype = model, ROLLOUT_DTYPES[args.rollout_dtype]
+        self.records = args.rollout_dtype != "float32" or args.old_logp != "recompute" or args.is_correction != "none"
+        self.copy = None
+        if self.dtype != torch.float32:  # the module structure only: its parameters are filled in per rollout
+            empty = {id(p): torch.nn.Parameter(torch.empty(0), requires_grad=False) for p in model.parameters()}
+            self.copy = copy.deepcopy(model, memo=empty).eval()
+
+    def sample(self, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator) -> Rollout:
+        if self.copy is None:
+            return sample(self.model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                          generator=generator, record_logp=self.records)  # fmt: skip
+        pairs = list(zip(self.copy.parameters(), self.model.parameters()))
+        for dst, src in pairs:
+            dst.data = src.detach().to(self.dtype)
+        try:
+            return sample(self.copy, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                          generator=generator, record_logp=True)  # fmt: skip
+        finally:
+            for dst, src in pairs:
+                dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
+
+
+def old_logprobs(model, roll: Rollout, plan: list[tuple], temperature: float, old_logp: str, every_row=False):
+    """[B, T] pi_old: --old-logp recompute, the trainer's own forward (`logprobs_of_forwarded_rows`,
+    under no_grad); rollout, the sampler's log-probs, no forward at all, as engines without a
+    recompute do. Those are the sampler's untruncated distribution's (`sample_logp_full`), so that
+    with --top-p < 1 the ratio compares like with like (pi_theta / pi_old over the whole vocabulary,
+    as with recompute); mu itself, the truncated one, enters only the diagnostics."""
+    if old_logp == "rollout":
+        return roll.sample_logp_full * roll.completion_mask
+    return logprobs_of_forwarded_rows(model, roll, plan, temperature, every_row)
+
+
+def forwarded_rows(plan: list[tuple], n: int, device) -> torch.Tensor:
+    """[n] bool: the rows some update of `plan` forwards (they have pi_old)."""
+    rows = torch.zeros(n, dtype=torch.bool, device=device)
+    rows[torch.cat([r for _, r in plan])] = True
+    return rows
+
+
+def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The training-inference mismatch before any correction, over the tokens of `mask` [B, T]: d =
+    log(pi / mu) per token, with pi the trainer's log-prob at the rollout's weights.
+      mismatch_log_ratio_mean, _std   mean and std of d over tokens
+      mismatch_k3                     k3 estimate of KL(mu || pi): mean of exp(d) - d - 1 (>= 0)
+      mismatch_frac_beyond_ln2        share of tokens with |d| > ln 2 (a ratio outside [1/2, 2])
+      mismatch_seq_ratio_std          spread (std over sequences) of the sequence ratio exp(sum_t d)
+      mismatch_geo_ratio_max_dev      largest |exp(mean_t d) - 1|: GSPO's length-normalised ratio,
+                                      against its clip band of 3e-4 / 4e-4"""
+    m = mask.bool()
+    if not m.any():
+        return {}
+    d = torch.where(m, trainer_logp - mu, torch.zeros_like(mu)).double()
+    tokens = d[m]
+    rows = m.any(1)
+    seq = d.sum(1)[rows]
+    geo = seq / m.sum(1)[rows]
+    return {
+        "mismatch_log_ratio_mean": tokens.mean().item(),
+        "mismatch_log_ratio_std": tokens.std(unbiased=False).item(),
+        "mismatch_k3": (tokens.exp() - tokens - 1).mean().item(),
+        "mismatch_frac_beyond_ln2": (tokens.abs() > math.log(2)).double().mean().item(),
+        "mismatch_seq_ratio_std": seq.clamp(max=20).exp().std(unbiased=False).item(),
+        "mismatch_geo_ratio_max_dev": (geo.exp() - 1).abs().max().item(),
+    }
+
+
+def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, per="token"):
+    """Detached [B, T] loss weights correcting for sampling from mu instead of pi_old (--is-correction):
+      tis   token-level truncated importance sampling (verl PR #2953; Yao et al. 2025):
+            w_t = min(pi_old / mu, cap); per="sequence" (GSPO, whose term is one per sequence): one
+            weight per sequence, min(exp(mean_t log(pi_old / mu)), cap), the length normalisation of
+            its own ratio, on every token of it
+      mask  sequence-level masking as TRL's vllm_importance_sampling_correction `sequence_mask`
+            (TRL #4772): one-sided, w = 0 on every token of a sequence whose exp(sum_t log(pi_old /
+            mu)) exceeds cap, else 1. Masked rows stay in the batch and in every denominator (each
+            rank keeps its forwards; the loss is what the unmasked rows contribute)
+    1 wherever mask == 0; `none`: None."""
+    if mode == "none":
+        return None
+    m = mask.bool()
+    d = torch.where(m, old_logp - mu, torch.zeros_like(mu)).detach()  # log(pi_old / mu) per token
+    if mode == "tis" and per == "token":
+        w = d.clamp(max=math.log(cap)).exp()
+    elif mode == "tis":
+        w = (d.sum(1) / m.sum(1).clamp(min=1)).clamp(max=math.log(cap)).exp()[:, None].expand_as(d)
+    elif mode == "mask":
+        w = (d.sum(1) <= math.log(cap)).to(d.dtype)[:, None].expand_as(d)
+    else:
+        raise ValueError(f"mode must be one of {IS_CORRECTIONS}, got {mode!r}")
+    return torch.where(m, w, torch.ones_like(w))
+
+
+def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str, cap: float) -> dict:
+    """is_weight_mean, and the share of tokens the correction changed: truncated at cap (tis) or masked."""
+    if weights is None or not mask.bool().any():
+        return {}
+    w = weights[mask.bool()]
+    changed = (w >= cap) if mode == "tis" else (w == 0)
+    return {"is_weight_mean": w.mean().item(), f"is_{'truncated' if mode == 'tis' else 'masked'}_frac":
+            changed.float().mean().item()}  # fmt: skip
+
+
+def rollout_correction(old_logp, roll: Rollout, plan: list[tuple] | None, args, per: str = "token"):
+    """(weights [B, T] or None, diagnostics) of a step: `is_weights` and `mismatch_stats` over the
+    rows the updates forward (the ones with the trainer's pi_old). (None, {}) when mu is not
+    recorded. (None, None) with --old-logp rollout: no trainer log-probs exist before the updates,
+    so the scripts measure the mismatch on the first update's forward, which runs at the rollout's
+    weights (`mismatch_stats` over that minibatch's rows)."""
+    if roll.sample_logp is None:
+        return None, {}
+    if args.old_logp == "rollout":  # no trainer pi_old before the updates; no correction (check_rollout_args)
+        return None, None
+    mask = roll.completion_mask  # plan None: every row has pi_old (ppo.py)
+    if plan is not None:
+        mask = mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    weights = is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
+    stats = mismatch_stats(old_logp, roll.sample_logp, mask) if args.old_logp == "recompute" else {}
+    return weights, {**stats, **is_weight_stats(weights, mask, args.is_correction, args.is_cap)}
+
+
+# ---------------------------------------------------------------------------------------------
 # 8. Updates: minibatches, skipping rows without signal, the non-finite guard, the step's update metrics
 # ---------------------------------------------------------------------------------------------
 
@@ -2528,7 +2700,7 @@ class RoutingReplay:
     def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
         """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
         between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
-        if not self.blocks:
+        if not self.blocks or self.indices is None:  # (--old-logp rollout: no pi_old forward before step 1's)
             return {}
         before = self.indices
         with torch.no_grad(), self.record():

@@ -125,6 +125,18 @@ class Args:
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
     merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
+    rollout_dtype: str = arg(
+        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", common.ROLLOUT_DTYPES
+    )
+    old_logp: str = arg(
+        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", common.OLD_LOGP
+    )
+    is_correction: str = arg(
+        "none",
+        "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask",
+        common.IS_CORRECTIONS,
+    )
+    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,14 +198,18 @@ def grpo_loss(
     agg="seq-mean-token-mean",
     max_len=None,
     denominator=None,
+    weights=None,
 ):
     """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
+    `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T]."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    if weights is not None:
+        per_token = per_token * weights
     kl = torch.zeros_like(per_token)
     if ref_logp is not None:
         kl = torch.where(mask, kl_k3(logp, ref_logp), torch.zeros_like(logp))
@@ -239,8 +255,13 @@ def train(args: Args):
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     # MoE models: notes each token's experts, for routing_drift and --routing-replay (GSPO paper section 5.3)
     routing = common.RoutingReplay(model, replay_updates=args.routing_replay)
+    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     if args.routing_replay and not routing.blocks:
         raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
+    if args.routing_replay and args.old_logp == "rollout":
+        raise common.UsageError(
+            "--routing-replay replays the experts of the pi_old forward, which --old-logp rollout skips"
+        )
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
         ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
@@ -258,8 +279,8 @@ def train(args: Args):
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
         prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)  # G rows each
         t0 = time.perf_counter()
-        roll = common.sample(
-            model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
+        roll = sampler.sample(
+            prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, rng
         )
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
@@ -279,9 +300,11 @@ def train(args: Args):
         skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
-            old_logp = common.logprobs_of_forwarded_rows(
-                model, roll, plan, args.temperature, every_row=bool(routing.blocks or args.reward_model)
+            old_logp = common.old_logprobs(  # --old-logp rollout: the sampler's, no forward
+                model, roll, plan, args.temperature, args.old_logp, every_row=bool(routing.blocks or args.reward_model)
             )  # kl_to_init (with --reward-model) needs every row
+        # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, and the loss weights
+        is_weights, mismatch = common.rollout_correction(old_logp, roll, plan, args)
         ref_logp = None
         if args.kl_coef > 0:
             with torch.no_grad():
@@ -295,9 +318,12 @@ def train(args: Args):
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
+                if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+                    mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
+                weights = None if is_weights is None else is_weights[rows]  # --is-correction
                 loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
                                         args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
-                                        denominator)  # fmt: skip
+                                        denominator, weights)  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus
@@ -321,6 +347,7 @@ def train(args: Args):
                 **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac*, kl, ratio_*
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
+                **mismatch,  # mismatch_* between mu and pi_old, is_* of the correction (when mu is recorded)
                 "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
                 "zero_std_frac": zero_std_frac,

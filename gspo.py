@@ -112,6 +112,18 @@ class Args:
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
     merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
+    rollout_dtype: str = arg(
+        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", common.ROLLOUT_DTYPES
+    )
+    old_logp: str = arg(
+        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", common.OLD_LOGP
+    )
+    is_correction: str = arg(
+        "none",
+        "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask",
+        common.IS_CORRECTIONS,
+    )
+    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,11 +150,20 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 
 
 def gspo_loss(
-    logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence", denominator: int | None = None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    eps_low=3e-4,
+    eps_high=4e-4,
+    variant="sequence",
+    denominator: int | None = None,
+    weights=None,
 ):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
-    `logp` covers only some of its rows (the others contributing 0).
+    `logp` covers only some of its rows (the others contributing 0). `weights` [B, T], detached
+    (--is-correction, one value per sequence for variant="sequence"), multiply each term.
 
     variant="sequence": paper Eq. 5, one clipped ratio per sequence, advantages [B].
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
@@ -163,6 +184,8 @@ def gspo_loss(
         raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_item = torch.maximum(-adv * ratio, -adv * clipped_ratio)  # pessimistic bound, negated
+    if weights is not None:  # [B, T]; a sequence's weight is the same on each of its tokens
+        per_item = per_item * (weights[:, 0] if variant == "sequence" else weights)
     # the clip is active (and the gradient zero) exactly where the clipped branch is the larger
     is_clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
     n_seqs = denominator if denominator is not None else logp.shape[0]
@@ -194,6 +217,7 @@ def train(args: Args):
     eos_ids = common.eos_token_ids(model, tok)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     routing = common.RoutingReplay(model)  # MoE models: notes each token's experts, for routing_drift
+    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # with --reward-model, a frozen initial policy for kl_to_init (the over-optimisation axis); else none
     # (with LoRA: the policy with its adapters disabled, no second copy)
     init_model = common.reference_model(model, args.model, env.device) if args.reward_model else None
@@ -211,8 +235,8 @@ def train(args: Args):
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
         prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)  # G rows each
         t0 = time.perf_counter()
-        roll = common.sample(
-            model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
+        roll = sampler.sample(
+            prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, rng
         )
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
@@ -232,18 +256,23 @@ def train(args: Args):
         skip_by = advantages if args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
-            old_logp = common.logprobs_of_forwarded_rows(
-                model, roll, plan, args.temperature, bool(routing.blocks) or init_model is not None
+            old_logp = common.old_logprobs(  # --old-logp rollout: the sampler's, no forward
+                model, roll, plan, args.temperature, args.old_logp, bool(routing.blocks) or init_model is not None
             )
+        # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, and the loss weights
+        is_weights, mismatch = common.rollout_correction(old_logp, roll, plan, args, per=args.variant)
 
         # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
         updates = []
         for idx, rows in plan:
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
+            if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+                mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
+            weights = None if is_weights is None else is_weights[rows]  # --is-correction
             # divided by the whole minibatch's size, len(idx)
             loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                    args.eps_high, args.variant, len(idx))  # fmt: skip
+                                    args.eps_high, args.variant, len(idx), weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
                 loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)
@@ -266,6 +295,7 @@ def train(args: Args):
                 **common.kl_to_init(init_model, roll, old_logp, args.temperature),
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac, ratio_*
                 **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
+                **mismatch,  # mismatch_* between mu and pi_old, is_* of the correction (when mu is recorded)
                 "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
                 "response_len": mask.sum(1).mean().item(),
                 "zero_std_frac": zero_std_frac,

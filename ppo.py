@@ -123,6 +123,18 @@ class Args:
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
     merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
+    rollout_dtype: str = arg(
+        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", common.ROLLOUT_DTYPES
+    )
+    old_logp: str = arg(
+        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", common.OLD_LOGP
+    )
+    is_correction: str = arg(
+        "none",
+        "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask",
+        common.IS_CORRECTIONS,
+    )
+    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,8 +189,9 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
-    """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs."""
+def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
+    """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
+    [B, T], detached (--is-correction), multiply each token's term."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -188,6 +201,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
         # with A < 0 and a huge ratio the clipped loss grows without bound: cap it at -c A
         dual = (advantages < 0) & (per_token > -dual_clip * advantages) & mask
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if weights is not None:
+        per_token = per_token * weights
     loss = masked_mean(per_token, mask)
     clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
     stats = {
@@ -262,6 +277,7 @@ def train(args: Args):
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL in the reward, kl_to_init; none when unused
         ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
+    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
     value = common.data_parallel(critic, env.device)  # roll -> values [B, T]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
@@ -284,8 +300,8 @@ def train(args: Args):
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
         prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)
         t0 = time.perf_counter()
-        roll = common.sample(
-            model, prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, generator=rng
+        roll = sampler.sample(
+            prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, rng
         )
         sample_time = time.perf_counter() - t0
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
@@ -299,7 +315,12 @@ def train(args: Args):
         # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout; then the
         #    per-token rewards (score - beta * KL) and their GAE advantages.
         with torch.no_grad():
-            old_logp, old_entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+            if args.old_logp == "rollout":  # the sampler's log-probs as pi_old: no forward, as engines without one
+                old_logp, old_entropy = roll.sample_logp_full * mask, roll.entropy
+            else:
+                old_logp, old_entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
+            # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, the loss weights
+            is_weights, mismatch = common.rollout_correction(old_logp, roll, None, args)
             ref_logp = None  # --kl-coef 0: no reference forward
             if args.kl_coef > 0:
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
@@ -323,8 +344,11 @@ def train(args: Args):
             )
             (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
+            if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+                mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
+            weights = None if is_weights is None else is_weights[idx]  # --is-correction
             pg_loss, stats = ppo_policy_loss(
-                logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
+                logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip, weights
             )
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
@@ -351,6 +375,7 @@ def train(args: Args):
                 **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
                 **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
                 **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
+                **mismatch,  # mismatch_* between mu and pi_old, is_* of the correction (when mu is recorded)
                 "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
                 "value_mean": masked_mean(old_values, mask).item(),
                 "entropy": mean_entropy,

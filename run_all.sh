@@ -5,6 +5,8 @@
 # --reward-model: each script with the learned reward tiny-rm against the same script with the rule reward.
 # --staleness: GRPO vs GSPO (and PPO) on the long `sums` task at 1, 4, 8 minibatches per rollout
 #   (experiments/staleness_sweep.py: resumes, skipping finished runs; its own table and plots).
+# --mismatch: float32 against bf16 rollouts, pi_old from the sampler or recomputed, with and without
+#   a correction (experiments/mismatch_sweep.py: resumes, skipping finished runs; its own table and plot).
 # `bash run_all.sh --help` lists the settings; the report is experiments/compare_report.py.
 set -euo pipefail
 
@@ -12,7 +14,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 usage() {
     cat <<'EOF'
-Usage: bash run_all.sh [--quick] [--moe | --reward-model | --staleness [--plan]] [--report-only] [--help]
+Usage: bash run_all.sh [--quick] [--moe | --reward-model | --staleness [--plan] | --mismatch [--plan]]
+                       [--report-only] [--help]
 
 Trains ppo.py, grpo.py and gspo.py with identical settings (model, task, seeds, prompts per step,
 samples per prompt, max new tokens, steps), one run after another, then writes
@@ -59,6 +62,11 @@ Flags:
                   --quick one seed of 20 steps in runs/staleness-quick; --plan prints the grid and
                   its planned time and runs nothing; --report-only as below. The settings and
                   defaults: python experiments/staleness_sweep.py --help and the file's docstring.
+  --mismatch      the rollout-mismatch sweep (docs/rollout_mismatch.md): grpo, gspo and ppo on arith
+                  and sums with float32 / bf16 rollouts, --old-logp rollout or recompute, with and
+                  without --is-correction, seeds 0 1 2. RESUMES like --staleness; writes
+                  $OUT/mismatch.md and $OUT/mismatch.png [OUT: runs/mismatch]; --plan and
+                  --report-only as for --staleness. Settings: experiments/mismatch_sweep.py.
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
                   (with the STEPS and SEEDS of the runs)
   --help          this text
@@ -83,6 +91,7 @@ MOE=0
 RM=0
 REPORT_ONLY=0
 STALENESS=0
+MISMATCH=0
 PLAN=0
 for a in "$@"; do
     case "$a" in
@@ -91,11 +100,22 @@ for a in "$@"; do
         --reward-model) RM=1 ;;
         --report-only) REPORT_ONLY=1 ;;
         --staleness) STALENESS=1 ;;
+        --mismatch) MISMATCH=1 ;;
         --plan) PLAN=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "run_all.sh: unknown argument '$a' (see --help)" >&2; exit 2 ;;
     esac
 done
+if [[ $MISMATCH == 1 ]]; then  # its own driver and report, in Python
+    if [[ $MOE == 1 || $RM == 1 || $STALENESS == 1 || $QUICK == 1 ]]; then
+        echo "run_all.sh: --mismatch is its own experiment; it does not combine with --quick, --moe, --reward-model or --staleness" >&2
+        exit 2
+    fi
+    sweep=(--out "${OUT:-runs/mismatch}")
+    [[ $PLAN == 1 ]] && sweep+=(--plan)
+    [[ $REPORT_ONLY == 1 ]] && sweep+=(--report-only)
+    exec "${PYTHON:-python}" "$ROOT/experiments/mismatch_sweep.py" "${sweep[@]}"
+fi
 if [[ $STALENESS == 1 ]]; then  # its own driver and report, in Python
     if [[ $MOE == 1 || $RM == 1 ]]; then
         echo "run_all.sh: --staleness is its own experiment; it does not combine with --moe or --reward-model" >&2
@@ -108,7 +128,7 @@ if [[ $STALENESS == 1 ]]; then  # its own driver and report, in Python
     exec "${PYTHON:-python}" "$ROOT/experiments/staleness_sweep.py" "${sweep[@]+"${sweep[@]}"}"
 fi
 if [[ $PLAN == 1 ]]; then
-    echo "run_all.sh: --plan belongs to --staleness" >&2
+    echo "run_all.sh: --plan belongs to --staleness or --mismatch" >&2
     exit 2
 fi
 if [[ $QUICK == 1 && $MOE == 1 ]]; then

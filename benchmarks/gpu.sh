@@ -7,4 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# bf16 against float32 rollouts (--rollout-dtype): tokens/s and peak memory of the scripts' sampler
+[[ " $* " == *" --cpu-smoke "* ]] || timeout 120 python benchmarks/rollout_dtype.py --device cuda --repeats 3
 exec timeout --signal=INT --kill-after=20 "${GPU_BENCH_TIMEOUT:-480}" python benchmarks/gpu.py "$@"

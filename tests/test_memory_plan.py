@@ -145,3 +145,25 @@ def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
     for bad in (["--model", "qwen9-1b"], ["--model", str(tmp_path)], ["--lora-rank", "-1"]):
         proc = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr
+
+
+def test_bf16_rollouts_halve_the_kv_cache_and_add_a_bf16_copy_while_sampling():
+    """--rollout-dtype bfloat16: the cache of a bf16 copy's decoder is what the plan says, and the
+    copy (2 bytes a parameter) counts in the sampling phase only."""
+    fields = dict(SHAPES["qwen3"], vocab_size=50, pad_token_id=0, eos_token_id=1)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen3", **fields))
+    rows, prompt, new = 4, 5, 20
+    roll = common.Rollout.from_lists([[3] * prompt] * rows, [[4]] * rows, 0)
+    decoder = common._StaticKVDecoder(model.to(torch.bfloat16), roll, new)
+    decoder.prefill()
+    for _ in range(new):
+        decoder.step(torch.full((rows,), 5))
+    config = fields | {"model_type": "qwen3"}
+    bf16 = plan_memory.plan_memory(config, "grpo", rows, prompt, new, device="cpu", rollout_dtype="bfloat16")
+    f32 = plan_memory.plan_memory(config, "grpo", rows, prompt, new, device="cpu")
+    assert sum(t.nbytes for t in decoder.k + decoder.v) == bf16["kv_cache"] == f32["kv_cache"] // 2
+    assert bf16["rollout_copy"] == 2 * sum(p.numel() for p in model.parameters()) and f32["rollout_copy"] == 0
+    sampling = ("kv_cache", "sampler_logits", "sampler_fused_weights", "rollout_copy")
+    update = ("activations", "logprob_chunk", "tied_embedding_grad")
+    fixed = bf16["weights"] + bf16["gradients"] + bf16["adamw_state"]
+    assert bf16["peak"] == fixed + max(sum(bf16[k] for k in update), sum(bf16[k] for k in sampling))

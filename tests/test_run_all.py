@@ -622,3 +622,18 @@ def test_staleness_sweep_resumes_skipping_finished_runs(tmp_path, fake_python):
     shutil.rmtree(out / "gspo" / "mb1" / "seed0")
     res = run_all("--staleness", "--report-only", env=env)
     assert res.returncode == 1 and "gspo seed 0" in res.stderr and not (out / "staleness_results.md").exists()
+
+
+def test_mismatch_plan_lists_the_grid_and_refuses_other_modes():
+    """bash run_all.sh --mismatch --plan: the whole grid (2 tasks x 3 algos x 5 conditions x 3 seeds)
+    and its planned time, nothing run; --mismatch with another mode is one line, exit 2."""
+    proc = subprocess.run(["bash", "run_all.sh", "--mismatch", "--plan"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OUT": "/nonexistent/mismatch"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("mismatch sweep: 90 runs (2 tasks x 3 algos x 5 conditions x 3 seeds")
+    assert (
+        len(lines) == 91 and "arith grpo bf16-tis seed 0" in proc.stdout and "sums ppo bf16-mask seed 2" in proc.stdout
+    )
+    bad = subprocess.run(["bash", "run_all.sh", "--mismatch", "--moe"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

@@ -97,6 +97,7 @@ def plan_memory(
     reference: bool | None = None,
     reward_model=None,
     device: str = "cuda",
+    rollout_dtype: str = "float32",
 ) -> dict:
     """Expected peak memory in bytes, by component, of one script's training step: `rows` completions
     per step (prompts x group size) of `prompt_tokens` + `new_tokens` tokens, in `minibatches` updates.
@@ -111,6 +112,8 @@ def plan_memory(
     adapters and value head train); its loss goes backward before the policy's forward, so one trunk's
     activations are alive at a time.
     reward_model: its config (scored without gradients; its activations are not counted).
+    rollout_dtype "bfloat16" (--rollout-dtype): the sampler's bf16 copy of the weights (made for each
+    rollout and freed after it), a bf16 KV cache and bf16 fused weights.
     peak = the fixed part + the larger of the sampling phase and the update phase."""
     s = model_shape(config)
     n = count_parameters(s)
@@ -143,9 +146,10 @@ def plan_memory(
     if reward_model is not None:
         rm = model_shape(reward_model)
         plan["reward_model"] = (count_parameters(rm)["trunk"] + rm["H"]) * f32
-    kv_cache = rows * seq * s["L"] * 2 * s["kv"] * f32  # the sampler's K and V, float32 like the weights
+    rollout_bytes = 2 if rollout_dtype == "bfloat16" else f32  # the sampler's dtype
+    kv_cache = rows * seq * s["L"] * 2 * s["kv"] * rollout_bytes  # the sampler's K and V, in its dtype
     sampler_logits = 4 * rows * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
-    fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * f32 if not cuda else 0
+    fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * rollout_bytes if not cuda else 0
     update = {
         "activations": acts,
         "logprob_chunk": 4 * chunk_tokens * s["V"] * f32,  # logits, softmax, product or gradient
@@ -153,6 +157,7 @@ def plan_memory(
         "tied_embedding_grad": s["V"] * s["H"] * f32 if s["tied"] and not lora_rank else 0,
     }
     sampling = {"kv_cache": kv_cache, "sampler_logits": sampler_logits, "sampler_fused_weights": fused}
+    sampling["rollout_copy"] = (params + lora) * 2 if rollout_dtype == "bfloat16" else 0  # common.Sampler, per rollout
     fixed = sum(plan.values())
     plan.update(update)
     plan.update(sampling)
@@ -175,6 +180,7 @@ PLAN_ROWS = [  # (key, label, phase) in the printed table
     ("kv_cache", "sampler KV cache", "sampling"),
     ("sampler_logits", "sampler logits", "sampling"),
     ("sampler_fused_weights", "sampler fused weights (CPU)", "sampling"),
+    ("rollout_copy", "bf16 rollout weights", "sampling"),
 ]
 
 
@@ -210,6 +216,7 @@ def plan_memory_cli(argv=None):
     p.add_argument("--kl-coef", type=_number(float), default=0.0, help="GRPO: > 0 keeps a reference")
     p.add_argument("--reward-model", help="its config: a named config or a dir")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args(argv)
     try:
         if min(a.prompts_per_step, a.group_size, a.max_new_tokens, a.minibatches) < 1 or a.lora_rank < 0:
@@ -221,10 +228,12 @@ def plan_memory_cli(argv=None):
     reference = a.algo == "ppo" or rm is not None or (a.algo == "grpo" and a.kl_coef > 0)
     rows = a.prompts_per_step * a.group_size
     plans = [plan_memory(c, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
-                         a.grad_checkpointing, a.lora_rank, reference, rm, a.device) for c in configs]  # fmt: skip
+                         a.grad_checkpointing, a.lora_rank, reference, rm, a.device, a.rollout_dtype)
+             for c in configs]  # fmt: skip
     print(f"{a.algo}: {rows} completions x ({a.prompt_tokens} + {a.max_new_tokens}) tokens, {a.minibatches} "
           f"minibatches, {a.device}{', grad checkpointing' if a.grad_checkpointing else ''}"
-          f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}; GB (2^30 bytes)")  # fmt: skip
+          f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}, {a.rollout_dtype} rollouts; "
+          "GB (2^30 bytes)")  # fmt: skip
     width = max(12, *(len(m) + 2 for m in a.model))
     print(f"{'':42}" + "".join(f"{m:>{width}}" for m in a.model))
     for key, label, phase in PLAN_ROWS:
