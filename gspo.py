@@ -100,6 +100,10 @@ class Args:
         "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
         choices=common.REPORT_TO,
     )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/gspo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -138,7 +142,15 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 
 
 def gspo_loss(
-    logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence", denominator: int | None = None
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    eps_low=3e-4,
+    eps_high=4e-4,
+    variant="sequence",
+    denominator: int | None = None,
+    trace=None,
 ):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
@@ -146,7 +158,8 @@ def gspo_loss(
 
     variant="sequence": paper Eq. 5, one clipped ratio per sequence, advantages [B].
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
-    aggregated as the mean over sequences of the mean over each sequence's tokens."""
+    aggregated as the mean over sequences of the mean over each sequence's tokens.
+    `trace` (--trace-every; a dict or None) receives the ratios and clip decisions ([B] or [B, T])."""
     mask = mask.bool()
     raw_log_s = seq_log_ratio(logp, old_logp, mask)  # [B]
     log_s = raw_log_s.clamp(*LOG_RATIO_CLAMP)
@@ -165,6 +178,8 @@ def gspo_loss(
     per_item = torch.maximum(-adv * ratio, -adv * clipped_ratio)  # pessimistic bound, negated
     # the clip is active (and the gradient zero) exactly where the clipped branch is the larger
     is_clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+    if trace is not None:
+        trace.update(ratio=ratio.detach(), clipped=is_clipped)
     n_seqs = denominator if denominator is not None else logp.shape[0]
     if variant == "sequence":
         loss = (per_item * mask.any(1)).sum() / n_seqs  # an empty row contributes 0, as in GSPO-token
@@ -235,6 +250,7 @@ def train(args: Args):
             old_logp = common.logprobs_of_forwarded_rows(
                 model, roll, plan, args.temperature, bool(routing.blocks) or init_model is not None
             )
+        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, plan)  # --trace-every: a few groups
 
         # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
@@ -243,7 +259,8 @@ def train(args: Args):
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             # divided by the whole minibatch's size, len(idx)
             loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                    args.eps_high, args.variant, len(idx))  # fmt: skip
+                                    args.eps_high, args.variant, len(idx),
+                                    trace=trace.update(rows, logp, entropy))  # fmt: skip
             if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
                 loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)

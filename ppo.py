@@ -111,6 +111,10 @@ class Args:
         "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
         choices=common.REPORT_TO,
     )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/ppo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -177,8 +181,9 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
-    """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs."""
+def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, trace=None):
+    """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs.
+    `trace` (--trace-every; a dict or None) receives each token's ratio and clip decision."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -190,6 +195,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
     loss = masked_mean(per_token, mask)
     clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
+    if trace is not None:
+        trace.update(ratio=ratio.detach(), clipped=clipped)  # [B, T] each
     stats = {
         "clip_frac": masked_mean(clipped.float(), mask).item(),
         "dual_clip_frac": masked_mean(dual.float(), mask).item(),
@@ -307,6 +314,8 @@ def train(args: Args):
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
+        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, ref_logp=ref_logp, value=old_values,
+                          token_reward=per_token_rewards)  # --trace-every: a few prompts  # fmt: skip
 
         # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
@@ -324,7 +333,14 @@ def train(args: Args):
             (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             pg_loss, stats = ppo_policy_loss(
-                logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip
+                logp,
+                old_logp[idx],
+                advantages[idx],
+                mask[idx],
+                args.eps_low,
+                args.eps_high,
+                args.dual_clip,
+                trace=trace.update(idx, logp, entropy),
             )
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
