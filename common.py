@@ -2421,7 +2421,8 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
-      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples)
+      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
+                     and traces.jsonl, --trace-every's records)
       meta.json      algorithm, step, model name and config essentials, args"""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
@@ -2430,8 +2431,9 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
     tok.save_pretrained(tmp / "policy")
     torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}, tmp / "trainer.pt")
     shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-    if (out / "samples.jsonl").is_file():
-        shutil.copyfile(out / "samples.jsonl", tmp / "samples.jsonl")
+    for name in ("samples.jsonl", "traces.jsonl"):
+        if (out / name).is_file():
+            shutil.copyfile(out / name, tmp / name)
     meta = {
         "algo": algo,
         "step": state["progress"].step,
