@@ -11,11 +11,14 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import show_traces
 import torch
+from helpers import ROOT
 from safetensors.torch import load_file
 
 import common
@@ -282,3 +285,15 @@ def test_the_page_in_a_real_browser(page):
         assert not severe, severe  # no console error
     finally:
         driver.quit()
+
+
+def test_run_all_writes_the_page_beside_its_report(runs, tmp_path):
+    out = tmp_path / "compare"
+    for name in SCRIPTS:
+        shutil.copytree(runs[name]["full"], out / f"{name}-seed0")
+    env = {**os.environ, "STEPS": "2", "SEEDS": "0", "OUT": str(out), "MPLBACKEND": "Agg", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "run_all.sh", "--report-only"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "results.md").is_file()
+    text = (out / "traces.html").read_text()
+    assert all(f"{name}  ({name}-seed0)" in text for name in SCRIPTS)  # the three runs' labels
