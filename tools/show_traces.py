@@ -117,7 +117,7 @@ function render() {
     const col = document.createElement('div');
     col.className = 'run';
     const h = document.createElement('h2'); h.textContent = run.label; col.appendChild(h);
-    col.appendChild(span(JSON.stringify(run.settings), 'settings'));
+    col.appendChild(span(Object.entries(run.settings).map(([k, v]) => `${k} ${v}`).join(', '), 'settings'));
     const records = run.records.filter((r) => r.step === step);
     let scale = 0;
     for (const r of records) for (const c of r.completions) for (let t = 0; t < c.ids.length; t++) {
@@ -195,7 +195,7 @@ def page(runs: list[dict], step: int | None = None) -> str:
 """
 
 
-def headless_chromium():
+def headless_chromium(width: int = 1500, height: int = 950):
     """Selenium's Chrome driver on Debian's chromium, headless, with the network off (the page must
     need none). Raises if selenium, chromium or chromium-driver is missing."""
     from selenium import webdriver
@@ -203,7 +203,7 @@ def headless_chromium():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1500,950",
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}",
                  "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND"):  # fmt: skip
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -216,13 +216,11 @@ def headless_chromium():
     return driver
 
 
-def screenshot(html_path: Path, png: Path, quantity: str = "ratio"):
-    driver = headless_chromium()
+def screenshot(html_path: Path, png: Path, quantity: str = "ratio", height: int = 1300):
+    driver = headless_chromium(1500, height)
     try:
         driver.get(html_path.resolve().as_uri())
         driver.execute_script("document.getElementById('quantity').value = arguments[0]; render();", quantity)
-        height = driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(1500, min(max(600, height + 40), 1400))
         driver.save_screenshot(str(png))
     finally:
         driver.quit()
@@ -235,12 +233,13 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=None, help="the step the page opens at (default: the first)")
     parser.add_argument("--screenshot", type=Path, default=None, help="also save a PNG of the page (selenium)")
     parser.add_argument("--quantity", default="ratio", help="the colour of the screenshot (default: ratio)")
+    parser.add_argument("--height", type=int, default=1300, help="the screenshot's height in pixels")
     args = parser.parse_args(argv)
     out = args.out or args.runs[0] / "traces.html"
     out.write_text(page([load_run(d) for d in args.runs], args.step))
     print(f"show_traces.py: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
     if args.screenshot:
-        screenshot(out, args.screenshot, args.quantity)
+        screenshot(out, args.screenshot, args.quantity, args.height)
         print(f"show_traces.py: wrote {args.screenshot}")
 
 
