@@ -10,6 +10,7 @@ A script's train() calls into it in this order, and the sections follow that ord
   6b. Reward models    --reward-model (a learned reward, one Rewards component), kl_to_init
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
    8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
+  8b. Traces           --trace-every: a few groups' every token, as sampled and as each update's loss saw it
    9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
@@ -19,7 +20,7 @@ A script's train() calls into it in this order, and the sections follow that ord
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
 tools/ (the memory planner, reward-model training, rebuilding the tiny checkpoints), experiments/
-(the studies behind docs/) and benchmarks/.
+(the studies behind docs/), benchmarks/, and tools/show_traces.py, the page of traces.jsonl.
 """
 
 from __future__ import annotations
@@ -2001,10 +2002,11 @@ class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
     progress bar, OUT/metrics.jsonl (and TensorBoard with --report-to tensorboard), a few of each
-    evaluation's completions printed and kept in OUT/samples.jsonl, checkpoints (every --save-every
-    steps, and on SIGINT / SIGTERM, which then end the run), --resume, and at the end OUT/final/ and
-    OUT/summary.json. `state` names the objects a checkpoint saves besides the policy's weights
-    (optimizers, the prompt stream, the sampling generator, ...). Only rank 0 writes files.
+    evaluation's completions printed and kept in OUT/samples.jsonl, --trace-every's OUT/traces.jsonl
+    (`trace`), checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the
+    run), --resume, and at the end OUT/final/ and OUT/summary.json. `state` names the objects a
+    checkpoint saves besides the policy's weights (optimizers, the prompt stream, the sampling
+    generator, ...). Only rank 0 writes files.
 
         run = Run("gspo", args, env, model, tok, optimizer=optimizer, ...)
         for step in run.steps():

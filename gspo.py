@@ -142,15 +142,7 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 
 
 def gspo_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    eps_low=3e-4,
-    eps_high=4e-4,
-    variant="sequence",
-    denominator: int | None = None,
-    trace=None,
+    logp, old_logp, advantages, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence", denominator=None, trace=None
 ):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when

@@ -332,16 +332,9 @@ def train(args: Args):
             )
             (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
-            pg_loss, stats = ppo_policy_loss(
-                logp,
-                old_logp[idx],
-                advantages[idx],
-                mask[idx],
-                args.eps_low,
-                args.eps_high,
-                args.dual_clip,
-                trace=trace.update(idx, logp, entropy),
-            )
+            pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                             args.eps_high, args.dual_clip,
+                                             trace=trace.update(idx, logp, entropy))  # fmt: skip
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
