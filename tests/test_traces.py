@@ -191,8 +191,8 @@ def test_bad_trace_flags_are_one_line_errors(tmp_path, capsys, flag, value):
 
 MAYBE_REWARD = '''
 def maybe(prompts, completions, **fields):
-    """1 for a completion that starts with a digit, None (not applicable) for an empty one."""
-    return [None if not c else float(c[0].isdigit()) for c in completions]
+    """None (not applicable) for every second completion; 1 for the others that start with a 1."""
+    return [None if i % 2 else float(c.startswith("1")) for i, c in enumerate(completions)]
 '''
 
 
@@ -215,8 +215,9 @@ def test_the_page_is_self_contained(page):
     text = html.read_text()
     assert not re.search(r"https?://", text)
     assert "<link" not in text and "src=" not in text  # no stylesheet, script or image to fetch
-    odd = run_traces[2]
-    assert all(not c["eos"] for r in odd for c in r["completions"])  # every completion truncated
+    odd = [c for r in run_traces[2] for c in r["completions"]]
+    assert all(not c["eos"] for c in odd)  # every completion truncated
+    assert all(c["rewards"]["maybe"] == 0 for c in odd if c["row"] % 2)  # None counts 0
 
 
 def browser():
