@@ -10,6 +10,7 @@ A script's train() calls into it in this order, and the sections follow that ord
   6b. Reward models    --reward-model (a learned reward, one Rewards component), kl_to_init
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
    8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
+  8b. Traces           --trace-every: a few groups' every token, as sampled and as each update's loss saw it
    9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
   10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
   11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
@@ -19,7 +20,7 @@ A script's train() calls into it in this order, and the sections follow that ord
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
 tools/ (the memory planner, reward-model training, rebuilding the tiny checkpoints), experiments/
-(the studies behind docs/) and benchmarks/.
+(the studies behind docs/), benchmarks/, and tools/show_traces.py, the page of traces.jsonl.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ SHARED_FLAGS = {
         "grad_checkpointing",
         "entropy_coef",
     ),
-    "evaluation and logging": ("eval_every", "eval_size", "eval_samples", "report_to"),
+    "evaluation and logging": ("eval_every", "eval_size", "eval_samples", "report_to", "trace_every", "trace_groups"),
     "run: seed, output, checkpoints, device": (
         "seed",
         "out",
@@ -249,6 +250,12 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
     if args.eval_every < 0:
         raise UsageError(f"--eval-every must be >= 0 (0 turns periodic evaluation off), got {args.eval_every}")
+    if args.trace_every is not None and args.trace_every < 0:
+        raise UsageError(
+            f"--trace-every must be >= 0 (0: no traces; none: with each evaluation), got {args.trace_every}"
+        )
+    if args.trace_groups < 1:
+        raise UsageError(f"--trace-groups must be >= 1, got {args.trace_groups}")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
     if args.eval_samples < 0 or args.eval_samples == 1:
@@ -2041,6 +2048,124 @@ def mean_over_updates(updates: list[dict], planned: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 8b. Traces (--trace-every): every token of a few groups, as sampled, scored and updated (docs/traces.md)
+# ---------------------------------------------------------------------------------------------
+
+
+def trace_due(args, step: int) -> bool:
+    """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the
+    last step); 0: never."""
+    if args.trace_every is None:
+        return bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
+    return bool(args.trace_every) and step % args.trace_every == 0
+
+
+def _values(x: torch.Tensor | None, n: int):
+    """The first n values of a 1-d tensor as a list (floats to 8 significant digits), or None."""
+    if x is None or x.dtype == torch.bool:
+        return None if x is None else x[:n].tolist()
+    return [float(f"{v:.8g}") for v in x[:n].tolist()]
+
+
+class NoTrace:
+    """What Run.trace returns on a step that is not traced: update() records nothing and costs nothing."""
+
+    def update(self, rows, logp, entropy=None):
+        return None
+
+
+class Trace:
+    """One step's values for the rollout's first --trace-groups groups (rows 0 .. n * G - 1 of
+    this rank's rollout): what sampling, scoring and the no-grad passes computed, given to the
+    constructor, and what each update's loss used. `update(rows, logp, entropy)` takes an update's
+    forwarded rows and returns a dict that the loss function fills with its `ratio` and `clipped`
+    ([B, T], or [B] for a sequence ratio); `records()` makes traces.jsonl's records, one per group.
+    The only computation is a no-grad forward of traced rows that no update forwards (their pi_old
+    was never needed); no random stream moves, and the updates see the same tensors as untraced."""
+
+    def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, plan, per_token):
+        self.run, self.step, self.roll, self.examples = run, step, roll, records
+        self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
+        self.rows = list(range(min(len(roll), run.args.trace_groups * run.args.group_size)))  # the traced rows
+        forwarded = set(range(len(roll))) if plan is None else set(torch.cat([r for _, r in plan]).tolist())
+        self.old_logp = old_logp[: len(self.rows)].detach().clone()  # [n, T]
+        skipped = [r for r in self.rows if r not in forwarded]
+        if skipped:  # their pi_old: old_logp holds 0 there
+            with torch.no_grad():
+                self.old_logp[skipped] = completion_logprobs(run.model, roll[skipped], run.args.temperature)[0]
+        self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
+
+    def update(self, rows, logp, entropy=None) -> dict:
+        filled = {}
+        self.updates.append((rows, logp.detach(), None if entropy is None else entropy.detach(), filled))
+        return filled
+
+    def _update_entries(self, lengths: list[int]) -> dict:
+        """row -> one entry per update that forwarded it (in update order), or None if none did."""
+        per_row = {r: [] for r in self.rows}
+        for k, (rows, logp, entropy, filled) in enumerate(self.updates):
+            ratio, clipped = filled.get("ratio"), filled.get("clipped")
+            if ratio is not None and ratio.dim() == 1:  # GSPO's sequence ratio: every token gets its row's
+                ratio, clipped = ratio[:, None].expand_as(logp), clipped[:, None].expand_as(logp)
+            values = {"logp": logp, "ratio": ratio, "clipped": clipped, "entropy": entropy}  # [b, T] or None
+            for pos, r in enumerate(rows.tolist()):
+                if r in per_row:
+                    row = {name: _values(None if x is None else x[pos], lengths[r]) for name, x in values.items()}
+                    per_row[r].append({"update": k, **row})
+        return {r: entries or None for r, entries in per_row.items()}
+
+    def records(self) -> list[dict]:
+        args, tok, roll = self.run.args, self.run.tok, self.roll
+        ends = completion_ends(roll, eos_token_ids(self.run.model, tok)).tolist()
+        lengths = roll.completion_mask.sum(1).long().tolist()
+        T = roll.completion_ids.shape[1]
+        updates = self._update_entries(lengths)
+        components = {k.removeprefix("reward/"): v for k, v in self.parts.items() if k.startswith("reward/")}
+        completions = []
+        for r in self.rows:
+            n, ids = lengths[r], roll.completion_ids[r, : lengths[r]].tolist()
+            adv = self.advantages[r]  # [] or, for PPO, [T]
+            completions.append(
+                {
+                    "row": r,
+                    "ids": ids,
+                    "tokens": [tok.decode([i]) for i in ids],
+                    "pad": T - n,  # padding after the completion (its EOS token is in ids)
+                    "text": tok.decode(ids, skip_special_tokens=True),
+                    "eos": bool(ends[r]),
+                    "reward": float(self.rewards[r]),
+                    "rewards": {name: float(v[r]) for name, v in components.items()},
+                    "advantage": _values(adv, n) if adv.dim() else float(adv),
+                    "old_logp": _values(self.old_logp[r], n),
+                    "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
+                    "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
+                    **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},
+                    "updates": updates[r],
+                }
+            )
+        out = []
+        for g in range(0, len(self.rows), args.group_size):
+            prompt = roll.prompt_ids[g][roll.prompt_mask[g].bool()].tolist()
+            out.append(
+                {
+                    "step": self.step,
+                    "algo": self.run.algo,
+                    "group": g // args.group_size,
+                    "prompt": {
+                        "text": self.examples[g]["prompt"],
+                        "ids": prompt,
+                        "tokens": [tok.decode([i]) for i in prompt],
+                        "pad": roll.prompt_ids.shape[1] - len(prompt),  # left padding before it
+                    },
+                    "answer": self.examples[g].get("answer"),
+                    "updates_planned": args.epochs * args.minibatches,
+                    "completions": completions[g : g + args.group_size],
+                }
+            )
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
 # 9. The run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints, summary.json, final/
 # ---------------------------------------------------------------------------------------------
 
@@ -2049,10 +2174,11 @@ class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
     progress bar, OUT/metrics.jsonl (and TensorBoard with --report-to tensorboard), a few of each
-    evaluation's completions printed and kept in OUT/samples.jsonl, checkpoints (every --save-every
-    steps, and on SIGINT / SIGTERM, which then end the run), --resume, and at the end OUT/final/ and
-    OUT/summary.json. `state` names the objects a checkpoint saves besides the policy's weights
-    (optimizers, the prompt stream, the sampling generator, ...). Only rank 0 writes files.
+    evaluation's completions printed and kept in OUT/samples.jsonl, --trace-every's OUT/traces.jsonl
+    (`trace`), checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the
+    run), --resume, and at the end OUT/final/ and OUT/summary.json. `state` names the objects a
+    checkpoint saves besides the policy's weights (optimizers, the prompt stream, the sampling
+    generator, ...). Only rank 0 writes files.
 
         run = Run("gspo", args, env, model, tok, optimizer=optimizer, ...)
         for step in run.steps():
@@ -2140,10 +2266,22 @@ class Run:
             disable=self.env.rank > 0,
         )
         for step in self.bar:
-            self.step_started = time.perf_counter()
+            self.step_started, self.step_now, self.current_trace = time.perf_counter(), step, None
             yield step
             if stop_requested():
                 return
+
+    def trace(self, roll, records, rewards, parts, advantages, old_logp, plan=None, **per_token):
+        """--trace-every: on a traced step, rank 0 gets a Trace of the rollout's first --trace-groups
+        groups, which log() writes to traces.jsonl; on every other step a NoTrace, which costs
+        nothing. `plan`: plan_updates' list, for the rows whose pi_old old_logp holds (None: every
+        row); `per_token`: the script's other [B, T] values (ref_logp, value, token_reward)."""
+        if self.env.rank > 0 or not trace_due(self.args, self.step_now):
+            return NoTrace()
+        per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
+        self.current_trace = Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
+                                   per_token)  # fmt: skip
+        return self.current_trace
 
     def log(self, row: dict, no_signal: bool = False):
         """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the evaluation's
@@ -2162,6 +2300,8 @@ class Run:
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in self.SHOWN if k in row and k != "reward")
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
         self.logger.log(row)
+        if self.current_trace is not None:
+            self.logger.log_traces(self.current_trace.records())
         self.show(samples)
         last = self.progress.last_eval
         self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{last.get('accuracy', last.get('reward')):.3f}")
@@ -2276,9 +2416,10 @@ class Progress:
 
 class RunLogger:
     """Writes metrics.jsonl (one object per step), samples.jsonl (a few completions per evaluation),
+    traces.jsonl (--trace-every: one record per traced group),
     with --report-to tensorboard every metric also to TensorBoard event files in tensorboard/,
     summary.json and final/ into `out`. metrics.jsonl is the record; TensorBoard a view of it.
-    Resuming from a checkpoint, metrics.jsonl and samples.jsonl start with the checkpoint's rows
+    Resuming from a checkpoint, metrics.jsonl, samples.jsonl and traces.jsonl start with the checkpoint's rows
     and TensorBoard drops the events logged after the checkpoint's step (purge_step), so a crash
     after the last checkpoint leaves no duplicated steps behind."""
 
@@ -2286,14 +2427,17 @@ class RunLogger:
         self.out, self.enabled, self.tensorboard = Path(out), enabled, None
         if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
             self.metrics_file, self.samples_file = open(os.devnull, "w"), open(os.devnull, "w")
+            self.traces_file = open(os.devnull, "w")
             return
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.out / "metrics.jsonl", "w")
         self.samples_file = open(self.out / "samples.jsonl", "w")
+        self.traces_file = open(self.out / "traces.jsonl", "w")
         last_step = 0
         if resume_from is not None:
             last_step = json.loads((resume_from / "meta.json").read_text())["step"]
-            for name, file in (("metrics.jsonl", self.metrics_file), ("samples.jsonl", self.samples_file)):
+            kept = ("metrics.jsonl", self.metrics_file), ("samples.jsonl", self.samples_file)
+            for name, file in (*kept, ("traces.jsonl", self.traces_file)):
                 saved = resume_from / name
                 for line in saved.read_text().splitlines() if saved.is_file() else []:
                     if line.strip() and json.loads(line)["step"] <= last_step:
@@ -2321,6 +2465,11 @@ class RunLogger:
             self.samples_file.write(json.dumps(s) + "\n")
         self.samples_file.flush()
 
+    def log_traces(self, traces: list):
+        for t in traces:
+            self.traces_file.write(json.dumps(t) + "\n")
+        self.traces_file.flush()
+
     def summary(self, summary: dict):
         if self.enabled:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -2333,6 +2482,7 @@ class RunLogger:
     def close(self):
         self.metrics_file.close()
         self.samples_file.close()
+        self.traces_file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
 
@@ -2358,7 +2508,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora"
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora",
+    "trace_every", "trace_groups",
 )  # fmt: skip
 
 
@@ -2444,7 +2595,8 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
-      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples)
+      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
+                     and traces.jsonl, --trace-every's records)
       meta.json      algorithm, step, model name and config essentials, args"""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
@@ -2453,8 +2605,9 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict):
     tok.save_pretrained(tmp / "policy")
     torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}, tmp / "trainer.pt")
     shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-    if (out / "samples.jsonl").is_file():
-        shutil.copyfile(out / "samples.jsonl", tmp / "samples.jsonl")
+    for name in ("samples.jsonl", "traces.jsonl"):
+        if (out / name).is_file():
+            shutil.copyfile(out / name, tmp / name)
     meta = {
         "algo": algo,
         "step": state["progress"].step,

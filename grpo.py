@@ -113,6 +113,10 @@ class Args:
         "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
         choices=common.REPORT_TO,
     )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/grpo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -199,10 +203,12 @@ def grpo_loss(
     max_len=None,
     denominator=None,
     weights=None,
+    trace=None,
 ):
     """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
+    `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T].
     `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.
-    `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T]."""
+    `trace` (--trace-every; a dict or None) receives each token's ratio and clip decision."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
@@ -218,6 +224,8 @@ def grpo_loss(
     # the clip is active (and the token's gradient zero) where the clipped branch is the larger
     clip_low = (adv < 0) & (ratio < 1 - eps_low) & mask
     clip_high = (adv > 0) & (ratio > 1 + eps_high) & mask
+    if trace is not None:
+        trace.update(ratio=ratio.detach(), clipped=clip_low | clip_high)  # [B, T] each
     stats = {
         "clip_frac": masked_mean((clip_low | clip_high).float(), mask).item(),
         "clip_frac_low": masked_mean(clip_low.float(), mask).item(),
@@ -309,6 +317,7 @@ def train(args: Args):
         if args.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
+        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, plan, ref_logp=ref_logp)  # --trace-every
 
         # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
@@ -323,7 +332,7 @@ def train(args: Args):
                 weights = None if is_weights is None else is_weights[rows]  # --is-correction
                 loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
                                         args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
-                                        denominator, weights)  # fmt: skip
+                                        denominator, weights, trace=trace.update(rows, logp, entropy))  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus

@@ -100,6 +100,10 @@ class Args:
         "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
         choices=common.REPORT_TO,
     )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/gspo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -159,6 +163,7 @@ def gspo_loss(
     variant="sequence",
     denominator: int | None = None,
     weights=None,
+    trace=None,
 ):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
@@ -167,7 +172,8 @@ def gspo_loss(
 
     variant="sequence": paper Eq. 5, one clipped ratio per sequence, advantages [B].
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
-    aggregated as the mean over sequences of the mean over each sequence's tokens."""
+    aggregated as the mean over sequences of the mean over each sequence's tokens.
+    `trace` (--trace-every; a dict or None) receives the ratios and clip decisions ([B] or [B, T])."""
     mask = mask.bool()
     raw_log_s = seq_log_ratio(logp, old_logp, mask)  # [B]
     log_s = raw_log_s.clamp(*LOG_RATIO_CLAMP)
@@ -188,6 +194,8 @@ def gspo_loss(
         per_item = per_item * (weights[:, 0] if variant == "sequence" else weights)
     # the clip is active (and the gradient zero) exactly where the clipped branch is the larger
     is_clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+    if trace is not None:
+        trace.update(ratio=ratio.detach(), clipped=is_clipped)
     n_seqs = denominator if denominator is not None else logp.shape[0]
     if variant == "sequence":
         loss = (per_item * mask.any(1)).sum() / n_seqs  # an empty row contributes 0, as in GSPO-token
@@ -261,6 +269,7 @@ def train(args: Args):
             )
         # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, and the loss weights
         is_weights, mismatch = common.rollout_correction(old_logp, roll, plan, args, per=args.variant)
+        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, plan)  # --trace-every: a few groups
 
         # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
@@ -272,7 +281,8 @@ def train(args: Args):
             weights = None if is_weights is None else is_weights[rows]  # --is-correction
             # divided by the whole minibatch's size, len(idx)
             loss, stats = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                    args.eps_high, args.variant, len(idx), weights)  # fmt: skip
+                                    args.eps_high, args.variant, len(idx), weights,
+                                    trace=trace.update(rows, logp, entropy))  # fmt: skip
             if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
                 loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)

@@ -111,6 +111,10 @@ class Args:
         "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
         choices=common.REPORT_TO,
     )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg("runs/ppo", "output directory")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
@@ -189,9 +193,12 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
+def ppo_policy_loss(
+    logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None, trace=None
+):
     """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
-    [B, T], detached (--is-correction), multiply each token's term."""
+    [B, T], detached (--is-correction), multiply each token's term. `trace` (--trace-every; a dict
+    or None) receives each token's ratio and clip decision."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -205,6 +212,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
         per_token = per_token * weights
     loss = masked_mean(per_token, mask)
     clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
+    if trace is not None:
+        trace.update(ratio=ratio.detach(), clipped=clipped)  # [B, T] each
     stats = {
         "clip_frac": masked_mean(clipped.float(), mask).item(),
         "dual_clip_frac": masked_mean(dual.float(), mask).item(),
@@ -328,6 +337,8 @@ def train(args: Args):
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
+        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, ref_logp=ref_logp, value=old_values,
+                          token_reward=per_token_rewards)  # --trace-every: a few prompts  # fmt: skip
 
         # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
@@ -347,9 +358,9 @@ def train(args: Args):
             if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
                 mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
             weights = None if is_weights is None else is_weights[idx]  # --is-correction
-            pg_loss, stats = ppo_policy_loss(
-                logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low, args.eps_high, args.dual_clip, weights
-            )
+            pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                             args.eps_high, args.dual_clip, weights,
+                                             trace=trace.update(idx, logp, entropy))  # fmt: skip
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()

@@ -24,6 +24,7 @@ samples per prompt, max new tokens, steps), one run after another, then writes
   $OUT/results.md           one row per algorithm (mean +- sample std over seeds), command, date, machine
   $OUT/results.json         the same numbers plus every seed's values
   $OUT/curves.png           eval accuracy and reward against step and against wall-clock
+  $OUT/traces.html          the first seed's runs side by side, token by token (tools/show_traces.py)
 
 Flags:
   --quick         a first look in about 3 minutes: SEEDS=0 STEPS=100 EVAL_EVERY=20,
@@ -226,6 +227,7 @@ elif [[ $RM == 1 ]]; then
 else
     rm -f "$OUT/results.md" "$OUT/results.json" "$OUT/curves.png"
 fi
+rm -f "$OUT/traces.html"
 
 # ------------------------------------------------------------------------------------------------
 # Training: every (seed, config) in turn; the first failure stops everything.
@@ -286,3 +288,13 @@ report=("$PYTHON" "$ROOT/experiments/compare_report.py" --out "$OUT" --configs "
 [[ $MOE == 1 ]] && report+=(--moe)
 [[ $RM == 1 ]] && report+=(--reward-model)
 "${report[@]}"
+
+# The first seed's traces (each run writes them at every evaluation), side by side on one page.
+traced=()
+for config in "${CONFIGS[@]}"; do
+    dir="$(run_dir "$config" "${SEED_LIST[0]}")"
+    if [[ -s "$dir/traces.jsonl" ]]; then traced+=("$dir"); fi
+done
+if [[ ${#traced[@]} -gt 0 ]]; then
+    "$PYTHON" "$ROOT/tools/show_traces.py" "${traced[@]}" --out "$OUT/traces.html"
+fi
