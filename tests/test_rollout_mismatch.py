@@ -304,3 +304,18 @@ def test_bad_rollout_flags_are_one_line(tmp_path, capsys, name, argv, expected):
     status, _, err = run_main(name, [*argv, "--out", tmp_path / "out"], capsys)
     assert status == 2 and expected in one_line_error(err)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_traced_run_keeps_mu_beside_pi_old(tmp_path, capsys):
+    """traces.jsonl's `mu` is the sampler's log-prob when one is recorded: per token, near the
+    trainer's pi_old (bf16 against float32) but not equal; without recording it is null."""
+    argv = ["--steps", 1, "--rollout-dtype", "bfloat16", "--out", tmp_path / "bf16", *TINY_RUN]
+    assert run_main("gspo", argv, capsys)[0] == 0
+    completions = [c for line in (tmp_path / "bf16" / "traces.jsonl").read_text().splitlines()
+                   for c in json.loads(line)["completions"]]  # fmt: skip
+    diffs = [m - o for c in completions for m, o in zip(c["mu"], c["old_logp"]) if o is not None]
+    assert diffs and max(abs(d) for d in diffs) < 0.5 and any(abs(d) > 1e-4 for d in diffs)
+    assert all(len(c["mu"]) == len(c["ids"]) for c in completions)
+    assert run_main("gspo", ["--steps", 1, "--out", tmp_path / "f32", *TINY_RUN], capsys)[0] == 0
+    line = (tmp_path / "f32" / "traces.jsonl").read_text().splitlines()[0]
+    assert all(c["mu"] is None for c in json.loads(line)["completions"])
