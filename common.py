@@ -1834,8 +1834,10 @@ def old_logprobs(model, roll: Rollout, plan: list[tuple], temperature: float, ol
     return logprobs_of_forwarded_rows(model, roll, plan, temperature, every_row)
 
 
-def forwarded_rows(plan: list[tuple], n: int, device) -> torch.Tensor:
-    """[n] bool: the rows some update of `plan` forwards (they have pi_old)."""
+def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
+    """[n] bool: the rows some update of `plan` forwards (they have pi_old); plan None: every row."""
+    if plan is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
     rows = torch.zeros(n, dtype=torch.bool, device=device)
     rows[torch.cat([r for _, r in plan])] = True
     return rows
@@ -1914,9 +1916,7 @@ def rollout_correction(old_logp, roll: Rollout, plan: list[tuple] | None, args, 
         return None, {}
     if args.old_logp == "rollout":  # no trainer pi_old before the updates; no correction (check_rollout_args)
         return None, None
-    mask = roll.completion_mask  # plan None: every row has pi_old (ppo.py)
-    if plan is not None:
-        mask = mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]  # ppo: None
     weights = is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
     stats = mismatch_stats(old_logp, roll.sample_logp, mask) if args.old_logp == "recompute" else {}
     return weights, {**stats, **is_weight_stats(weights, mask, args.is_correction, args.is_cap)}
@@ -1951,7 +1951,7 @@ def logprobs_of_forwarded_rows(model, roll: Rollout, plan: list[tuple], temperat
     records every row's experts in this pass)."""
     rows = torch.arange(len(roll), device=roll.completion_ids.device)
     if not every_row:
-        rows = torch.cat([r for _, r in plan]).unique()  # sorted, each once
+        rows = forwarded_rows(plan, len(roll), rows.device).nonzero().squeeze(1)  # sorted, each once
     logp = torch.zeros(roll.completion_ids.shape, device=roll.completion_ids.device)
     logp[rows] = completion_logprobs(model, roll if every_row else roll[rows], temperature)[0]
     return logp
@@ -2087,7 +2087,7 @@ class Trace:
         self.run, self.step, self.roll, self.examples = run, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
         self.rows = list(range(min(len(roll), run.args.trace_groups * run.args.group_size)))  # the traced rows
-        forwarded = set(range(len(roll))) if plan is None else set(torch.cat([r for _, r in plan]).tolist())
+        forwarded = set(forwarded_rows(plan, len(roll), roll.completion_ids.device).nonzero().squeeze(1).tolist())
         self.old_logp = old_logp[: len(self.rows)].detach().clone()  # [n, T]
         skipped = [r for r in self.rows if r not in forwarded]
         if skipped:  # their pi_old: old_logp holds 0 there
@@ -2383,7 +2383,7 @@ NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as on
 
 def all_equal(x: torch.Tensor) -> bool:
     """Whether every element of `x` on every rank is the same value."""
-    extremes = all_reduce_max(torch.stack([x.float().max(), -x.float().min()]))
+    extremes = all_reduce_sum(torch.stack([x.float().max(), -x.float().min()]), op="MAX")
     return bool(extremes[0] == -extremes[1])
 
 
@@ -2746,27 +2746,16 @@ def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Mod
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over all ranks (a new tensor); `x` itself without a process group."""
+def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
+    """Sum (op="MAX": elementwise maximum) of `x` over all ranks (a new tensor); `x` itself without a
+    process group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return x
     device = x.device
     x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # NCCL: GPU tensors only
-    dist.all_reduce(x)
-    return x.to(device)
-
-
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum of `x` over all ranks (a new tensor); `x` itself without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    device = x.device
-    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
     return x.to(device)
 
 
