@@ -44,6 +44,7 @@ import shutil
 import signal
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,6 +164,7 @@ SHARED_FLAGS = {
         "resume",
         "max_consecutive_skips",
         "device",
+        "fsdp",
     ),
     "LoRA": ("lora_rank", "lora_alpha", "lora_targets", "merge_lora"),
     "rollout precision (docs/rollout_mismatch.md)": ("rollout_dtype", "old_logp", "is_correction", "is_cap"),
@@ -282,6 +284,7 @@ def check_common_args(args, needs_group: bool):
     check_model_name(args.model)
     check_lora_args(args)
     check_rollout_args(args)
+    check_fsdp_args(args)
     out = Path(args.out)
     existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
@@ -395,7 +398,7 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
         print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
-    resume_from = open_checkpoint(args, algo) if args.resume else None
+    resume_from = open_checkpoint(args, algo, world) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     check_lora_targets(args)
@@ -925,7 +928,8 @@ def sample(
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(B, max_new_tokens, device=device)
     roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
-    with torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal tensors
+    # --fsdp: whole weights while sampling (gathered outside inference mode: FSDP2 reuses their storage)
+    with gathered(model), torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         fast = _StaticKVDecoder.supports(model)
         if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
@@ -1523,23 +1527,26 @@ def evaluate(
     eos, error, samples = eos_token_ids(model, tok), None, []
     per_batch = max(1, batch_size // max(1, n_samples))
     try:
-        for s in range(0, len(examples), per_batch):
-            batch = examples[s : s + per_batch]
-            prompts = encode_prompts(tok, batch, system_prompt)
-            roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
-            rewards, parts = reward_fn.score(tok, roll, batch)
-            for k, v in {"reward": rewards, **parts}.items():
-                if k in per_row:
-                    per_row[k].append(v.float())
-            if s == 0 and show:
-                samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
-            if n_samples:
-                roll = sample(model, [p for p in prompts for _ in range(n_samples)], max_new_tokens, eos,
-                              tok.pad_token_id, temperature, top_p, generator=generator)  # fmt: skip
-                _, parts = reward_fn.score(tok, roll, [ex for ex in batch for _ in range(n_samples)])
-                correct = parts["accuracy"].view(-1, n_samples).sum(1).long().tolist()  # per prompt
-                per_row["pass@1"].append(torch.tensor([c / n_samples for c in correct]))
-                per_row[f"pass@{n_samples}"].append(torch.tensor([pass_at_k(n_samples, c, n_samples) for c in correct]))
+        with gathered(model):  # --fsdp: whole weights, gathered once, however many batches this rank has
+            for s in range(0, len(examples), per_batch):
+                batch = examples[s : s + per_batch]
+                prompts = encode_prompts(tok, batch, system_prompt)
+                roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
+                rewards, parts = reward_fn.score(tok, roll, batch)
+                for k, v in {"reward": rewards, **parts}.items():
+                    if k in per_row:
+                        per_row[k].append(v.float())
+                if s == 0 and show:
+                    samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
+                if n_samples:
+                    roll = sample(model, [p for p in prompts for _ in range(n_samples)], max_new_tokens, eos,
+                                  tok.pad_token_id, temperature, top_p, generator=generator)  # fmt: skip
+                    _, parts = reward_fn.score(tok, roll, [ex for ex in batch for _ in range(n_samples)])
+                    correct = parts["accuracy"].view(-1, n_samples).sum(1).long().tolist()  # per prompt
+                    per_row["pass@1"].append(torch.tensor([c / n_samples for c in correct]))
+                    per_row[f"pass@{n_samples}"].append(
+                        torch.tensor([pass_at_k(n_samples, c, n_samples) for c in correct])
+                    )
     except RewardError as e:
         error = e
     raise_on_every_rank(error)
@@ -1687,7 +1694,15 @@ def completion_logprobs(
     """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
     Padding positions hold finite values; multiply by `roll.completion_mask` before use. The
     entropy is a detached diagnostic unless `entropy_grad`: then it carries a gradient, for a loss
-    term (--entropy-coef)."""
+    term (--entropy-coef). Under --fsdp the call runs through the model's CompletionLogprobs root
+    (`shard`): only the root's own forward gathers the weights it holds."""
+    root = _LOGPROBS_ROOT.get(model)
+    if root is not None:
+        return root(roll, temperature, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+    return _completion_logprobs(model, roll, temperature, chunk_tokens, entropy_grad)
+
+
+def _completion_logprobs(model, roll: Rollout, temperature, chunk_tokens, entropy_grad):
     hidden = completion_hidden_states(model.get_decoder(), roll)
     weight = model.get_output_embeddings().weight
     return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens, entropy_grad)
@@ -1695,17 +1710,19 @@ def completion_logprobs(
 
 class CompletionLogprobs(torch.nn.Module):
     """`completion_logprobs(model, roll, temperature)` as a module's forward. DistributedDataParallel
-    averages the gradients of what runs through its wrapped module's forward, and the training
-    forward calls the decoder and the output projection directly, so the scripts wrap this."""
+    averages the gradients of what runs through its wrapped module's forward, and FSDP2 gathers the
+    weights its root holds in the root's forward; the training forward calls the decoder and the output
+    projection directly, so the scripts wrap this. (Under FSDP2 its outputs are views: change them only
+    out of place.)"""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, roll: Rollout, temperature: float = 1.0, entropy_grad: bool = False):
+    def forward(self, roll: Rollout, temperature: float = 1.0, entropy_grad: bool = False, chunk_tokens="auto"):
         """(logp, entropy) [B, T]; `entropy_grad=True`: the per-token entropy with its gradient, the
         one call a loss term on the entropy needs (the scripts' --entropy-coef uses it)."""
-        return completion_logprobs(self.model, roll, temperature, entropy_grad=entropy_grad)
+        return _completion_logprobs(self.model, roll, temperature, chunk_tokens, entropy_grad)
 
 
 def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
@@ -1754,7 +1771,8 @@ def logprobs_from_hidden(
 
 
 def _logp_entropy_chunk(hidden, weight, targets, temperature: float, entropy_grad: bool = False):
-    logits = (hidden @ weight.T).float() / temperature  # [n, V] float32, one chunk only
+    # [n, V] float32, one chunk only (a bf16 weight, gathered by --fsdp's MixedPrecisionPolicy, is cast per chunk)
+    logits = (hidden @ weight.T.to(hidden.dtype)).float() / temperature
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # else a diagnostic: no graph kept
@@ -1796,9 +1814,11 @@ class Sampler:
     a bf16 copy of its parameters (buffers, such as RoPE's frequencies, stay float32), cast from the
     policy at the start of every rollout and freed at its end, so that it costs memory only while
     sampling; its KV cache is bf16 too. With LoRA the copy holds the adapters: it samples the adapted
-    policy. Records mu (Rollout.sample_logp) whenever anything reads it: a bf16 rollout (the
-    diagnostics), --old-logp rollout or --is-correction. Nothing of it is saved in checkpoints: it is a
-    function of the policy's weights, so a resumed run samples exactly as an uninterrupted one."""
+    policy. Under --fsdp the copy is cast from the gathered weights (make the Sampler before `shard`);
+    when those are bf16 already (CUDA, --rollout-dtype bfloat16) the policy samples on them, no copy.
+    Records mu (Rollout.sample_logp) whenever anything reads it: a bf16 rollout (the diagnostics),
+    --old-logp rollout or --is-correction. Nothing of it is saved in checkpoints: it is a function of
+    the policy's weights, so a resumed run samples exactly as an uninterrupted one."""
 
     def __init__(self, model, args):
         self.model, self.dtype = model, ROLLOUT_DTYPES[args.rollout_dtype]
@@ -1809,18 +1829,19 @@ class Sampler:
             self.copy = copy.deepcopy(model, memo=empty).eval()
 
     def sample(self, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator) -> Rollout:
-        if self.copy is None:
-            return sample(self.model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                          generator=generator, record_logp=self.records)  # fmt: skip
-        pairs = list(zip(self.copy.parameters(), self.model.parameters()))
-        for dst, src in pairs:
-            dst.data = src.detach().to(self.dtype)
-        try:
-            return sample(self.copy, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                          generator=generator, record_logp=True)  # fmt: skip
-        finally:
+        with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
+            if self.copy is None or next(self.model.parameters()).dtype == self.dtype:
+                return sample(self.model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                              generator=generator, record_logp=self.records)  # fmt: skip
+            pairs = list(zip(self.copy.parameters(), self.model.parameters()))
             for dst, src in pairs:
-                dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
+                dst.data = src.detach().to(self.dtype)
+            try:
+                return sample(self.copy, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
+                              generator=generator, record_logp=True)  # fmt: skip
+            finally:
+                for dst, src in pairs:
+                    dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
 
 
 def old_logprobs(model, roll: Rollout, plan: list[tuple], temperature: float, old_logp: str, every_row=False):
@@ -2067,6 +2088,13 @@ def _values(x: torch.Tensor | None, n: int):
     return [float(f"{v:.8g}") for v in x[:n].tolist()]
 
 
+def traced_forward(run, roll: Rollout) -> torch.Tensor:
+    """[b, T] the policy's log-probs of `roll` for a trace, without gradient. Under --fsdp the forward is
+    a collective: on a traced step every rank runs one (Run.trace), rank 0 for its trace."""
+    with torch.no_grad():
+        return completion_logprobs(run.model, roll, run.args.temperature)[0]
+
+
 class NoTrace:
     """What Run.trace returns on a step that is not traced: update() records nothing and costs nothing."""
 
@@ -2090,9 +2118,8 @@ class Trace:
         forwarded = set(forwarded_rows(plan, len(roll), roll.completion_ids.device).nonzero().squeeze(1).tolist())
         self.old_logp = old_logp[: len(self.rows)].detach().clone()  # [n, T]
         skipped = [r for r in self.rows if r not in forwarded]
-        if skipped:  # their pi_old: old_logp holds 0 there
-            with torch.no_grad():
-                self.old_logp[skipped] = completion_logprobs(run.model, roll[skipped], run.args.temperature)[0]
+        if skipped or sharded(run.model):  # their pi_old: old_logp holds 0 there (--fsdp: a forward on every rank)
+            self.old_logp[skipped] = traced_forward(run, roll[skipped or self.rows[:1]])[: len(skipped)]
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
     def update(self, rows, logp, entropy=None) -> dict:
@@ -2194,16 +2221,18 @@ class Run:
     def __init__(self, algo: str, args, env: Setup, model, tok, **state):
         self.algo, self.args, self.env, self.model, self.tok = algo, args, env, model, tok
         self.progress = Progress()
-        self.state = {**state, "progress": self.progress}
+        self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
+        self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
         t_start = time.perf_counter()
         self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-            load_checkpoint(env.resume_from, model, self.state)
+            load_checkpoint(env.resume_from, model, self.state, env.rank, env.world)
         else:
             self.progress.eval_before, samples = self.evaluate(0)
             self.progress.last_eval = self.progress.eval_before
-            tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
+            if env.rank == 0:  # (under torchrun the evaluation is all ranks'; its training metrics are rank 0's)
+                tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
         self.t_start = t_start - self.progress.wall_time_s
         self.logger = RunLogger(
             args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
@@ -2234,11 +2263,15 @@ class Run:
             share = env.eval_set[env.rank :: env.world][: max(1, 256 // max(1, args.eval_samples))]
             shapes += [(share, 1)] + [(share, args.eval_samples)] * (args.eval_samples > 0)
         eos = eos_token_ids(self.model, self.tok)
-        for examples, copies in shapes:
-            prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt)
-            roll = sample(self.model, prompts, args.max_new_tokens, eos, self.tok.pad_token_id, greedy=True)
-            rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
-            env.reward_fn(self.tok, roll[rows], [r for r in records for _ in range(copies)])
+        with gathered(self.model):  # --fsdp: whole weights, gathered once on every rank
+            for examples, copies in shapes:
+                if not examples:  # a rank without evaluation prompts still joins the reward's check on every rank
+                    raise_on_every_rank(None)
+                    continue
+                prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt)
+                roll = sample(self.model, prompts, args.max_new_tokens, eos, self.tok.pad_token_id, greedy=True)
+                rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
+                env.reward_fn(self.tok, roll[rows], [r for r in records for _ in range(copies)])
 
     def show(self, samples: list):
         """Print each sample on one line and append them to samples.jsonl (rank 0)."""
@@ -2268,7 +2301,7 @@ class Run:
         for step in self.bar:
             self.step_started, self.step_now, self.current_trace = time.perf_counter(), step, None
             yield step
-            if stop_requested():
+            if self.stopping:
                 return
 
     def trace(self, roll, records, rewards, parts, advantages, old_logp, plan=None, **per_token):
@@ -2277,6 +2310,8 @@ class Run:
         nothing. `plan`: plan_updates' list, for the rows whose pi_old old_logp holds (None: every
         row); `per_token`: the script's other [B, T] values (ref_logp, value, token_reward)."""
         if self.env.rank > 0 or not trace_due(self.args, self.step_now):
+            if self.env.rank > 0 and trace_due(self.args, self.step_now) and sharded(self.model):
+                traced_forward(self, roll[:1])  # --fsdp: rank 0's forward for its trace gathers from every rank
             return NoTrace()
         per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
         self.current_trace = Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
@@ -2298,7 +2333,8 @@ class Run:
             self.progress.last_eval = last
             row.update({f"eval_{k}": v for k, v in last.items()})
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in self.SHOWN if k in row and k != "reward")
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
+            if self.env.rank == 0:
+                tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
         self.logger.log(row)
         if self.current_trace is not None:
             self.logger.log_traces(self.current_trace.records())
@@ -2327,12 +2363,16 @@ class Run:
                 )
 
     def save_checkpoint_if_due(self, step: int):
-        """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came."""
-        if checkpoint_due(self.args, step) and self.env.rank == 0:
-            save_checkpoint(self.logger.out, self.algo, self.args, self.model, self.tok, self.state)
+        """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
+        makes this step the last. Under torchrun a signal on any rank counts on every rank, and every rank
+        takes part in the save (each keeps its own random streams in it; --fsdp gathers the weights)."""
+        self.stopping = on_any_rank(stop_requested())
+        if self.stopping or checkpoint_due(self.args, step):
+            save_checkpoint(self.logger.out, self.algo, self.args, self.model, self.tok, self.state, self.env.rank,
+                            self.env.world)  # fmt: skip
 
     def finish(self, **also_save) -> dict:
-        """Write final/ (the policy, plus each `also_save` state dict as final/NAME.pt; with LoRA the
+        """Write final/ (the policy, plus each `also_save` module's or state dict as final/NAME.pt; with LoRA the
         adapters, and with --merge-lora also final/merged/, a standard checkpoint) and
         summary.json; returns the last evaluation. A run stopped by a signal raises Interrupted
         (its checkpoint is written), so main() exits with 128 + the signal's number."""
@@ -2340,7 +2380,8 @@ class Run:
         interrupted = progress.step < args.steps
         if not interrupted:
             self.logger.save_model(self.model, self.tok)
-            for name, state_dict in also_save.items():
+            for name, obj in also_save.items():  # a module's state dict (under --fsdp gathered on every rank)
+                state_dict = full_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj
                 if self.logger.enabled:
                     torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
             if args.merge_lora and self.logger.enabled:
@@ -2475,8 +2516,10 @@ class RunLogger:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     def save_model(self, model, tok, name: str = "final"):
+        """A standard checkpoint of `model` in OUT/name, written by rank 0 (--fsdp: gathered from every rank)."""
+        state_dict = full_state_dict(model) if sharded(model) else None  # None: save_pretrained's own
         if self.enabled:
-            model.save_pretrained(self.out / name)
+            model.save_pretrained(self.out / name, state_dict=state_dict)
             tok.save_pretrained(self.out / name)
 
     def close(self):
@@ -2541,8 +2584,9 @@ def stop_requested() -> bool:
 
 
 def checkpoint_due(args, step: int) -> bool:
-    """Every --save-every steps and after the last step (when on), and whenever a stop signal came."""
-    return stop_requested() or (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps))
+    """Every --save-every steps and after the last step (when on); a stop signal makes one too (Run decides
+    that on every rank alike: save_checkpoint_if_due)."""
+    return args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
 
 
 def model_signature(config) -> dict:
@@ -2589,38 +2633,54 @@ def _restore(obj, state):
     obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
 
 
-def save_checkpoint(out, algo: str, args, model, tok, state: dict):
+def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
     """Write out/checkpoint/ atomically: into checkpoint.tmp/ first, which then replaces the
     previous checkpoint by rename, so a crash while writing leaves the previous one intact.
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
+      rank<r>.pt     under torchrun, each rank's own random streams: its RNG states and generators
+                     (each rank samples its own completions), so that every rank resumes exactly
       metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
                      and traces.jsonl, --trace-every's records)
-      meta.json      algorithm, step, model name and config essentials, args"""
+      meta.json      algorithm, step, number of processes, model name and config essentials, args
+    Every rank calls it at the same point (--fsdp gathers the weights and optimizer state from every
+    rank; rank 0 writes them). It returns once the checkpoint is complete, on every rank."""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-    model.save_pretrained(tmp / "policy")
-    tok.save_pretrained(tmp / "policy")
-    torch.save({"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}, tmp / "trainer.pt")
-    shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-    for name in ("samples.jsonl", "traces.jsonl"):
-        if (out / name).is_file():
-            shutil.copyfile(out / name, tmp / name)
-    meta = {
-        "algo": algo,
-        "step": state["progress"].step,
-        "model": args.model,
-        "config": model_signature(model.config),
-        "args": dataclasses.asdict(args),
-    }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)  # only now does --resume see the new checkpoint
-    shutil.rmtree(old, ignore_errors=True)
+    policy = full_state_dict(model) if sharded(model) else None  # --fsdp: gathered; None: save_pretrained's own
+    trainer = {"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    if world > 1:  # every rank's own streams, once rank 0 has made checkpoint.tmp/
+        barrier()
+        generators = {name: obj.get_state() for name, obj in state.items() if isinstance(obj, torch.Generator)}
+        torch.save({"rng": trainer["rng"], "generators": generators}, tmp / f"rank{rank}.pt")
+        barrier()
+    if rank == 0:
+        model.save_pretrained(tmp / "policy", state_dict=policy)
+        tok.save_pretrained(tmp / "policy")
+        torch.save(trainer, tmp / "trainer.pt")
+        shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
+        for name in ("samples.jsonl", "traces.jsonl"):
+            if (out / name).is_file():
+                shutil.copyfile(out / name, tmp / name)
+        meta = {
+            "algo": algo,
+            "step": state["progress"].step,
+            "world": world,
+            "model": args.model,
+            "config": model_signature(model.config),
+            "args": dataclasses.asdict(args),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)  # only now does --resume see the new checkpoint
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
 
 
 def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
@@ -2668,12 +2728,22 @@ def resumed_args(given: dict, algo: str, fields: set) -> dict:
     return {**saved, **given}
 
 
-def open_checkpoint(args, algo: str) -> Path:
+def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     """--resume, checked before any model is loaded: a checkpoint of `algo`, trained from this
-    --model (by name and by config), short of --steps. Returns its directory."""
+    --model (by name and by config), short of --steps, written by as many processes as this run has
+    (each rank continues its own sampling stream; --fsdp or not, the weights are saved whole). Returns
+    its directory."""
     from transformers import AutoConfig
 
     found, meta = find_checkpoint(args.resume, algo)
+    saved_world = meta.get("world", 1)
+    if saved_world != world:
+        ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
+        how = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else "python, without torchrun"
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
+            f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
+        )
     if meta["model"] != args.model:
         raise UsageError(
             f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
@@ -2695,18 +2765,32 @@ def open_checkpoint(args, algo: str) -> Path:
     return found
 
 
-def load_checkpoint(found: Path, model, state: dict):
+def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1):
     """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
-    that open_checkpoint accepted (the inverse of save_checkpoint)."""
+    that open_checkpoint accepted (the inverse of save_checkpoint; every rank calls it). Under
+    --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
+    tensors are read as they are needed) and keeps its shards of the optimizer state."""
     from transformers import AutoModelForCausalLM
 
     try:
         if is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
             load_lora_weights(model, found / "policy")
+        elif sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            whole = {}  # rank 0 reads the policy; the others receive their shards from it
+            if rank == 0:
+                whole = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=torch.float32).state_dict()
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, whole if rank == 0 else {}, options=options)
         else:
             saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
             model.load_state_dict(saved_policy.state_dict())
-        saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True)
+        saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True, mmap=world > 1)
+        if world > 1:  # this rank's own random streams
+            own = torch.load(found / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+            saved["rng"] = own["rng"]
+            saved["state"].update(own["generators"])
         for name, obj in state.items():
             _restore(obj, saved["state"][name])
     except Exception as e:  # a damaged checkpoint: one line, exit 2
@@ -2735,15 +2819,177 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
-def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Under torchrun, `module` wrapped in DistributedDataParallel, which averages the gradients of
-    what runs through its forward over the ranks; without torchrun, `module` itself."""
+def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
+    """Under torchrun, `module` made data parallel: wrapped in DistributedDataParallel, which averages the
+    gradients of what runs through its forward over the ranks, or with --fsdp (`args.fsdp`) sharded by
+    FSDP2 instead (`shard`). Without torchrun, `module` itself."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return module
+    if args is not None and args.fsdp:
+        return shard(module, device, args.rollout_dtype)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+# --fsdp: a model whose CompletionLogprobs wrapper is its FSDP root -> that wrapper (see completion_logprobs),
+# and the roots whose weights `gathered` holds whole right now
+_LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GATHERED: weakref.WeakSet = weakref.WeakSet()
+
+
+def check_fsdp_args(args):
+    """--fsdp: under torchrun, without LoRA (check_common_args: before anything is loaded)."""
+    if args.fsdp and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--fsdp shards the model over torchrun's processes: run under torchrun "
+                         "(torchrun --nproc_per_node N gspo.py --fsdp ...; N may be 1)")  # fmt: skip
+    if args.fsdp and args.lora_rank:
+        raise UsageError("--fsdp with --lora-rank is not supported: LoRA trains adapters small enough to keep "
+                         "whole on every rank; drop --fsdp (torchrun then runs DDP) or --lora-rank")  # fmt: skip
+
+
+def shard(module: torch.nn.Module, device: torch.device, rollout_dtype: str = "float32") -> torch.nn.Module:
+    """--fsdp: PyTorch FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module` itself, the
+    root, whose forward gathers what the layers leave (embeddings, final norm, output projection, a critic's
+    head). Each rank keeps 1/world of every weight, gradient and AdamW moment; a layer's weights are whole
+    only while it runs, and the gradients are averaged over the ranks as DDP's are. The master weights stay
+    float32. On CUDA with --rollout-dtype bfloat16 the gathered weights are bf16 (MixedPrecisionPolicy,
+    gradients reduced in float32): the training forward and the rollout both run on them; otherwise they
+    are float32, and on CUDA the training forward runs under bf16 autocast as without --fsdp. Returns
+    `module`, now the root; a CompletionLogprobs root is registered for its model (`completion_logprobs`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    inner = module.model if isinstance(module, CompletionLogprobs) else module
+    if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") and not _StaticKVDecoder.supports(inner):
+        raise UsageError(f"--fsdp: the sampler runs on gathered weights through its own decoder, which takes "
+                         f"Qwen2, Qwen3 and Llama models with full attention; this model is "
+                         f"{inner.config.model_type}: drop --fsdp (torchrun then runs DDP)")  # fmt: skip
+    bf16 = device.type == "cuda" and rollout_dtype == "bfloat16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options = {"mp_policy": policy} if policy is not None else {}
+    for layer in [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]:
+        fully_shard(layer, **options)
+    fully_shard(module, **options)
+    if isinstance(module, CompletionLogprobs):
+        _LOGPROBS_ROOT[module.model] = module
+    return module
+
+
+def sharded(module) -> bool:
+    """Whether --fsdp shards `module`'s parameters (they are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """--fsdp: every weight of `model` (one `shard` registered) whole on this rank inside the block, for the
+    sampler, which calls the model's modules directly; sharded again after. It is a collective: every
+    rank enters it at the same point, and once; nested, it does nothing. Without --fsdp it does nothing."""
+    root = _LOGPROBS_ROOT.get(model)
+    if root is None or root in _GATHERED:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for m in groups:
+        m.unshard()
+    _GATHERED.add(root)
+    try:
+        yield
+    finally:
+        _GATHERED.discard(root)
+        for m in groups:
+            m.reshard()
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, whose total norm comes back as a plain tensor: under --fsdp the
+    gradients are sharded and torch returns the norm as a DTensor; its full value is the norm of all
+    ranks' shards together (the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_state_dict(module) -> dict:
+    """`module.state_dict()` with whole tensors. Under --fsdp they are gathered from every rank's shards
+    (a collective: every rank calls it) to rank 0, on CPU; the other ranks get {}."""
+    if not sharded(module):
+        return module.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if output is not None and output.weight is module.get_input_embeddings().weight:  # tied: saved once, as HF does
+        name = next(n for n, m in module.named_modules() if m is output)
+        state.pop(f"{name}.weight", None)
+    return state
+
+
+class GatheredState:
+    """A module or an optimizer whose parameters --fsdp shards, as a checkpoint saves it: state_dict()
+    gathers whole tensors to rank 0 (a collective; see full_state_dict), load_state_dict() takes the whole
+    state dict, which every rank reads from the checkpoint, and keeps this rank's shards. A module's state
+    dict is its usual one; an optimizer's is keyed by parameter name (torch.distributed.checkpoint's
+    format), not by position as optimizer.state_dict() is, so --fsdp keeps its value on --resume."""
+
+    def __init__(self, module, optimizer=None):
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if self.optimizer is None:
+            return full_state_dict(self.module)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.module, self.optimizer, options=options)
+
+    def load_state_dict(self, state: dict):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            set_model_state_dict(self.module, state, options=options)
+        else:
+            set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
+
+
+def checkpointed(state: dict, model) -> dict:
+    """Run's `state` with each module and optimizer that --fsdp shards as a GatheredState (an optimizer
+    with the module whose parameters it updates: `model` or a module of `state`); the rest unchanged."""
+    modules = [model] + [obj for obj in state.values() if isinstance(obj, torch.nn.Module)]
+    out = {}
+    for name, obj in state.items():
+        if isinstance(obj, torch.nn.Module) and sharded(obj):
+            obj = GatheredState(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = {id(p) for group in obj.param_groups for p in group["params"]}
+            owner = next((m for m in modules if params <= {id(p) for p in m.parameters()}), None)
+            if owner is not None and sharded(owner):
+                obj = GatheredState(owner, obj)
+        out[name] = obj
+    return out
+
+
+def barrier():
+    """Wait for every rank (nothing without torchrun)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def on_any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on at least one rank (`flag` itself without torchrun)."""
+    return bool(all_reduce_sum(torch.tensor([float(flag)]), op="MAX")[0] > 0)
 
 
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
@@ -2977,13 +3223,17 @@ def is_lora(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def reference_model(model, name: str, device: torch.device):
+def reference_model(model, name: str, device: torch.device, args=None):
     """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
     adapters disabled: the base never trains, so it *is* the initial policy, and no second copy of
-    the weights is loaded; without, a frozen copy of checkpoint `name`."""
+    the weights is loaded; without, a frozen copy of checkpoint `name`, which --fsdp (`args.fsdp`)
+    shards as it does the policy (completion_logprobs runs through its root)."""
     if is_lora(model):
         return AdaptersOff(model)
-    return load_model(name, device)[0].eval().requires_grad_(False)
+    reference = load_model(name, device)[0].eval().requires_grad_(False)
+    if args is not None and args.fsdp:
+        shard(CompletionLogprobs(reference), device, args.rollout_dtype)
+    return reference
 
 
 class AdaptersOff:

@@ -125,6 +125,9 @@ class Args:
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     device: str = arg("auto", "auto, cpu or cuda")
+    fsdp: bool = arg(
+        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
+    )
     lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
@@ -260,10 +263,11 @@ def train(args: Args):
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     eos_ids = common.eos_token_ids(model, tok)
-    policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
+    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
+    # roll -> (logp, entropy) [B, T]; under torchrun data parallel (DDP, or with --fsdp sharded: FSDP2)
+    policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     # MoE models: notes each token's experts, for routing_drift and --routing-replay (GSPO paper section 5.3)
     routing = common.RoutingReplay(model, replay_updates=args.routing_replay)
-    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     if args.routing_replay and not routing.blocks:
         raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
     if args.routing_replay and args.old_logp == "rollout":
@@ -272,7 +276,7 @@ def train(args: Args):
         )
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
-        ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
+        ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
@@ -338,7 +342,7 @@ def train(args: Args):
                     loss = loss - args.entropy_coef * bonus
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
                 ratio_stats = common.token_ratio_stats(logp, old_logp[rows], loss_mask[rows])  # the same in all three

@@ -123,6 +123,9 @@ class Args:
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     device: str = arg("auto", "auto, cpu or cuda")
+    fsdp: bool = arg(
+        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
+    )
     lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
     lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
     lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
@@ -284,11 +287,12 @@ def train(args: Args):
     eos_ids = common.eos_token_ids(model, tok)
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL in the reward, kl_to_init; none when unused
-        ref_model = common.reference_model(model, args.model, env.device)  # LoRA: the policy, adapters off
+        ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
     sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
-    policy = common.data_parallel(common.CompletionLogprobs(model), env.device)  # roll -> (logp, entropy) [B, T]
-    value = common.data_parallel(critic, env.device)  # roll -> values [B, T]
+    # roll -> (logp, entropy) [B, T] and roll -> values [B, T]; under torchrun data parallel (DDP, or --fsdp: FSDP2)
+    policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
+    value = common.data_parallel(critic, env.device, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     critic_optimizer = torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True
@@ -365,8 +369,8 @@ def train(args: Args):
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
             loss = pg_loss + args.vf_coef * v_loss
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             if guard.ok(step, loss, grad_norm, critic_grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
                 critic_optimizer.step()
@@ -401,7 +405,7 @@ def train(args: Args):
             no_signal=common.all_equal(scores) or mean_entropy < common.NO_SIGNAL_ENTROPY,
         )
         run.save_checkpoint_if_due(step)
-    return run.finish(critic=critic.state_dict())  # final/critic.pt beside the policy
+    return run.finish(critic=critic)  # final/critic.pt beside the policy
 
 
 if __name__ == "__main__":
