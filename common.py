@@ -412,6 +412,8 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":  # the same (DDP needs the index)
+        return torch.device(f"cuda:{local_rank}")
     return torch.device(device)
 
 
@@ -2517,7 +2519,7 @@ class RunLogger:
 
     def save_model(self, model, tok, name: str = "final"):
         """A standard checkpoint of `model` in OUT/name, written by rank 0 (--fsdp: gathered from every rank)."""
-        state_dict = full_state_dict(model) if sharded(model) else None  # None: save_pretrained's own
+        state_dict = pretrained_state(model)  # --fsdp: gathered from every rank
         if self.enabled:
             model.save_pretrained(self.out / name, state_dict=state_dict)
             tok.save_pretrained(self.out / name)
@@ -2648,7 +2650,7 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
     rank; rank 0 writes them). It returns once the checkpoint is complete, on every rank."""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
-    policy = full_state_dict(model) if sharded(model) else None  # --fsdp: gathered; None: save_pretrained's own
+    policy = pretrained_state(model)  # --fsdp: gathered from every rank
     trainer = {"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
@@ -2739,7 +2741,11 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     saved_world = meta.get("world", 1)
     if saved_world != world:
         ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
-        how = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else "python, without torchrun"
+        how = (
+            f"torchrun --nproc_per_node {saved_world}"
+            if saved_world > 1
+            else "one (python, or torchrun --nproc_per_node 1)"
+        )
         raise UsageError(
             f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
             f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
@@ -2923,11 +2929,18 @@ def full_state_dict(module) -> dict:
         return module.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    if output is not None and output.weight is module.get_input_embeddings().weight:  # tied: saved once, as HF does
-        name = next(n for n, m in module.named_modules() if m is output)
-        state.pop(f"{name}.weight", None)
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def pretrained_state(model) -> dict | None:
+    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one
+    (full_state_dict, a collective), a tied output embedding left out as save_pretrained leaves it out."""
+    if not sharded(model):
+        return None
+    state = full_state_dict(model)
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is model.get_input_embeddings().weight:
+        state.pop(next(name for name, m in model.named_modules() if m is output) + ".weight", None)
     return state
 
 

@@ -1,0 +1,266 @@
+"""--fsdp (PyTorch FSDP2) on CPU with gloo, 2 ranks: a sharded step equals one process's step on the
+same batch (loss, gradient norm, weights after), PPO's critic too; greedy rollouts, the bf16 sampler
+and an evaluation whose ranks hold different numbers of prompts equal the unsharded ones (and
+finish); and each script under `torchrun --fsdp` equals its DDP run, resumes exactly, and writes a
+standard final/. The references are independent of FSDP: one process, or DDP (whose equality with one
+process tests/test_distributed.py checks)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, Path(__file__).parent):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
+
+import common  # noqa: E402
+import ppo  # noqa: E402
+
+CPU = torch.device("cpu")
+TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+def sgd_step(case, model_dir, batch, rows, fsdp: bool) -> dict:
+    """One SGD step (lr 1, no clipping: both keep a wrong gradient scale visible) of the scripts' loss on
+    `rows`: {"loss" (on FSDP ranks the mean of their losses), "grad_norm", "weights" (rank 0's gathered)}."""
+    model = common.load_model(model_dir, CPU)[0].train()
+    train_model = common.CompletionLogprobs(model)
+    if fsdp:
+        train_model = common.shard(train_model, CPU)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = loss_for(case, train_model, batch, rows)
+    loss.backward()
+    norm = common.clip_grad_norm_(model.parameters(), math.inf)  # the total norm (all ranks'), no clipping
+    opt.step()
+    mean_loss = common.all_reduce_sum(loss.detach()) / WORLD if fsdp else loss.detach()
+    return {"loss": mean_loss, "grad_norm": norm, "weights": common.full_state_dict(model)}
+
+
+def critic_step(model_dir, batch, rows, fsdp: bool) -> dict:
+    """One SGD step of PPO's clipped value loss through the Critic (trunk and head)."""
+    critic = ppo.Critic(model_dir, CPU)
+    with torch.no_grad():  # a head that is not 0, so that the step reaches the trunk
+        critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    if fsdp:
+        common.shard(critic, CPU)
+    roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
+    opt = torch.optim.SGD(critic.parameters(), lr=1.0)
+    old_values, returns = batch["token_adv"][rows] * 0.1, batch["token_adv"][rows]
+    loss = ppo.value_loss(critic(roll), old_values, returns, mask, clip=0.2)[0]
+    loss = loss * common.token_mean_scale(mask)  # the script's torchrun scale
+    loss.backward()
+    norm = common.clip_grad_norm_(critic.parameters(), math.inf)
+    opt.step()
+    mean_loss = common.all_reduce_sum(loss.detach()) / WORLD if fsdp else loss.detach()
+    return {"loss": mean_loss, "grad_norm": norm, "weights": common.full_state_dict(critic)}
+
+
+def rollouts(model, tok, sampler_args=None):
+    """Greedy completions of a few arithmetic prompts, and a bf16 Sampler's sampled ones (seeded)."""
+    prompts = [tok.encode(f"{a}+{b}=") for a, b in ((12, 34), (5, 7), (40, 41), (9, 90))]
+    eos = common.eos_token_ids(model, tok)
+    greedy = common.sample(model, prompts, 6, eos, tok.pad_token_id, greedy=True)
+    bf16 = sampler_args.sample(prompts, 6, eos, tok.pad_token_id, 1.0, 1.0, torch.Generator().manual_seed(0))
+    return greedy.completion_ids, bf16.completion_ids, bf16.sample_logp
+
+
+def evaluation(model, tok):
+    """evaluate() on 5 records in batches of 2: under 2 ranks, rank 0 holds 3 (2 batches), rank 1 2 (1 batch)."""
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (30, 4), (22, 22), (7, 70), (5, 5))]
+    return common.evaluate(model, tok, records, 6, system_prompt="", batch_size=2)
+
+
+def bf16_sampler(model):
+    args = type("A", (), {"rollout_dtype": "bfloat16", "old_logp": "recompute", "is_correction": "none"})()
+    return common.Sampler(model, args)
+
+
+def _worker(rank, port, model_dir, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        tok = common.load_model(model_dir, CPU)[1]
+        batch = fixed_batch(tok)
+        mine = slice(rank, None, WORLD)
+        results = {case: sgd_step(case, model_dir, batch, mine, fsdp=True) for case in CASES}
+        results["critic"] = critic_step(model_dir, batch, mine, fsdp=True)
+        model = common.load_model(model_dir, CPU)[0].eval()
+        sampler = bf16_sampler(model)  # made before shard, as the scripts make it
+        common.shard(common.CompletionLogprobs(model), CPU)
+        results["rollouts"] = rollouts(model, tok, sampler)
+        results["evaluation"] = evaluation(model, tok)
+        results["weights_still_sharded"] = common.sharded(model)  # gathered() resharded after sampling
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("fsdp") / "results.pt"
+    ctx = mp.start_processes(_worker, args=(_free_port(), tiny_path, str(out)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the 2-rank FSDP worker did not finish in {TIMEOUT} s (a collective only some ranks reached)")
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_sharded_step_equals_one_process(sharded_results, tiny_path, case):
+    tok = common.load_model(tiny_path, CPU)[1]
+    single = sgd_step(case, tiny_path, fixed_batch(tok), slice(None), fsdp=False)
+    sharded = sharded_results[case]
+    torch.testing.assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=1e-5, atol=1e-6)
+    assert single["grad_norm"] > 1e-3  # the step moves the weights
+    assert sorted(sharded["weights"]) == sorted(single["weights"])
+    for k, v in single["weights"].items():
+        torch.testing.assert_close(sharded["weights"][k], v, rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
+
+
+def test_a_sharded_critic_step_equals_one_process(sharded_results, tiny_path):
+    tok = common.load_model(tiny_path, CPU)[1]
+    single = critic_step(tiny_path, fixed_batch(tok), slice(None), fsdp=False)
+    sharded = sharded_results["critic"]
+    torch.testing.assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=1e-5, atol=1e-6)
+    before = ppo.Critic(tiny_path, CPU).state_dict()
+    assert any(not torch.equal(single["weights"][k], v) for k, v in before.items() if "layers" in k)  # trunk moved
+    for k, v in single["weights"].items():
+        torch.testing.assert_close(sharded["weights"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_sharded_rollouts_and_uneven_evaluation_equal_unsharded(sharded_results, tiny_path):
+    model, tok = common.load_model(tiny_path, CPU)
+    model.eval()
+    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model))
+    sharded_greedy, sharded_bf16, sharded_bf16_logp = sharded_results["rollouts"]
+    assert torch.equal(sharded_greedy, greedy)
+    assert torch.equal(sharded_bf16, bf16)  # the bf16 copy is cast from the gathered weights
+    torch.testing.assert_close(sharded_bf16_logp, bf16_logp, rtol=0, atol=0)
+    # the evaluation finished on both ranks (rank 0: 2 batches, rank 1: 1) and its means are all 5 records'
+    assert sharded_results["evaluation"] == pytest.approx(evaluation(model, tok), abs=1e-6)
+    assert sharded_results["weights_still_sharded"]
+
+
+# --- the scripts under torchrun ---------------------------------------------------------------------------
+
+SCRIPT_FLAGS = {  # small runs that reach every sharded forward: grpo's reference, ppo's critic and reference,
+    # gspo's bf16 sampler; a trace every 2 steps (its forward is a collective under --fsdp)
+    "gspo": ["--rollout-dtype", "bfloat16"],
+    "grpo": ["--kl-coef", "0.05"],
+    "ppo": [],
+}
+
+
+def torchrun(algo, out, *flags, nproc=WORLD, check=True):
+    cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), str(ROOT / f"{algo}.py"),
+           "--device", "cpu", "--prompts-per-step", "8", "--minibatches", "2", "--max-new-tokens", "6",
+           "--eval-size", "7", "--eval-every", "2", "--trace-every", "2", "--no-anneal-lr", "--out", str(out),
+           *SCRIPT_FLAGS[algo],
+           *flags]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(Path(out) / "final").state_dict()  # a standard checkpoint
+
+
+@needs_torchrun
+@pytest.mark.parametrize("algo", ["gspo", "grpo", "ppo"])
+def test_script_under_fsdp_equals_ddp_and_resumes_exactly(tmp_path, algo):
+    sharded, ddp, resumed = tmp_path / "fsdp", tmp_path / "ddp", tmp_path / "resumed"
+    torchrun(algo, sharded, "--fsdp", "--steps", "3")
+    torchrun(algo, ddp, "--steps", "3")
+    # the same sampling streams, so the same rollouts: every step's metrics and the weights agree to float rounding
+    a, b = metrics(sharded), metrics(ddp)
+    assert [r["step"] for r in a] == [1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("reward", "loss", "grad_norm", "eval_accuracy", "value_loss", "critic_grad_norm"):
+            if key in rb:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+    fa, fb = final_weights(sharded), final_weights(ddp)
+    for k, v in fb.items():
+        torch.testing.assert_close(fa[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    if algo == "ppo":
+        ca, cb = torch.load(sharded / "final" / "critic.pt"), torch.load(ddp / "final" / "critic.pt")
+        for k, v in cb.items():
+            torch.testing.assert_close(ca[k], v, rtol=1e-5, atol=1e-5, msg=f"critic {k}")
+    assert len((sharded / "traces.jsonl").read_text().splitlines()) > 0  # rank 0 traced; the others took part
+    # stopped after step 2 with a checkpoint, resumed to step 3: the uninterrupted run's weights and metrics (at a
+    # constant learning rate: under --anneal-lr the rate depends on --steps, so a 2-step run extended is another run)
+    torchrun(algo, resumed, "--fsdp", "--steps", "2", "--save-every", "2")
+    assert json.loads((resumed / "checkpoint" / "meta.json").read_text())["world"] == WORLD
+    torchrun(algo, resumed, "--resume", str(resumed), "--steps", "3")
+    fr = final_weights(resumed)
+    assert all(torch.equal(fr[k], fa[k]) for k in fa)
+    timing = ("step_time_s", "tokens_per_s")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in metrics(resumed)] == [
+        {k: v for k, v in r.items() if k not in timing} for r in a
+    ]
+
+
+def test_fsdp_without_torchrun_and_with_lora_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    cmd = [sys.executable, str(ROOT / "gspo.py"), "--fsdp", "--steps", "1", "--out", str(tmp_path / "a")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --fsdp shards the model over torchrun's processes")
+    lora = subprocess.run(
+        cmd + ["--lora-rank", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**env, "WORLD_SIZE": "2"},
+    )  # fmt: skip  (as under torchrun: checked before it joins)
+    assert lora.returncode == 2
+    assert lora.stderr.strip().splitlines()[-1].startswith("error: --fsdp with --lora-rank is not supported")
+    assert not (tmp_path / "a").exists()
+
+
+@needs_torchrun
+def test_fsdp_refuses_a_model_its_sampler_cannot_run_and_a_checkpoint_of_another_world(tmp_path):
+    moe = torchrun("gspo", tmp_path / "moe", "--fsdp", "--model", "tiny-moe", "--steps", "1", nproc=1, check=False)
+    assert moe.returncode != 0 and "exitcode  : 2" in moe.stderr, moe.stderr[-2000:]  # torchrun: the rank's status
+    assert "error: --fsdp: the sampler runs on gathered weights through its own decoder" in moe.stderr
+    assert "this model is qwen3_moe" in moe.stderr
+    run = tmp_path / "one"
+    torchrun("gspo", run, "--fsdp", "--steps", "1", "--save-every", "1", nproc=1)
+    proc = torchrun("gspo", run, "--resume", str(run), "--steps", "2", check=False)  # 2 ranks, saved by 1
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-2000:]
+    assert (
+        f"error: --resume {run}: the checkpoint was written by 1 process, this run has 2 processes; each rank "
+        "resumes its own sampling stream: run it with one (python, or torchrun --nproc_per_node 1)" in proc.stderr
+    )
