@@ -1,7 +1,8 @@
 """The memory planner (tools/plan_memory.py) against independent counts: parameter counts against
 Hugging Face's own models (built on the meta device, no memory), saved activations against the
 bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
-against its buffers, a hand-worked plan, and the command line's errors. Its figures against the
+against its buffers, a hand-worked plan, the per-GPU DDP and FSDP2 plans against parameter counts
+worked out from the configs, and the command line's errors. Its figures against the
 measured peaks of real-size runs: benchmarks/real_size.py (minutes, ~20 GB: a benchmark)."""
 
 import subprocess
