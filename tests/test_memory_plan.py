@@ -1,7 +1,8 @@
 """The memory planner (tools/plan_memory.py) against independent counts: parameter counts against
 Hugging Face's own models (built on the meta device, no memory), saved activations against the
 bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
-against its buffers, a hand-worked plan, and the command line's errors. Its figures against the
+against its buffers, a hand-worked plan, the per-GPU DDP and FSDP2 plans against parameter counts
+worked out from the configs, and the command line's errors. Its figures against the
 measured peaks of real-size runs: benchmarks/real_size.py (minutes, ~20 GB: a benchmark)."""
 
 import subprocess
@@ -167,3 +168,115 @@ def test_bf16_rollouts_halve_the_kv_cache_and_add_a_bf16_copy_while_sampling():
     update = ("activations", "logprob_chunk", "tied_embedding_grad")
     fixed = bf16["weights"] + bf16["gradients"] + bf16["adamw_state"]
     assert bf16["peak"] == fixed + max(sum(bf16[k] for k in update), sum(bf16[k] for k in sampling))
+
+
+def qwen2_counts(name: str) -> dict:
+    """Parameter counts of a named Qwen2 config, worked out here from its fields: one decoder layer (q, k, v,
+    o, gate, up, down, their q/k/v biases, two RMSNorms), the root (embedding, final norm, untied lm_head)."""
+    c = plan_memory.QWEN_CONFIGS[name]
+    V, H, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q = H  # heads x head_dim
+    kv = c["num_key_value_heads"] * H // c["num_attention_heads"]
+    layer = H * q + 2 * H * kv + q * H + 3 * H * I + (q + 2 * kv) + 2 * H
+    root = V * H + H + (0 if c["tie_word_embeddings"] else V * H)
+    return dict(V=V, H=H, layer=layer, root=root, total=root + L * layer, trunk=V * H + H + L * layer)
+
+
+GSM8K_SHAPE = dict(rows=32 * 8, prompt_tokens=128, new_tokens=512, minibatches=4, grad_checkpointing=True)
+UPDATE = ("activations", "logprob_chunk", "tied_embedding_grad", "fsdp_gathered_root", "fsdp_root_gradients",
+          "fsdp_gathered_layers", "fsdp_reduce_scatter_input")  # fmt: skip
+SAMPLING = ("kv_cache", "sampler_logits", "sampler_fused_weights", "rollout_copy", "fsdp_gathered_policy")
+
+
+def fixed_part(plan: dict) -> int:
+    return plan["peak"] - max(sum(plan[k] for k in UPDATE), sum(plan[k] for k in SAMPLING))
+
+
+def test_ddp_keeps_the_whole_state_and_splits_the_batch():
+    """DDP on 4 GPUs: every rank holds Qwen2.5-7B's float32 weights, gradients, AdamW moments and DDP's
+    gradient buckets (a second float32 copy of the gradients), and a quarter of the batch's memory."""
+    k = qwen2_counts("qwen2.5-7b")
+    n = k["total"]
+    c = plan_memory.QWEN_CONFIGS["qwen2.5-7b"]
+    one = plan_memory.plan_memory(c, "grpo", **GSM8K_SHAPE)
+    ddp = plan_memory.plan_memory(c, "grpo", **GSM8K_SHAPE, parallel="ddp", world=4)
+    assert n == ddp["parameters"] == 7_615_616_512
+    assert (ddp["weights"], ddp["gradients"], ddp["adamw_state"]) == (4 * n, 4 * n, 8 * n)
+    assert ddp["ddp_gradient_buckets"] == 4 * n
+    assert ddp["autocast_weight_copy"] == one["autocast_weight_copy"] and one["ddp_gradient_buckets"] == 0
+    for key in ("activations", "kv_cache", "sampler_logits"):  # 64 completions a rank, 16 a minibatch
+        assert ddp[key] * 4 == one[key]
+    assert fixed_part(ddp) == fixed_part(one) + 4 * n
+    ppo = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE, parallel="ddp", world=4)
+    critic = k["trunk"] + k["H"] + 1  # the trunk and a scalar head
+    assert ppo["ddp_gradient_buckets"] == 4 * n + 4 * critic and ppo["critic"] == 16 * critic
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-7b"])  # tied and untied embeddings
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("device,rollout_dtype", [("cuda", "float32"), ("cuda", "bfloat16"), ("cpu", "bfloat16")])
+def test_fsdp_shards_the_state_and_gathers_the_root_two_layers_and_the_policy(name, world, device, rollout_dtype):
+    k = qwen2_counts(name)
+    n, root, layer = k["total"], k["root"], k["layer"]
+    c = plan_memory.QWEN_CONFIGS[name]
+    shape = GSM8K_SHAPE | dict(device=device, rollout_dtype=rollout_dtype)
+    one = plan_memory.plan_memory(c, "ppo", **shape)
+    fsdp = plan_memory.plan_memory(c, "ppo", **shape, parallel="fsdp", world=world)
+    gathered = 2 if (device, rollout_dtype) == ("cuda", "bfloat16") else 4  # MixedPrecisionPolicy's bf16, else float32
+    critic = k["trunk"] + k["H"] + 1
+    assert (fsdp["weights"], fsdp["gradients"], fsdp["adamw_state"]) == (4 * n // world, 4 * n // world, 8 * n // world)
+    assert fsdp["reference"] == 4 * n // world and fsdp["critic"] == 16 * critic // world
+    assert fsdp["ddp_gradient_buckets"] == 0
+    # bf16 gathered weights need no autocast cast; float32 ones on CUDA leave every layer's bf16 cast in the cache
+    assert fsdp["autocast_weight_copy"] == (2 * k["trunk"] if (device, gathered) == ("cuda", 4) else 0)
+    assert fsdp["fsdp_gathered_root"] == fsdp["fsdp_root_gradients"] == root * gathered
+    assert fsdp["fsdp_gathered_layers"] == 2 * 2 * layer * gathered and fsdp["fsdp_reduce_scatter_input"] == 4 * root
+    tied = c["tie_word_embeddings"]
+    assert fsdp["tied_embedding_grad"] == (k["V"] * k["H"] * gathered if tied else 0)
+    assert fsdp["fsdp_gathered_policy"] == n * gathered
+    assert fsdp["rollout_copy"] == (2 * n if device == "cpu" else 0)  # CPU: the bf16 copy of the gathered weights
+    for key in ("activations", "kv_cache", "sampler_logits"):  # 256 / world completions a rank
+        assert fsdp[key] * world == one[key]
+    sharded = (4 + 4 + 8 + 4) * n // world + 16 * critic // world
+    assert fixed_part(fsdp) == sharded + fsdp["autocast_weight_copy"]
+
+
+def test_fsdp_on_one_gpu_shards_nothing_and_still_gathers():
+    """With one rank FSDP2's shard is the whole state, as in one process, but the root and two layers are
+    still gathered (copies) for the update and the whole policy for sampling; DDP on one rank adds its buckets."""
+    k = qwen2_counts("qwen2.5-0.5b")
+    n = k["total"]
+    c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
+    one = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE)
+    fsdp = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE, parallel="fsdp", world=1)
+    ddp = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE, parallel="ddp", world=1)
+    buckets = 4 * n + 4 * (k["trunk"] + k["H"] + 1)  # the policy's and the critic's gradients again
+    assert fixed_part(fsdp) == fixed_part(one) and fixed_part(ddp) == fixed_part(one) + buckets
+    gathered_update = 2 * k["root"] * 4 + 4 * k["layer"] * 4 + 4 * k["root"]
+    assert sum(fsdp[key] for key in UPDATE) == sum(one[key] for key in UPDATE) + gathered_update
+    assert sum(fsdp[key] for key in SAMPLING) == sum(one[key] for key in SAMPLING) + 4 * n  # float32 on CUDA
+    assert ddp["peak"] - one["peak"] == buckets and fsdp["peak"] > one["peak"]
+
+
+def test_parallel_plans_reject_what_torchrun_would_not_run():
+    c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
+    for bad in (dict(parallel="fsdp", world=3), dict(world=2), dict(parallel="zero", world=2),
+                dict(parallel="fsdp", world=2, lora_rank=8)):  # fmt: skip
+        with pytest.raises(ValueError):
+            plan_memory.plan_memory(c, "grpo", 8, 6, 32, **bad)
+
+
+def test_cli_per_gpu_plans_and_the_comparison_table():
+    cmd = [sys.executable, "tools/plan_memory.py", "--model", "qwen2.5-0.5b", "qwen2.5-7b", "--grad-checkpointing"]
+    run = lambda *args: subprocess.run(cmd + list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)  # noqa: E731
+    fsdp = run("--fsdp", "4")
+    assert fsdp.returncode == 0 and "per GPU" in fsdp.stdout and "FSDP2 gathered policy" in fsdp.stdout, fsdp.stderr
+    table = run("--algo", "ppo", "--compare-gpus", "1", "8")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[1] == "| model | one process | DDP x1 | FSDP2 x1 | DDP x8 | FSDP2 x8 |" and len(lines) == 5
+    one_7b = plan_memory.plan_memory(plan_memory.QWEN_CONFIGS["qwen2.5-7b"], "ppo", **GSM8K_SHAPE)
+    assert lines[4].startswith(f"| qwen2.5-7b | {one_7b['peak'] / 2**30:.1f} |")
+    for bad in (["--fsdp", "0"], ["--fsdp", "3"], ["--ddp", "2", "--fsdp", "2"], ["--fsdp", "2", "--lora-rank", "8"]):
+        proc = run(*bad)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr

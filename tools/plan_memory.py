@@ -2,13 +2,16 @@
 before anything is loaded or downloaded.
 
     python tools/plan_memory.py --model qwen2.5-0.5b qwen2.5-7b --algo grpo --grad-checkpointing
+    python tools/plan_memory.py --model qwen2.5-7b --algo grpo --grad-checkpointing --fsdp 4   # per GPU
+    python tools/plan_memory.py --model qwen2.5-7b --grad-checkpointing --compare-gpus 1 2 4 8   # DDP vs FSDP2
 
 `plan_memory` counts float32 master weights, gradients, AdamW's two moments, the reference and the
 critic where the script keeps them, activations per token of a Qwen2 / Qwen3 decoder layer, the
 largest chunk of the log-probs, and the sampler's KV cache; the peak is the fixed part plus the
-larger of the sampling and the update phase. docs/memory.md compares it with measured peaks
-(benchmarks/real_size.py, benchmarks/gpu.py); tests/test_memory_plan.py checks it against autograd's
-saved tensors.
+larger of the sampling and the update phase. Under torchrun (--ddp N, --fsdp N) the figures are one
+rank's (one GPU's): DistributedDataParallel replicas or FSDP2 shards, each with 1/N of the batch.
+docs/memory.md compares it with measured peaks (benchmarks/real_size.py, benchmarks/gpu.py);
+tests/test_memory_plan.py checks it against autograd's saved tensors.
 """
 
 import json
@@ -98,6 +101,8 @@ def plan_memory(
     reward_model=None,
     device: str = "cuda",
     rollout_dtype: str = "float32",
+    parallel: str | None = None,
+    world: int = 1,
 ) -> dict:
     """Expected peak memory in bytes, by component, of one script's training step: `rows` completions
     per step (prompts x group size) of `prompt_tokens` + `new_tokens` tokens, in `minibatches` updates.
@@ -114,7 +119,24 @@ def plan_memory(
     reward_model: its config (scored without gradients; its activations are not counted).
     rollout_dtype "bfloat16" (--rollout-dtype): the sampler's bf16 copy of the weights (made for each
     rollout and freed after it), a bf16 KV cache and bf16 fused weights.
+    parallel: None = one process (world 1); "ddp" or "fsdp" = torchrun with `world` ranks, each with
+    1/world of the `rows` (its activations, KV cache, log-prob chunks), and the figures are one rank's.
+    "ddp": every rank holds the whole weights, gradients and AdamW state, plus DistributedDataParallel's
+    gradient buckets (a second float32 copy of the trained parameters' gradients: gradient_as_bucket_view
+    is off). "fsdp": FSDP2 (fully_shard on each decoder layer, then the root) on the policy, the critic
+    and the reference: 1/world of their float32 weights, gradients and AdamW state per rank (each
+    parameter's padding to a multiple of `world` rows is ignored). The training forward and backward
+    gather two layers at a time (one prefetched) with their unsharded gradients, and the root's own
+    parameters (embedding, final norm, lm_head) for the whole pass, in bf16 on CUDA with bf16 rollouts
+    (MixedPrecisionPolicy; no autocast copy) and float32 otherwise; each rollout gathers the whole policy.
+    The critic's gathered trunk is the policy's (plus its value head) and goes before the policy's
+    forward; the no-grad forwards of pi_old and the reference gather as much, without activations.
     peak = the fixed part + the larger of the sampling phase and the update phase."""
+    if parallel not in (None, "ddp", "fsdp") or world < 1 or (parallel is None and world != 1) or rows % world:
+        raise ValueError(f"plan_memory: parallel {parallel!r} with world {world} for {rows} rows")
+    fsdp = parallel == "fsdp"
+    if fsdp and lora_rank:
+        raise ValueError("plan_memory: FSDP2 with LoRA is not planned")
     s = model_shape(config)
     n = count_parameters(s)
     params = n["trunk"] + n["lm_head"]
@@ -124,40 +146,66 @@ def plan_memory(
         reference = algo == "ppo" or reward_model is not None
     cuda, f32 = device == "cuda", 4
     act_bytes = 2 if cuda else f32  # bf16 under autocast (its norm statistics stay float32: a small share)
-    rows_mb = -(-rows // minibatches)
+    shards = world if fsdp else 1
+
+    def sharded(nbytes: int) -> int:  # one rank's share of what FSDP2 shards
+        return -(-nbytes // shards)
+
+    gathered_bytes = 2 if cuda and rollout_dtype == "bfloat16" else f32  # FSDP2's unsharded weights and gradients
+    rows_rank = rows // world  # this rank's completions
+    rows_mb = -(-rows_rank // minibatches)
     seq = prompt_tokens + new_tokens
     acts = rows_mb * seq * activation_elements_per_token(s, grad_checkpointing) * act_bytes
     chunk_tokens = min(rows_mb * new_tokens, max(1, LOGITS_CHUNK_ELEMENTS // s["V"]))
     plan = {
-        "weights": (params + lora) * f32,  # the base, and the adapters (LoRA)
-        "gradients": trainable * f32,
-        "adamw_state": 2 * trainable * f32,
-        "reference": params * f32 if reference and not lora_rank else 0,
+        "weights": sharded((params + lora) * f32),  # the base, and the adapters (LoRA)
+        "gradients": sharded(trainable * f32),
+        "adamw_state": sharded(2 * trainable * f32),
+        "reference": sharded(params * f32) if reference and not lora_rank else 0,
         "critic": 0,
         "reward_model": 0,
         # bf16 casts of the weights, kept until backward: in autocast's cache (weights that train) or as saved
-        # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer
-        "autocast_weight_copy": n["trunk"] * 2 if cuda and not (lora_rank and grad_checkpointing) else 0,
+        # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer. Under FSDP2
+        # with float32 gathered weights the cache keeps every layer's cast: the whole trunk, not a shard
+        "autocast_weight_copy": n["trunk"] * 2
+        if cuda and not (lora_rank and grad_checkpointing) and not (fsdp and gathered_bytes == 2)
+        else 0,
+        "ddp_gradient_buckets": trainable * f32 if parallel == "ddp" else 0,
     }
     if algo == "ppo":  # trunk + scalar head: weights, gradients, AdamW; with LoRA a frozen trunk + its own adapters
         critic = n["trunk"] + s["H"] + 1
-        plan["critic"] = (n["trunk"] + 4 * (lora + s["H"] + 1) if lora_rank else 4 * critic) * f32
+        plan["critic"] = (n["trunk"] + 4 * (lora + s["H"] + 1)) * f32 if lora_rank else sharded(4 * critic * f32)
         # its forward on the same minibatch goes backward before the policy's forward: one trunk's activations at a time
+        if parallel == "ddp":  # the critic is a DDP replica too
+            plan["ddp_gradient_buckets"] += (lora + s["H"] + 1 if lora_rank else critic) * f32
     if reward_model is not None:
         rm = model_shape(reward_model)
         plan["reward_model"] = (count_parameters(rm)["trunk"] + rm["H"]) * f32
     rollout_bytes = 2 if rollout_dtype == "bfloat16" else f32  # the sampler's dtype
-    kv_cache = rows * seq * s["L"] * 2 * s["kv"] * rollout_bytes  # the sampler's K and V, in its dtype
-    sampler_logits = 4 * rows * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
+    kv_cache = rows_rank * seq * s["L"] * 2 * s["kv"] * rollout_bytes  # the sampler's K and V, in its dtype
+    sampler_logits = 4 * rows_rank * s["V"] * f32  # logits, probabilities, top-p's sorted copy, entropy's
     fused = s["L"] * (s["H"] * (s["q"] + 2 * s["kv"]) + 2 * s["H"] * s["I"]) * rollout_bytes if not cuda else 0
+    root = s["V"] * s["H"] + s["H"] + n["lm_head"]  # FSDP2's root module: embedding, final norm, lm_head (0 if tied)
+    layer = (n["trunk"] - s["V"] * s["H"] - s["H"]) // s["L"]  # one decoder layer's parameters
     update = {
         "activations": acts,
         "logprob_chunk": 4 * chunk_tokens * s["V"] * f32,  # logits, softmax, product or gradient
         # a tied embedding gets two [V, H] gradients (output projection, input lookup) before autograd sums them
-        "tied_embedding_grad": s["V"] * s["H"] * f32 if s["tied"] and not lora_rank else 0,
+        "tied_embedding_grad": s["V"] * s["H"] * (gathered_bytes if fsdp else f32)
+        if s["tied"] and not lora_rank
+        else 0,
+        # FSDP2: the root gathered for the whole forward and backward, and its gradients unsharded until its
+        # reduce-scatter (the last); two layers (one prefetched) and their gradients; the float32 input of a
+        # reduce-scatter (foreach_reduce), largest for the root's at the end of backward
+        "fsdp_gathered_root": root * gathered_bytes if fsdp else 0,
+        "fsdp_root_gradients": root * gathered_bytes if fsdp else 0,
+        "fsdp_gathered_layers": 2 * 2 * layer * gathered_bytes if fsdp else 0,
+        "fsdp_reduce_scatter_input": max(root, layer) * f32 if fsdp else 0,
     }
     sampling = {"kv_cache": kv_cache, "sampler_logits": sampler_logits, "sampler_fused_weights": fused}
-    sampling["rollout_copy"] = (params + lora) * 2 if rollout_dtype == "bfloat16" else 0  # common.Sampler, per rollout
+    sampling["fsdp_gathered_policy"] = params * gathered_bytes if fsdp else 0  # FSDP2: unshard() before each rollout
+    # common.Sampler's bf16 copy, per rollout; under FSDP2 on CUDA it samples from the gathered weights themselves
+    sampling["rollout_copy"] = (params + lora) * 2 if rollout_dtype == "bfloat16" and not (fsdp and cuda) else 0
     fixed = sum(plan.values())
     plan.update(update)
     plan.update(sampling)
@@ -174,13 +222,19 @@ PLAN_ROWS = [  # (key, label, phase) in the printed table
     ("critic", "critic (PPO: trunk, grads, AdamW)", "fixed"),
     ("reward_model", "reward model", "fixed"),
     ("autocast_weight_copy", "bf16 weight copy (autocast)", "fixed"),
+    ("ddp_gradient_buckets", "DDP gradient buckets", "fixed"),
     ("activations", "activations (one minibatch)", "update"),
     ("logprob_chunk", "largest log-prob chunk", "update"),
     ("tied_embedding_grad", "tied embedding's 2nd gradient", "update"),
+    ("fsdp_gathered_root", "FSDP2 root: embed, norm, head", "update"),
+    ("fsdp_root_gradients", "FSDP2 root's gradients", "update"),
+    ("fsdp_gathered_layers", "FSDP2 2 layers + gradients", "update"),
+    ("fsdp_reduce_scatter_input", "FSDP2 reduce-scatter input", "update"),
     ("kv_cache", "sampler KV cache", "sampling"),
     ("sampler_logits", "sampler logits", "sampling"),
     ("sampler_fused_weights", "sampler fused weights (CPU)", "sampling"),
     ("rollout_copy", "bf16 rollout weights", "sampling"),
+    ("fsdp_gathered_policy", "FSDP2 gathered policy", "sampling"),
 ]
 
 
@@ -201,7 +255,8 @@ def load_config(spec: str) -> dict:
 
 def plan_memory_cli(argv=None):
     """python tools/plan_memory.py --model qwen2.5-0.5b --algo grpo ...: the expected peak memory
-    of a training step by component (`plan_memory`), one column per --model."""
+    of a training step by component (`plan_memory`), one column per --model; per GPU under torchrun
+    with --ddp N or --fsdp N; --compare-gpus 1 2 4 8: only the peaks, DDP against FSDP2, as a table."""
 
     p = ArgumentParser(prog="python tools/plan_memory.py", description=plan_memory_cli.__doc__.split(":")[0])
     p.add_argument("--model", nargs="+", default=["qwen2.5-0.5b"], help=f"{', '.join(QWEN_CONFIGS)} or a dir")
@@ -217,23 +272,50 @@ def plan_memory_cli(argv=None):
     p.add_argument("--reward-model", help="its config: a named config or a dir")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="float32")
+    ranks = p.add_mutually_exclusive_group()
+    ranks.add_argument("--ddp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, DDP")
+    ranks.add_argument("--fsdp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, FSDP2")
+    ranks.add_argument("--compare-gpus", type=_number(int), nargs="+", metavar="N",
+                       help="the peaks of one process, DDP and FSDP2 on each N GPUs: a markdown table")  # fmt: skip
     a = p.parse_args(argv)
+    gpus = a.compare_gpus or [n for n in (a.ddp, a.fsdp) if n is not None]  # [] for one process
     try:
         if min(a.prompts_per_step, a.group_size, a.max_new_tokens, a.minibatches) < 1 or a.lora_rank < 0:
             raise UsageError("sizes must be >= 1 and --lora-rank >= 0")
+        if min(gpus, default=1) < 1:
+            raise UsageError("--ddp, --fsdp and --compare-gpus take numbers of GPUs >= 1")
+        for n in gpus:  # as the scripts ask under torchrun
+            if a.prompts_per_step % n:
+                raise UsageError(f"--prompts-per-step {a.prompts_per_step} must split into {n} equal shares, one a GPU")
+        if a.lora_rank and (a.fsdp is not None or a.compare_gpus):
+            raise UsageError("--lora-rank with FSDP2 (--fsdp, --compare-gpus) is not planned")
         configs = [load_config(m) for m in a.model]
         rm = load_config(a.reward_model) if a.reward_model else None
     except UsageError as e:
         die(str(e))
     reference = a.algo == "ppo" or rm is not None or (a.algo == "grpo" and a.kl_coef > 0)
     rows = a.prompts_per_step * a.group_size
-    plans = [plan_memory(c, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
-                         a.grad_checkpointing, a.lora_rank, reference, rm, a.device, a.rollout_dtype)
-             for c in configs]  # fmt: skip
+
+    def plan(config, parallel=None, world=1):
+        return plan_memory(config, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
+                           a.grad_checkpointing, a.lora_rank, reference, rm, a.device, a.rollout_dtype,
+                           parallel, world)  # fmt: skip
+
     print(f"{a.algo}: {rows} completions x ({a.prompt_tokens} + {a.max_new_tokens}) tokens, {a.minibatches} "
           f"minibatches, {a.device}{', grad checkpointing' if a.grad_checkpointing else ''}"
           f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}, {a.rollout_dtype} rollouts; "
-          "GB (2^30 bytes)")  # fmt: skip
+          "GB (2^30 bytes)" + (" per GPU" if gpus else ""))  # fmt: skip
+    if a.compare_gpus:  # one row per model: one process, then DDP and FSDP2 on each number of GPUs
+        columns = [(None, 1)] + [(parallel, n) for n in gpus for parallel in ("ddp", "fsdp")]
+        names = {"ddp": "DDP", "fsdp": "FSDP2"}
+        print("| model | one process | " + " | ".join(f"{names[parallel]} x{n}" for parallel, n in columns[1:]) + " |")
+        print("|---" * (len(columns) + 1) + "|")
+        for name, config in zip(a.model, configs):
+            peaks = [plan(config, parallel, n)["peak"] / 2**30 for parallel, n in columns]
+            print(f"| {name} | " + " | ".join(f"{peak:.1f}" for peak in peaks) + " |")
+        return
+    parallel = "ddp" if a.ddp is not None else "fsdp" if a.fsdp is not None else None
+    plans = [plan(c, parallel, max(gpus, default=1)) for c in configs]
     width = max(12, *(len(m) + 2 for m in a.model))
     print(f"{'':42}" + "".join(f"{m:>{width}}" for m in a.model))
     for key, label, phase in PLAN_ROWS:
