@@ -10,8 +10,8 @@ QWEN_CONFIGS: Qwen2ForCausalLM, hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
 151,936, tied embeddings), saved in a temporary directory with real_size.build_checkpoint's tokenizer
 (the tiny char tokenizer's entries, then filler tokens up to 151,936: the char tokenizer alone decodes
 every id past its 99 to '', so a random model's completions would all read as empty), and beside it
---data, 80 arith prompts. Then the rows, each in a subprocess of its own (its own process group,
-killed at its time limit, ROW_LIMIT_S, or at the end of the budget): a failure or a timeout is that
+--data, 80 arith prompts. Then the rows, each in a subprocess of its own (killed with every process
+it started at its time limit, ROW_LIMIT_S, or at the end of the budget): a failure or a timeout is that
 row's status, with the line of its output that says why below the table, and the next row still
 runs; a row with under MIN_ROW_S seconds of the budget left is skipped. In order:
  (a) gspo.py, grpo.py, ppo.py --model tiny --steps 3 --eval-size 16 (the shipped checkpoint).
@@ -47,6 +47,8 @@ Expected on one H200 (nothing here has run on a GPU yet): the checkpoint ~20 s, 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -110,8 +112,9 @@ def flags(values: dict) -> list[str]:
 
 
 def run_limited(cmd: list[str], limit_s: float, log: Path, stdout: Path | None = None) -> tuple[str, float]:
-    """Run `cmd` in a process group of its own, output to `log` (stdout to `stdout` if given), killed
-    with all its processes (torchrun's workers too) after `limit_s` seconds: (status, wall seconds)."""
+    """Run `cmd`, output to `log` (stdout to `stdout` if given), killed with every process it started
+    after `limit_s` seconds: (status, wall seconds). In a session of its own, so that gpu.sh's SIGINT
+    reaches this process alone, which then kills the row's processes and prints the table."""
     t0 = time.perf_counter()
     with open(log, "w") as log_file, open(stdout or os.devnull, "w") as stdout_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout_file if stdout else log_file,
@@ -121,11 +124,29 @@ def run_limited(cmd: list[str], limit_s: float, log: Path, stdout: Path | None =
             status = "ok" if code == 0 else f"exit {code}"
         except subprocess.TimeoutExpired:
             status = f"timeout {limit_s:.0f} s"
-        finally:  # timed out, or this process interrupted: the whole group goes
+        finally:  # timed out, or this process interrupted
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in process_tree(proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.wait()
     return status, time.perf_counter() - t0
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc (Linux). A process group is not enough: torchrun starts
+    its workers in sessions of their own, and they outlive a killed launcher."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name) state"
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        children[parent].append(int(stat.parent.name))
+    tree = [pid]
+    for member in tree:  # grows as it goes: breadth first
+        tree += children[member]
+    return tree
 
 
 def failure_reason(log: Path) -> str:
