@@ -35,19 +35,19 @@ def completion_length(prompts, completions, **fields):
     return [len(c) / 100 for c in completions]
 
 
-def build_checkpoint(name: str, path: Path):
-    """A random model with the published config `name` and a tokenizer whose vocabulary has the real
-    size (the char tokenizer's entries, then filler tokens up to vocab_size), saved at `path`."""
+def build_checkpoint(fields: dict, path: Path):
+    """A random model with the config `fields` (model_type and sizes: a QWEN_CONFIGS entry) and a
+    tokenizer whose vocabulary has the real size (the char tokenizer's entries, then filler tokens up
+    to vocab_size, so that every id the model samples decodes to text), saved at `path`."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
     import torch
     from build_checkpoints import build_char_tokenizer
-    from plan_memory import QWEN_CONFIGS
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     import common
 
-    fields = dict(QWEN_CONFIGS[name])
+    fields = dict(fields)  # model_type is taken out below
     chars = build_char_tokenizer().get_vocab()  # {token: id}: PAD 0, EOS 1, then the characters
     vocab = dict(chars)
     vocab.update({f"<f{i}>": i for i in range(len(chars), fields["vocab_size"])})
@@ -134,7 +134,7 @@ def main():
         if not (path / "config.json").is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            build_checkpoint(name, path)
+            build_checkpoint(plan_memory.QWEN_CONFIGS[name], path)
             print(f"(built {path} in {time.perf_counter() - t0:.0f} s)")
         for script in args.scripts:
             out = Path(tempfile.mkdtemp(prefix=f"dryrun-{script}-"))

@@ -1,0 +1,48 @@
+"""benchmarks/gpu.py --cpu-smoke: every row of the GPU benchmark runs, at tiny sizes on CPU (1-2 minutes).
+
+The benchmark itself only means something on a GPU (bash benchmarks/gpu.sh); this checks that each of
+its rows (every script end to end, the random Qwen2 checkpoint they load, torchrun, the sampler and the
+training steps) still runs, so that the GPU machine's few minutes are not spent on a broken command.
+"""
+
+import re
+import subprocess
+import sys
+
+from helpers import ROOT
+
+OK_ROWS = [
+    ("a", "gspo.py --model tiny"),
+    ("a", "grpo.py --model tiny"),
+    ("a", "ppo.py --model tiny"),
+    ("b", "random checkpoint and --data"),
+    ("b", "gspo.py"),
+    ("b", "grpo.py"),
+    ("b", "ppo.py"),
+    ("d", "torchrun gspo.py"),
+    ("c", "common.sample"),
+    ("c", "common.sample, temperature 1"),
+    ("c", "HF model.generate"),
+    *[("c", f"train step {algo} {mode}") for algo in ("gspo", "grpo", "ppo") for mode in ("chunked", "naive")],
+]
+FSDP_ROW = ("d", "torchrun gspo.py --fsdp")  # fails until the scripts have --fsdp: it must only be there
+
+
+def test_cpu_smoke_table_has_every_row_and_all_but_fsdp_pass():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--cpu-smoke", "--time-budget", "1200"],  # a loaded machine skips none
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("\npart ") :]
+    statuses = {}
+    for part, name in [*OK_ROWS, FSDP_ROW]:
+        found = re.findall(rf"^\({part}\)  {re.escape(name)} {{2,}}(\S+)", table, re.MULTILINE)
+        assert len(found) == 1, f"row ({part}) {name}: {len(found)} lines in\n{table}"
+        statuses[part, name] = found[0]
+    failed = {row: status for row, status in statuses.items() if status != "ok" and row != FSDP_ROW}
+    assert not failed, f"{failed}\n{table}"
+    assert len(re.findall(r"^\(\w\)  ", table, re.MULTILINE)) == len(OK_ROWS) + 1, table  # no other rows
