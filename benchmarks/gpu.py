@@ -368,13 +368,13 @@ def jobs(args, work: Path, t_start: float) -> tuple[Row, list]:
     reward = f"{ROOT / 'benchmarks' / 'real_size.py'}:completion_length"
     real_shape = ["--model", str(checkpoint), "--data", str(data), "--reward", reward, "--device", device]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    runs = [("b", f"{script}.py", script, [sys.executable, str(ROOT / f"{script}.py")]) for script in SCRIPTS]
-    runs += [("d", "torchrun gspo.py", "gspo", [*torchrun, str(ROOT / "gspo.py")])]
-    runs += [("d", "torchrun gspo.py --fsdp", "gspo", [*torchrun, str(ROOT / "gspo.py"), "--fsdp"])]
-    for part, name, algo, launch in runs:
+    runs = [("b", f"{script}.py", script, [sys.executable, str(ROOT / f"{script}.py")], None) for script in SCRIPTS]
+    runs += [("d", "torchrun gspo.py", "gspo", [*torchrun, str(ROOT / "gspo.py")], "ddp")]
+    runs += [("d", "torchrun gspo.py --fsdp", "gspo", [*torchrun, str(ROOT / "gspo.py"), "--fsdp"], "fsdp")]
+    for part, name, algo, launch, parallel in runs:  # parallel: the planner's DDP or FSDP2 on one rank
         rows_per_step = script_flags["prompts_per_step"] * script_flags["group_size"]
         plan = plan_memory(shape, algo, rows_per_step, prompt_tokens, script_flags["max_new_tokens"],
-                           script_flags["minibatches"], device=device)  # fmt: skip
+                           script_flags["minibatches"], device=device, parallel=parallel)  # fmt: skip
         cmd = [*launch, *real_shape, *flags(script_flags)]
         out = work / f"{part}-{name.replace(' ', '_')}"
         todo.append((part, name, functools.partial(script_row, part, name, cmd, out, planned_gb=plan["peak"] / 2**30)))

@@ -20,15 +20,15 @@ OK_ROWS = [
     ("b", "grpo.py"),
     ("b", "ppo.py"),
     ("d", "torchrun gspo.py"),
+    ("d", "torchrun gspo.py --fsdp"),
     ("c", "common.sample"),
     ("c", "common.sample, temperature 1"),
     ("c", "HF model.generate"),
     *[("c", f"train step {algo} {mode}") for algo in ("gspo", "grpo", "ppo") for mode in ("chunked", "naive")],
 ]
-FSDP_ROW = ("d", "torchrun gspo.py --fsdp")  # fails until the scripts have --fsdp: it must only be there
 
 
-def test_cpu_smoke_table_has_every_row_and_all_but_fsdp_pass():
+def test_cpu_smoke_table_has_every_row_and_every_row_passes():
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--cpu-smoke", "--time-budget", "1200"],  # a loaded machine skips none
         cwd=ROOT,
@@ -39,10 +39,10 @@ def test_cpu_smoke_table_has_every_row_and_all_but_fsdp_pass():
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("\npart ") :]
     statuses = {}
-    for part, name in [*OK_ROWS, FSDP_ROW]:
+    for part, name in OK_ROWS:
         found = re.findall(rf"^\({part}\)  {re.escape(name)} {{2,}}(\S+)", table, re.MULTILINE)
         assert len(found) == 1, f"row ({part}) {name}: {len(found)} lines in\n{table}"
         statuses[part, name] = found[0]
-    failed = {row: status for row, status in statuses.items() if status != "ok" and row != FSDP_ROW}
+    failed = {row: status for row, status in statuses.items() if status != "ok"}
     assert not failed, f"{failed}\n{table}"
-    assert len(re.findall(r"^\(\w\)  ", table, re.MULTILINE)) == len(OK_ROWS) + 1, table  # no other rows
+    assert len(re.findall(r"^\(\w\)  ", table, re.MULTILINE)) == len(OK_ROWS), table  # no other rows
