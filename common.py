@@ -2833,7 +2833,7 @@ def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> t
     if not (dist.is_available() and dist.is_initialized()):
         return module
     if args is not None and args.fsdp:
-        return shard(module, device, args.rollout_dtype)
+        return shard(module, gathered_dtype(device, args))
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -2855,14 +2855,19 @@ def check_fsdp_args(args):
                          "whole on every rank; drop --fsdp (torchrun then runs DDP) or --lora-rank")  # fmt: skip
 
 
-def shard(module: torch.nn.Module, device: torch.device, rollout_dtype: str = "float32") -> torch.nn.Module:
+def gathered_dtype(device: torch.device, args) -> torch.dtype:
+    """The dtype --fsdp gathers the weights in: bf16 on CUDA with --rollout-dtype bfloat16, else float32."""
+    return torch.bfloat16 if device.type == "cuda" and args.rollout_dtype == "bfloat16" else torch.float32
+
+
+def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """--fsdp: PyTorch FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module` itself, the
     root, whose forward gathers what the layers leave (embeddings, final norm, output projection, a critic's
     head). Each rank keeps 1/world of every weight, gradient and AdamW moment; a layer's weights are whole
     only while it runs, and the gradients are averaged over the ranks as DDP's are. The master weights stay
-    float32. On CUDA with --rollout-dtype bfloat16 the gathered weights are bf16 (MixedPrecisionPolicy,
-    gradients reduced in float32): the training forward and the rollout both run on them; otherwise they
-    are float32, and on CUDA the training forward runs under bf16 autocast as without --fsdp. Returns
+    float32. The gathered weights are `dtype` (`gathered_dtype`): bf16 through a MixedPrecisionPolicy
+    (gradients reduced in float32), on which the training forward and the rollout both run, or float32,
+    and then on CUDA the training forward runs under bf16 autocast as without --fsdp. Returns
     `module`, now the root; a CompletionLogprobs root is registered for its model (`completion_logprobs`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -2871,9 +2876,9 @@ def shard(module: torch.nn.Module, device: torch.device, rollout_dtype: str = "f
         raise UsageError(f"--fsdp: the sampler runs on gathered weights through its own decoder, which takes "
                          f"Qwen2, Qwen3 and Llama models with full attention; this model is "
                          f"{inner.config.model_type}: drop --fsdp (torchrun then runs DDP)")  # fmt: skip
-    bf16 = device.type == "cuda" and rollout_dtype == "bfloat16"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    options = {"mp_policy": policy} if policy is not None else {}
+    options = {}
+    if dtype != torch.float32:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]:
         fully_shard(layer, **options)
     fully_shard(module, **options)
@@ -3245,7 +3250,7 @@ def reference_model(model, name: str, device: torch.device, args=None):
         return AdaptersOff(model)
     reference = load_model(name, device)[0].eval().requires_grad_(False)
     if args is not None and args.fsdp:
-        shard(CompletionLogprobs(reference), device, args.rollout_dtype)
+        shard(CompletionLogprobs(reference), gathered_dtype(device, args))
     return reference
 
 

@@ -260,7 +260,7 @@ class Critic(nn.Module):
 
     def forward(self, roll: common.Rollout) -> torch.Tensor:
         hidden = common.completion_hidden_states(self.trunk, roll)  # [B, T, H]
-        return self.head(hidden.float()).squeeze(-1)  # [B, T]
+        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)  # [B, T] (--fsdp may gather bf16)
 
 
 # --------------------------------------------------------------------------------------------

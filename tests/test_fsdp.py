@@ -36,13 +36,14 @@ TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips
 needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
-def sgd_step(case, model_dir, batch, rows, fsdp: bool) -> dict:
+def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
     """One SGD step (lr 1, no clipping: both keep a wrong gradient scale visible) of the scripts' loss on
-    `rows`: {"loss" (on FSDP ranks the mean of their losses), "grad_norm", "weights" (rank 0's gathered)}."""
+    `rows`: {"loss" (on FSDP ranks the mean of their losses), "grad_norm", "weights" (rank 0's gathered)}.
+    dtype: the weights FSDP gathers (bf16: its MixedPrecisionPolicy, as on CUDA with bf16 rollouts)."""
     model = common.load_model(model_dir, CPU)[0].train()
     train_model = common.CompletionLogprobs(model)
     if fsdp:
-        train_model = common.shard(train_model, CPU)
+        train_model = common.shard(train_model, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     loss = loss_for(case, train_model, batch, rows)
     loss.backward()
@@ -52,13 +53,13 @@ def sgd_step(case, model_dir, batch, rows, fsdp: bool) -> dict:
     return {"loss": mean_loss, "grad_norm": norm, "weights": common.full_state_dict(model)}
 
 
-def critic_step(model_dir, batch, rows, fsdp: bool) -> dict:
+def critic_step(model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
     """One SGD step of PPO's clipped value loss through the Critic (trunk and head)."""
     critic = ppo.Critic(model_dir, CPU)
     with torch.no_grad():  # a head that is not 0, so that the step reaches the trunk
         critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     if fsdp:
-        common.shard(critic, CPU)
+        common.shard(critic, dtype)
     roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
     opt = torch.optim.SGD(critic.parameters(), lr=1.0)
     old_values, returns = batch["token_adv"][rows] * 0.1, batch["token_adv"][rows]
@@ -103,10 +104,17 @@ def _worker(rank, port, model_dir, out):
         results["critic"] = critic_step(model_dir, batch, mine, fsdp=True)
         model = common.load_model(model_dir, CPU)[0].eval()
         sampler = bf16_sampler(model)  # made before shard, as the scripts make it
-        common.shard(common.CompletionLogprobs(model), CPU)
+        common.shard(common.CompletionLogprobs(model))
         results["rollouts"] = rollouts(model, tok, sampler)
         results["evaluation"] = evaluation(model, tok)
         results["weights_still_sharded"] = common.sharded(model)  # gathered() resharded after sampling
+        # bf16 gathered weights (a MixedPrecisionPolicy, as on CUDA with --rollout-dtype bfloat16), on CPU
+        results["bf16 step"] = sgd_step("grpo-token-mean", model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
+        results["bf16 critic"] = critic_step(model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
+        model = common.load_model(model_dir, CPU)[0].eval()
+        sampler = bf16_sampler(model)
+        common.shard(common.CompletionLogprobs(model), torch.bfloat16)
+        results["bf16 rollouts"] = rollouts(model, tok, sampler)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -264,3 +272,26 @@ def test_fsdp_refuses_a_model_its_sampler_cannot_run_and_a_checkpoint_of_another
         f"error: --resume {run}: the checkpoint was written by 1 process, this run has 2 processes; each rank "
         "resumes its own sampling stream: run it with one (python, or torchrun --nproc_per_node 1)" in proc.stderr
     )
+
+
+def test_bf16_gathered_weights_sample_as_the_bf16_sampler_and_train_to_bf16_precision(sharded_results, tiny_path):
+    """Under a bf16 MixedPrecisionPolicy the rollout runs on the gathered bf16 weights themselves, which are
+    the float32 weights rounded as the bf16 Sampler rounds its copy: the same samples and log-probs. The
+    step (float32 log-probs from bf16 weights, float32 gradient reduction) is the float32 one to bf16 precision."""
+    model, tok = common.load_model(tiny_path, CPU)
+    model.eval()
+    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model))
+    _, sharded_bf16, sharded_bf16_logp = sharded_results["bf16 rollouts"]
+    assert torch.equal(sharded_bf16, bf16)
+    torch.testing.assert_close(sharded_bf16_logp, bf16_logp, rtol=0, atol=0)
+    batch = fixed_batch(tok)
+    for name, single in (
+        ("bf16 step", sgd_step("grpo-token-mean", tiny_path, batch, slice(None), fsdp=False)),
+        ("bf16 critic", critic_step(tiny_path, batch, slice(None), fsdp=False)),
+    ):
+        sharded = sharded_results[name]
+        torch.testing.assert_close(sharded["loss"], single["loss"], rtol=0.05, atol=0.01, msg=name)
+        torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=0.05, atol=0.01, msg=name)
+        for k, v in single["weights"].items():
+            assert sharded["weights"][k].dtype == torch.float32, k  # the master weights stay float32
+            torch.testing.assert_close(sharded["weights"][k], v, rtol=0.05, atol=0.05, msg=f"{name}: {k}")
