@@ -17,7 +17,7 @@ The defaults are the paper's aggregation and beta = 0 (no reference model in mem
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
 and adds nothing without a KL term; it stays in the batch but is not forwarded.
 
-What this file leaves out, as all three do (a separate inference engine, sharded training, ...):
+What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
 
 Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advantages`, then
@@ -29,6 +29,7 @@ A real Qwen on a GPU:   python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N grpo.py ...same flags...   (on CPU: gloo, --device cpu)
+    torchrun --nproc_per_node N grpo.py --fsdp ...   (weights, gradients, AdamW state sharded: FSDP2)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ used; with one advantage per sequence its loss and gradient equal GSPO's. As in 
 is no KL term and no reference model. A group whose rewards are all equal has A_i = 0 and adds
 nothing; it stays in the batch (no DAPO-style resampling) but is not forwarded.
 
-What this file leaves out, as all three do (a separate inference engine, sharded training, ...):
+What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
 
 Where to read: `gspo_loss` (the objective), `seq_log_ratio`, `group_advantages`, then `train()`,
@@ -25,6 +25,7 @@ A real Qwen on a GPU:   python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N gspo.py ...same flags...   (on CPU: gloo, --device cpu)
+    torchrun --nproc_per_node N gspo.py --fsdp ...   (weights, gradients, AdamW state sharded: FSDP2)
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ memory is what GRPO and GSPO save by using the group as the baseline.
 
 Why the KL penalty is 0.1, and how the critic meets LoRA: docs/ppo_design.md.
 
-What this file leaves out, as all three do (a separate inference engine, sharded training, ...):
+What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
 
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
@@ -32,6 +32,7 @@ A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task 
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N ppo.py ...same flags...   (on CPU: gloo, --device cpu)
+    torchrun --nproc_per_node N ppo.py --fsdp ...   (weights, gradients, AdamW state sharded: FSDP2)
 """
 
 from __future__ import annotations
