@@ -1732,7 +1732,10 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
     positions = (attn.cumsum(1) - 1).clamp(min=0)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):  # bf16 compute, fp32 weights
+    # bf16 compute, fp32 weights. Under --fsdp autocast's cache would keep every gathered layer's bf16 cast until
+    # the forward ends, a whole copy of the model; uncached, --grad-checkpointing frees each with its layer
+    cache = ids.is_cuda and not sharded(backbone)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda, cache_enabled=cache):
         hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
     P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32

@@ -210,7 +210,9 @@ def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
     ref.backward()
     assert abs(bonus.item() - ref.item()) < 1e-5
     for (name, p), p64 in zip(model.named_parameters(), m64.parameters()):
-        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=1e-6, msg=name)
+        # float32 against float64: a gradient summed over the vocabulary and the tokens carries a few 1e-6 of
+        # rounding, which depends on the CPU model (4.7e-6 in the embedding on an AMD EPYC of family 25)
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
 
 
 def test_the_entropy_is_detached_unless_asked_for(tiny):

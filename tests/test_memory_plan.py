@@ -227,8 +227,11 @@ def test_fsdp_shards_the_state_and_gathers_the_root_two_layers_and_the_policy(na
     assert (fsdp["weights"], fsdp["gradients"], fsdp["adamw_state"]) == (4 * n // world, 4 * n // world, 8 * n // world)
     assert fsdp["reference"] == 4 * n // world and fsdp["critic"] == 16 * critic // world
     assert fsdp["ddp_gradient_buckets"] == 0
-    # bf16 gathered weights need no autocast cast; float32 ones on CUDA leave every layer's bf16 cast in the cache
-    assert fsdp["autocast_weight_copy"] == (2 * k["trunk"] if (device, gathered) == ("cuda", 4) else 0)
+    # bf16 gathered weights need no autocast cast; with float32 ones on CUDA autocast runs uncached, and under
+    # gradient checkpointing each layer's bf16 cast is freed with it; without, backward keeps every layer's
+    assert fsdp["autocast_weight_copy"] == 0
+    kept = plan_memory.plan_memory(c, "ppo", **(shape | dict(grad_checkpointing=False)), parallel="fsdp", world=world)
+    assert kept["autocast_weight_copy"] == (2 * k["trunk"] if (device, gathered) == ("cuda", 4) else 0)
     assert fsdp["fsdp_gathered_root"] == fsdp["fsdp_root_gradients"] == root * gathered
     assert fsdp["fsdp_gathered_layers"] == 2 * 2 * layer * gathered and fsdp["fsdp_reduce_scatter_input"] == 4 * root
     tied = c["tie_word_embeddings"]
@@ -242,8 +245,9 @@ def test_fsdp_shards_the_state_and_gathers_the_root_two_layers_and_the_policy(na
 
 
 def test_fsdp_on_one_gpu_shards_nothing_and_still_gathers():
-    """With one rank FSDP2's shard is the whole state, as in one process, but the root and two layers are
-    still gathered (copies) for the update and the whole policy for sampling; DDP on one rank adds its buckets."""
+    """With one rank FSDP2's shard is the whole state, as in one process (less autocast's weight copy: uncached
+    under gradient checkpointing), but the root and two layers are still gathered (copies) for the update and the
+    whole policy for sampling; DDP on one rank adds its buckets."""
     k = qwen2_counts("qwen2.5-0.5b")
     n = k["total"]
     c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
@@ -251,7 +255,8 @@ def test_fsdp_on_one_gpu_shards_nothing_and_still_gathers():
     fsdp = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE, parallel="fsdp", world=1)
     ddp = plan_memory.plan_memory(c, "ppo", **GSM8K_SHAPE, parallel="ddp", world=1)
     buckets = 4 * n + 4 * (k["trunk"] + k["H"] + 1)  # the policy's and the critic's gradients again
-    assert fixed_part(fsdp) == fixed_part(one) and fixed_part(ddp) == fixed_part(one) + buckets
+    copy = one["autocast_weight_copy"]  # one process keeps autocast's bf16 copy; FSDP2 frees it layer by layer
+    assert fixed_part(fsdp) == fixed_part(one) - copy and fixed_part(ddp) == fixed_part(one) + buckets
     gathered_update = 2 * k["root"] * 4 + 4 * k["layer"] * 4 + 4 * k["root"]
     assert sum(fsdp[key] for key in UPDATE) == sum(one[key] for key in UPDATE) + gathered_update
     assert sum(fsdp[key] for key in SAMPLING) == sum(one[key] for key in SAMPLING) + 4 * n  # float32 on CUDA

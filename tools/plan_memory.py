@@ -166,9 +166,12 @@ def plan_memory(
         "reward_model": 0,
         # bf16 casts of the weights, kept until backward: in autocast's cache (weights that train) or as saved
         # tensors; frozen LoRA bases under gradient checkpointing are cast again layer by layer. Under FSDP2
-        # with float32 gathered weights the cache keeps every layer's cast: the whole trunk, not a shard
+        # with float32 gathered weights autocast runs uncached (common.completion_hidden_states): with gradient
+        # checkpointing each layer's cast is freed with it; without, backward keeps every layer's: the whole trunk
         "autocast_weight_copy": n["trunk"] * 2
-        if cuda and not (lora_rank and grad_checkpointing) and not (fsdp and gathered_bytes == 2)
+        if cuda
+        and not (lora_rank and grad_checkpointing)
+        and not (fsdp and (gathered_bytes == 2 or grad_checkpointing))
         else 0,
         "ddp_gradient_buckets": trainable * f32 if parallel == "ddp" else 0,
     }
