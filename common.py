@@ -2315,9 +2315,10 @@ class Run:
         groups, which log() writes to traces.jsonl; on every other step a NoTrace, which costs
         nothing. `plan`: plan_updates' list, for the rows whose pi_old old_logp holds (None: every
         row); `per_token`: the script's other [B, T] values (ref_logp, value, token_reward)."""
-        if self.env.rank > 0 or not trace_due(self.args, self.step_now):
-            if self.env.rank > 0 and trace_due(self.args, self.step_now) and sharded(self.model):
-                traced_forward(self, roll[:1])  # --fsdp: rank 0's forward for its trace gathers from every rank
+        due = trace_due(self.args, self.step_now)
+        if due and self.env.rank > 0 and sharded(self.model):
+            traced_forward(self, roll[:1])  # --fsdp: rank 0's forward for its trace gathers from every rank
+        if self.env.rank > 0 or not due:
             return NoTrace()
         per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
         self.current_trace = Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
@@ -2792,7 +2793,7 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
             if rank == 0:
                 whole = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=torch.float32).state_dict()
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, whole if rank == 0 else {}, options=options)
+            set_model_state_dict(model, whole, options=options)
         else:
             saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
             model.load_state_dict(saved_policy.state_dict())
@@ -2900,7 +2901,7 @@ def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = module.model if isinstance(module, CompletionLogprobs) else module
-    if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") and not _StaticKVDecoder.supports(inner):
+    if hasattr(inner, "config") and not _StaticKVDecoder.supports(inner):  # (a critic has no sampler)
         raise UsageError(f"--fsdp: the sampler runs on gathered weights through its own decoder, which takes "
                          f"Qwen2, Qwen3 and Llama models with full attention; this model is "
                          f"{inner.config.model_type}: drop --fsdp (torchrun then runs DDP)")  # fmt: skip
