@@ -45,7 +45,6 @@ import shutil
 import signal
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,34 +140,125 @@ class ArgumentParser(argparse.ArgumentParser):
         die(message)
 
 
-# The flags all three scripts share, in the order each script's Args lists them after its own (the
-# algorithm's, with the paper's defaults), and the --help group each appears in.
-SHARED_FLAGS = {
-    "model and data": ("model", "task", "data", "eval_data", "system_prompt"),
-    "reward": ("reward", "reward_weights", "reward_model", "reward_model_weight", "reward_model_norm"),
-    "sampling": ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p"),
-    "optimisation": (
-        "lr",
-        "weight_decay",
-        "max_grad_norm",
-        "anneal_lr",
-        "minibatches",
-        "epochs",
-        "grad_checkpointing",
-        "entropy_coef",
-    ),
-    "evaluation and logging": ("eval_every", "eval_size", "eval_samples", "report_to", "trace_every", "trace_groups"),
-    "run: seed, output, checkpoints, device": (
-        "seed",
-        "out",
-        "save_every",
-        "resume",
-        "max_consecutive_skips",
-        "device",
-        "fsdp",
-    ),
-    "LoRA": ("lora_rank", "lora_alpha", "lora_targets", "merge_lora"),
-    "rollout precision (docs/rollout_mismatch.md)": ("rollout_dtype", "old_logp", "is_correction", "is_cap"),
+# The values of the flags with a fixed set of them (--task, --report-to, the rollout's), and LoRA's default targets
+TASKS = ("arith", "sums", "gsm8k", "jsonl")
+REPORT_TO = ("none", "tensorboard")
+ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OLD_LOGP = ("recompute", "rollout")
+IS_CORRECTIONS = ("none", "tis", "mask")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
+
+
+def script_name(args_cls) -> str:
+    """The name of the script that declares `args_cls` (gspo for gspo.py): a fork is named by its file."""
+    return Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
+
+
+@dataclass
+class SharedArgs:
+    """The flags every script shares. A script's Args subclasses this and declares its algorithm's own
+    flags (the paper's defaults); it may redeclare a shared field to give it the algorithm's default
+    (PPO's --minibatches 4, say). `check()` is where a script checks its own flags' ranges."""
+
+    model: str = arg(
+        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+    )
+    task: str = arg(
+        None,
+        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
+        choices=TASKS,
+    )
+    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
+    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
+    system_prompt: str = arg(
+        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+    )
+    reward: list[str] = arg(
+        [],
+        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
+        "with --reward-model)",
+    )
+    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_model: str = arg(
+        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
+    )
+    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
+    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
+    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    prompts_per_step: int = arg(64, "prompts sampled per step")
+    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
+    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
+    minibatches: int = arg(
+        2, "minibatch updates per epoch over each rollout (every update after the first is off-policy)"
+    )
+    epochs: int = arg(1, "passes over each rollout")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
+    entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
+    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
+    eval_size: int = arg(500, "held-out prompts used for evaluation")
+    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
+    report_to: str = arg(
+        "none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)", choices=REPORT_TO
+    )
+    trace_every: int | None = arg(
+        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+    )
+    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
+    seed: int = arg(0, "random seed (data order, sampling, init)")
+    out: str = arg(None, "output directory (none: runs/SCRIPT, the script's name)")
+    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
+    resume: str = arg(
+        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
+    )
+    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
+    device: str = arg("auto", "auto, cpu or cuda")
+    fsdp: bool = arg(
+        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
+    )
+    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
+    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
+    lora_targets: list[str] = arg(LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
+    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
+    rollout_dtype: str = arg(
+        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", ROLLOUT_DTYPES
+    )
+    old_logp: str = arg(
+        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", OLD_LOGP
+    )
+    is_correction: str = arg(
+        "none", "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask", IS_CORRECTIONS
+    )
+    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
+
+    def __post_init__(self):
+        if self.out is None:
+            self.out = f"runs/{self.algo}"
+
+    @property
+    def algo(self) -> str:
+        """The script's name: what its checkpoints, summary and traces are labelled with."""
+        return script_name(type(self))
+
+    def check(self):
+        """The script's own flags' range checks (raise UsageError naming the flag); setup() calls it first."""
+
+
+# The --help group of each shared flag, in SharedArgs' order; a script's own flags come first, in a group of their own.
+HELP_GROUPS = {
+    "model and data": "model task data eval_data system_prompt",
+    "reward": "reward reward_weights reward_model reward_model_weight reward_model_norm",
+    "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
+    "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
+    "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
+    "run: seed, output, checkpoints, device": "seed out save_every resume max_consecutive_skips device fsdp",
+    "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
+    "rollout precision (docs/rollout_mismatch.md)": "rollout_dtype old_logp is_correction is_cap",
 }
 
 
@@ -176,10 +266,10 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def parse_args(args_cls, argv=None, algo: str | None = None):
+def parse_args(args_cls, argv=None):
     """Turn a dataclass whose fields carry `help` metadata into a CLI (underscores -> dashes).
-    With --resume DIR (and `algo` given) the run's flags are the checkpoint's, overridden by those
-    given on this command line; see `resumed_args`."""
+    With --resume DIR the run's flags are the checkpoint's, overridden by those given on this
+    command line; see `resumed_args`."""
 
     # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
     parser = ArgumentParser(
@@ -187,15 +277,14 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
         epilog="With --resume, every flag not marked 'may change on --resume' keeps the checkpoint's value.",
         argument_default=argparse.SUPPRESS,
     )
-    shared = {name: title for title, names in SHARED_FLAGS.items() for name in names}
-    script = Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
-    own = parser.add_argument_group(f"{script}.py's own flags (the paper's defaults)")
-    groups = {title: parser.add_argument_group(title) for title in SHARED_FLAGS}
+    shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
+    algo, defaults = script_name(args_cls), args_cls()
+    own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
+    groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
         group = groups[shared[f.name]] if f.name in shared else own
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
-        help_text = (f.metadata.get("help", "") + f" (default: {default}{resume})").replace("%", "%%")  # "10%": text
+        help_text = (f.metadata.get("help", "") + f" (default: {getattr(defaults, f.name)}{resume})").replace("%", "%%")
         choices = f.metadata.get("choices")
         metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
         if f.type in (bool, "bool"):
@@ -215,7 +304,7 @@ def parse_args(args_cls, argv=None, algo: str | None = None):
         if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-[\d.]+[eE][-+]?\d+|-inf", value):
             argv[i - 1 : i + 1] = [f"{flag}={value}"]
     given = vars(parser.parse_args(argv))
-    if given.get("resume") and algo is not None:
+    if given.get("resume"):
         given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
     given = with_task_defaults(given, {f.name for f in dataclasses.fields(args_cls)})  # --task sums: its own
     args = args_cls(**given)
@@ -244,11 +333,9 @@ def check_common_args(args, needs_group: bool):
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for name in ("lr", "weight_decay", "eps_low", "eps_high"):
+    for name in ("lr", "weight_decay"):
         if not 0 <= getattr(args, name) < math.inf:
             raise UsageError(f"{_flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
-    if args.eps_low >= 1:
-        raise UsageError(f"--eps-low must be < 1 (the ratio's lower clip is 1 - eps_low), got {args.eps_low}")
     if not args.max_grad_norm > 0:
         raise UsageError(f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
     if args.eval_every < 0:
@@ -283,15 +370,47 @@ def check_common_args(args, needs_group: bool):
         if index >= torch.cuda.device_count():
             raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     check_model_name(args.model)
-    check_lora_args(args)
-    check_rollout_args(args)
-    check_fsdp_args(args)
+    # the optional capabilities check their own flags, each imported only when one of its flags is set
+    if args.lora_rank or args.merge_lora or args.lora_alpha is not None or args.lora_targets != LORA_TARGETS:
+        extra("lora", "--lora-rank").check_args(args)
+    if (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0):
+        extra("rollout_precision", "--rollout-dtype / --old-logp / --is-correction").check_args(args)
+    if args.fsdp:
+        extra("fsdp", "--fsdp").check_fsdp_args(args)
+    if args.trace_every:  # (the default, none, traces at each evaluation when extras/traces.py is there)
+        extra("traces", "--trace-every")
     out = Path(args.out)
     existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
         raise UsageError(f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)")
     if not os.access(existing, os.W_OK):
         raise UsageError(f"--out {args.out}: {existing} is not writable")
+
+
+def check_clip(eps_low: float, eps_high: float):
+    """A script's --eps-low / --eps-high: the ratio's clip range [1 - eps_low, 1 + eps_high]."""
+    for name, value in (("eps_low", eps_low), ("eps_high", eps_high)):
+        if not 0 <= value < math.inf:
+            raise UsageError(f"{_flag(name)} must be a finite number >= 0, got {value}")
+    if eps_low >= 1:
+        raise UsageError(f"--eps-low must be < 1 (the ratio's lower clip is 1 - eps_low), got {eps_low}")
+
+
+def extra(name: str, flag: str):
+    """extras/<name>.py, the optional capability that `flag` switches on, imported now (the default run
+    never imports one). Missing from this copy of the project: one line naming it, exit status 2."""
+    try:
+        return importlib.import_module(f"extras.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("extras", f"extras.{name}"):
+            raise
+        raise UsageError(f"{flag} needs extras/{name}.py, which this copy of the project does not have "
+                         "(copy it from the project's extras/ folder, or drop the flag)") from e  # fmt: skip
+
+
+def _loaded(name: str):
+    """extras/<name>.py if a flag has imported it, else None: nothing of it can be in use."""
+    return sys.modules.get(f"extras.{name}")
 
 
 def _describe(e: Exception, first_sentence: bool = True) -> str:
@@ -322,14 +441,14 @@ def check_model_name(model: str):
 EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130) or SIGTERM (143)
 
 
-def main(train, args_cls, algo: str, argv=None):
+def main(train, args_cls, argv=None):
     """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
     (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 stopped by SIGINT / SIGTERM
     after finishing the step and saving a checkpoint (continue it with --resume)."""
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
     _stop["signum"] = None
     try:
-        train(parse_args(args_cls, argv, algo))
+        train(parse_args(args_cls, argv))
     except UsageError as e:
         die(str(e), EXIT_USAGE)
     except NonFiniteError as e:
@@ -365,14 +484,16 @@ class Setup:
     reward_fn: Rewards  # the run's reward: the --reward functions, weighted by --reward-weights
     system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
     eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
+    needs_group: bool  # the advantage compares each prompt's completions (GRPO, GSPO), or not (PPO)
 
 
-def setup(args, algo: str, needs_group: bool) -> Setup:
+def setup(args, needs_group: bool = True) -> Setup:
     """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
     any output is written), torchrun's process group, the data, the --reward functions (imported
     here, so that one that cannot be imported stops the run before it writes anything), the
     --resume checkpoint, the device and the seeds. The embedded checkpoint is built here on first
-    use (not timed)."""
+    use (not timed). `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
+    args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
     if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
@@ -389,8 +510,9 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
     device = resolve_device(args.device, local_rank)
     reward_model = None
     if args.reward_model:  # checked (one line, exit 2) before anything is written
-        check_reward_model(args.reward_model)
-        reward_model = RewardModel(args.reward_model, device, args.reward_model_norm)
+        learned = extra("reward_model", "--reward-model")
+        learned.check(args.reward_model)
+        reward_model = learned.RewardModel(args.reward_model, device, args.reward_model_norm)
     reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
     if args.eval_samples and not reward_fn.scores_answers:
         raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
@@ -399,15 +521,16 @@ def setup(args, algo: str, needs_group: bool) -> Setup:
         print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
-    resume_from = open_checkpoint(args, algo, world) if args.resume else None
+    resume_from = open_checkpoint(args, args.algo, world) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
-    check_lora_targets(args)
+    if args.lora_rank:
+        extra("lora", "--lora-rank").check_targets(args)
     bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
     if bad:  # (without a chat template the system prompt is not used)
         raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
     seed_everything(args.seed)
-    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap)
+    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group)
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -550,10 +673,6 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
     return records
 
 
-TASKS = ("arith", "sums", "gsm8k", "jsonl")
-REPORT_TO = ("none", "tensorboard")
-
-
 def load_task(
     task: str | None,
     data: str | None,
@@ -666,27 +785,25 @@ def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYS
 # ---------------------------------------------------------------------------------------------
 
 
-def load_model(name: str, device: torch.device, grad_checkpointing: bool = False, dtype=None):
+def load_model(name: str, device: torch.device, grad_checkpointing: bool = False):
     """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
     master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
     forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
     grad_checkpointing: recompute activations in backward (in train mode), less memory."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_checkpoint(name) if name in TINY_MODELS else name
+    path = model_path(name)
     if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
         # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
         # only add synchronisation (and collapse when another process shares the cores).
         torch.set_num_threads(1)
     if "RLREF_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
-    if dtype is None:
-        dtype = torch.float32
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     tok = load_tokenizer(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
         if name in TINY_MODELS:
             raise
@@ -696,12 +813,28 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
     return model.to(device), tok
 
 
+def is_moe(model) -> bool:
+    """Whether `model` has sparse mixture-of-experts blocks (a module with a router `gate` and `experts`)."""
+    return any(hasattr(m, "gate") and hasattr(m, "experts") for m in model.modules())
+
+
+def model_path(name: str) -> str:
+    """Where --model `name` loads from: an embedded checkpoint's directory, or `name` itself."""
+    return tiny_checkpoint(name) if name in TINY_MODELS else name
+
+
+def add_lora(model, args):
+    """--lora-rank r > 0: `model` as a peft model training rank-r adapters on its frozen weights
+    (extras/lora.py); else `model` itself."""
+    return extra("lora", "--lora-rank").add_lora(model, args) if args.lora_rank else model
+
+
 def load_tokenizer(name: str):
     """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(tiny_checkpoint(name) if name in TINY_MODELS else name)
+        tok = AutoTokenizer.from_pretrained(model_path(name))
     except Exception as e:
         if name in TINY_MODELS:
             raise
@@ -874,6 +1007,7 @@ class Rollout:
     # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
+    seconds: float | None = None  # how long Sampler.sample took
 
     def __getitem__(self, idx):
         pick = lambda x: None if x is None else x[idx]  # noqa: E731
@@ -925,7 +1059,9 @@ def sample(
     model runs through its own HF forward."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    model = lora_base(model)  # LoRA: the transformers model whose projections apply the adapters
+    lora = _loaded("lora")
+    if lora is not None:  # LoRA: the transformers model whose projections apply the adapters
+        model = lora.lora_base(model)
     device = next(model.parameters()).device
     B = len(prompts)
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -1179,7 +1315,9 @@ def _concat_linears(*linears) -> tuple:
     """(weight, bias) of one nn.Linear equal to `linears` applied side by side (outputs concatenated).
     A LoRA layer's weight is its effective one, adapters included (its `.weight` is the base's)."""
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return torch.cat([effective_weight(m) for m in linears]), bias
+    lora = _loaded("lora")
+    weight = lora.effective_weight if lora is not None else (lambda linear: linear.weight)
+    return torch.cat([weight(m) for m in linears]), bias
 
 
 def _is_gated_mlp(mlp) -> bool:
@@ -1581,111 +1719,6 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def reward_model_text(tok, prompt: str, completion: str) -> str:
-    """What a reward model reads: the prompt and the completion in the reward model's own chat
-    template when its tokenizer has one (a user turn, then an assistant turn), else concatenated."""
-    if getattr(tok, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return tok.apply_chat_template(messages, tokenize=False)
-    return prompt + completion
-
-
-def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64) -> torch.Tensor:
-    """[N] float32: the scalar head of a sequence classifier on each (prompt, completion), re-tokenised
-    with the reward model's tokenizer. Right padding, whatever the tokenizer's padding side: every
-    real token keeps the position it has alone, so a score does not depend on the rest of the batch.
-    Gradients flow when called with them (training); scoring wraps it in no_grad."""
-    device = next(model.parameters()).device
-    texts = [reward_model_text(tok, p, c) for p, c in zip(prompts, completions)]
-    special = not getattr(tok, "chat_template", None)  # a chat template writes its own special tokens
-    scores = []
-    for s in range(0, len(texts), batch_size):
-        enc = tok(texts[s : s + batch_size], padding=True, padding_side="right", add_special_tokens=special,
-                  return_tensors="pt").to(device)  # fmt: skip
-        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits  # [b, 1]
-        scores.append(logits[:, 0].float())
-    return torch.cat(scores) if scores else torch.zeros(0, device=device)
-
-
-def check_reward_model(spec: str):
-    """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output.
-    AutoModelForSequenceClassification would load a causal LM without complaint (with a random
-    head), so the config's architectures and label count are checked here, before anything loads."""
-    if spec == TINY_RM:
-        return
-    from transformers import AutoConfig
-
-    path = Path(spec).expanduser()
-    local = path.exists() or spec.startswith(("/", ".", "~")) or Path(spec.split("/")[0]).is_dir()
-    if local and not (path / "config.json").is_file():
-        raise UsageError(f"--reward-model {spec}: no such checkpoint directory (expected tiny-rm or a directory "
-                         "with config.json)")  # fmt: skip
-    try:
-        config = AutoConfig.from_pretrained(spec)
-    except Exception as e:
-        raise UsageError(f"--reward-model {spec}: cannot load its config ({_describe(e)})") from e
-    archs = config.architectures or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise UsageError(f"--reward-model {spec}: is a {'/'.join(archs) or 'model of unknown class'}, not a sequence "
-                         "classifier (train one: python tools/train_reward_model.py)")  # fmt: skip
-    if config.num_labels != 1:
-        raise UsageError(f"--reward-model {spec}: has {config.num_labels} labels; a reward model has one output")
-
-
-def _tiny_attention(tiny: bool) -> dict:
-    """The tiny models' padded batches run about 10x faster on CPU with eager attention than with sdpa."""
-    return {"attn_implementation": "eager"} if tiny else {}
-
-
-def load_reward_model(spec: str, device: torch.device):
-    """(model, tokenizer) of a checked --reward-model, frozen, in eval mode."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    check_reward_model(spec)
-    path = tiny_checkpoint(TINY_RM) if spec == TINY_RM else spec
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch.float32, **_tiny_attention(spec == TINY_RM)
-        )
-    except Exception as e:
-        raise UsageError(f"--reward-model {spec}: cannot load it ({_describe(e)})") from e
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    if model.config.pad_token_id is None:  # the head reads the last non-pad token of each row
-        model.config.pad_token_id = tok.pad_token_id
-    return model.to(device).eval().requires_grad_(False), tok
-
-
-class RewardModel:
-    """--reward-model as a reward function with TRL's signature, so that `Rewards` weighs it like
-    any other component: the reward is the classifier's score of (prompt, completion) in the reward
-    model's own tokenizer and chat template; with whiten=True, (score - mean) / std over the batch
-    (one rank's rollout, or one evaluation batch)."""
-
-    def __init__(self, spec: str, device: torch.device, whiten: bool = False, batch_size: int = 64):
-        self.model, self.tok = load_reward_model(spec, device)
-        self.whiten, self.batch_size = whiten, batch_size
-
-    @torch.no_grad()
-    def __call__(self, prompts, completions, **fields) -> list[float]:
-        scores = reward_model_scores(self.model, self.tok, prompts, completions, self.batch_size).double()
-        if self.whiten and len(scores) > 1:
-            scores = (scores - scores.mean()) / (scores.std() + 1e-8)
-        return scores.tolist()
-
-
-def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float = 1.0) -> dict:
-    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of the
-    sequence-level KL(pi || pi_init): the x-axis of Gao et al. 2022's over-optimisation curves.
-    {} when init_model is None (logged only with --reward-model)."""
-    if init_model is None:
-        return {}
-    with torch.no_grad():
-        init_logp = completion_logprobs(init_model, roll, temperature)[0]  # [B, T]
-    return {"kl_to_init": global_mean(((logp - init_logp) * roll.completion_mask).sum(1))}
-
-
 # ---------------------------------------------------------------------------------------------
 # 7. Log-probs: per-token log-probs and entropy in float32, chunked over the vocabulary; the training forward
 # ---------------------------------------------------------------------------------------------
@@ -1699,7 +1732,8 @@ def completion_logprobs(
     entropy is a detached diagnostic unless `entropy_grad`: then it carries a gradient, for a loss
     term (--entropy-coef). Under --fsdp the call runs through the model's CompletionLogprobs root
     (`shard`): only the root's own forward gathers the weights it holds."""
-    root = _LOGPROBS_ROOT.get(model)
+    fsdp = _loaded("fsdp")
+    root = fsdp.LOGPROBS_ROOT.get(model) if fsdp is not None else None
     if root is not None:
         return root(roll, temperature, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
     return _completion_logprobs(model, roll, temperature, chunk_tokens, entropy_grad)
@@ -1799,66 +1833,34 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 #     sampler mu and the trainer, and its correction (--is-correction); docs/rollout_mismatch.md
 # ---------------------------------------------------------------------------------------------
 
-ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OLD_LOGP = ("recompute", "rollout")
-IS_CORRECTIONS = ("none", "tis", "mask")
-
-
-def check_rollout_args(args):
-    """--rollout-dtype, --old-logp, --is-correction, --is-cap: one-line errors (check_common_args)."""
-    if not 1 <= args.is_cap < math.inf:
-        raise UsageError(f"--is-cap must be a finite number >= 1, got {args.is_cap}")
-    if args.is_correction != "none" and args.old_logp == "rollout":
-        raise UsageError(
-            "--is-correction weighs by pi_old / mu, and with --old-logp rollout pi_old is mu (every weight 1): "
-            "use --old-logp recompute, or leave the correction to the ratio itself"
-        )
-
 
 class Sampler:
-    """The policy as the rollout samples it. --rollout-dtype float32: the policy itself. bfloat16:
-    a bf16 copy of its parameters (buffers, such as RoPE's frequencies, stay float32), cast from the
-    policy at the start of every rollout and freed at its end, so that it costs memory only while
-    sampling; its KV cache is bf16 too. With LoRA the copy holds the adapters: it samples the adapted
-    policy. Under --fsdp the copy is cast from the gathered weights (make the Sampler before `shard`);
-    when those are bf16 already (CUDA, --rollout-dtype bfloat16) the policy samples on them, no copy.
-    Records mu (Rollout.sample_logp) whenever anything reads it: a bf16 rollout (the diagnostics),
-    --old-logp rollout or --is-correction. Nothing of it is saved in checkpoints: it is a function of
-    the policy's weights, so a resumed run samples exactly as an uninterrupted one."""
+    """The policy as the rollout samples it, with the run's sampling flags: `sample(prompts, generator)`.
+    --rollout-dtype float32 (the default) samples the policy itself; bfloat16 a bf16 copy, cast from the
+    policy at the start of every rollout and freed at its end (extras/rollout_precision.py; under --fsdp
+    cast from the gathered weights: make the Sampler before `data_parallel`). It records mu
+    (Rollout.sample_logp) whenever anything reads it: a bf16 rollout, --old-logp rollout or
+    --is-correction. Nothing of it is saved in checkpoints: a resumed run samples as an uninterrupted one."""
 
-    def __init__(self, model, args):
-        self.model, self.dtype = model, ROLLOUT_DTYPES[args.rollout_dtype]
-        self.records = args.rollout_dtype != "float32" or args.old_logp != "recompute" or args.is_correction != "none"
+    def __init__(self, model, tok, args):
+        self.model, self.args, self.dtype = model, args, ROLLOUT_DTYPES[args.rollout_dtype]
+        self.eos_ids, self.pad_id = eos_token_ids(model, tok), tok.pad_token_id
+        self.records = (args.rollout_dtype, args.old_logp, args.is_correction) != ("float32", "recompute", "none")
         self.copy = None
-        if self.dtype != torch.float32:  # the module structure only: its parameters are filled in per rollout
-            empty = {id(p): torch.nn.Parameter(torch.empty(0), requires_grad=False) for p in model.parameters()}
-            self.copy = copy.deepcopy(model, memo=empty).eval()
+        if self.dtype != torch.float32:
+            self.copy = extra("rollout_precision", "--rollout-dtype").LowPrecisionCopy(model, self.dtype)
 
-    def sample(self, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator) -> Rollout:
+    def sample(self, prompts: list[list[int]], generator) -> Rollout:
+        a, t0 = self.args, time.perf_counter()
+        flags = (a.max_new_tokens, self.eos_ids, self.pad_id, a.temperature, a.top_p)
         with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
             if self.copy is None or next(self.model.parameters()).dtype == self.dtype:
-                return sample(self.model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                              generator=generator, record_logp=self.records)  # fmt: skip
-            pairs = list(zip(self.copy.parameters(), self.model.parameters()))
-            for dst, src in pairs:
-                dst.data = src.detach().to(self.dtype)
-            try:
-                return sample(self.copy, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                              generator=generator, record_logp=True)  # fmt: skip
-            finally:
-                for dst, src in pairs:
-                    dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
-
-
-def old_logprobs(model, roll: Rollout, plan: list[tuple], temperature: float, old_logp: str, every_row=False):
-    """[B, T] pi_old: --old-logp recompute, the trainer's own forward (`logprobs_of_forwarded_rows`,
-    under no_grad); rollout, the sampler's log-probs, no forward at all, as engines without a
-    recompute do. Those are the sampler's untruncated distribution's (`sample_logp_full`), so that
-    with --top-p < 1 the ratio compares like with like (pi_theta / pi_old over the whole vocabulary,
-    as with recompute); mu itself, the truncated one, enters only the diagnostics."""
-    if old_logp == "rollout":
-        return roll.sample_logp_full * roll.completion_mask
-    return logprobs_of_forwarded_rows(model, roll, plan, temperature, every_row)
+                roll = sample(self.model, prompts, *flags, generator=generator, record_logp=self.records)
+            else:
+                with self.copy.cast_from(self.model):
+                    roll = sample(self.copy.module, prompts, *flags, generator=generator, record_logp=True)
+        roll.seconds = time.perf_counter() - t0
+        return roll
 
 
 def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
@@ -1870,83 +1872,15 @@ def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
     return rows
 
 
-def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The training-inference mismatch before any correction, over the tokens of `mask` [B, T]: d =
-    log(pi / mu) per token, with pi the trainer's log-prob at the rollout's weights.
-      mismatch_log_ratio_mean, _std   mean and std of d over tokens
-      mismatch_k3                     k3 estimate of KL(mu || pi): mean of exp(d) - d - 1 (>= 0)
-      mismatch_frac_beyond_ln2        share of tokens with |d| > ln 2 (a ratio outside [1/2, 2])
-      mismatch_seq_ratio_std          spread (std over sequences) of the sequence ratio exp(sum_t d)
-      mismatch_geo_ratio_max_dev      largest |exp(mean_t d) - 1|: GSPO's length-normalised ratio,
-                                      against its clip band of 3e-4 / 4e-4"""
-    m = mask.bool()
-    if not m.any():
-        return {}
-    d = torch.where(m, trainer_logp - mu, torch.zeros_like(mu)).double()
-    tokens = d[m]
-    rows = m.any(1)
-    seq = d.sum(1)[rows]
-    geo = seq / m.sum(1)[rows]
-    return {
-        "mismatch_log_ratio_mean": tokens.mean().item(),
-        "mismatch_log_ratio_std": tokens.std(unbiased=False).item(),
-        "mismatch_k3": (tokens.exp() - tokens - 1).mean().item(),
-        "mismatch_frac_beyond_ln2": (tokens.abs() > math.log(2)).double().mean().item(),
-        "mismatch_seq_ratio_std": seq.clamp(max=20).exp().std(unbiased=False).item(),
-        "mismatch_geo_ratio_max_dev": (geo.exp() - 1).abs().max().item(),
-    }
-
-
-def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, per="token"):
-    """Detached [B, T] loss weights correcting for sampling from mu instead of pi_old (--is-correction):
-      tis   token-level truncated importance sampling (verl PR #2953; Yao et al. 2025):
-            w_t = min(pi_old / mu, cap); per="sequence" (GSPO, whose term is one per sequence): one
-            weight per sequence, min(exp(mean_t log(pi_old / mu)), cap), the length normalisation of
-            its own ratio, on every token of it
-      mask  sequence-level masking as TRL's vllm_importance_sampling_correction `sequence_mask`
-            (TRL #4772): one-sided, w = 0 on every token of a sequence whose exp(sum_t log(pi_old /
-            mu)) exceeds cap, else 1. Masked rows stay in the batch and in every denominator (each
-            rank keeps its forwards; the loss is what the unmasked rows contribute)
-    1 wherever mask == 0; `none`: None."""
-    if mode == "none":
+def is_weights(old_logp: torch.Tensor, roll: Rollout, plan: list[tuple] | None, args, per: str = "token"):
+    """--is-correction: detached [B, T] loss weights pi_old / mu, truncated at --is-cap (tis) or a sequence
+    mask (extras/rollout_precision.py), over the rows the updates of `plan` forward (1 elsewhere); per=
+    "sequence": one weight per sequence (GSPO). None without a correction (the default)."""
+    if args.is_correction == "none" or roll.sample_logp is None:
         return None
-    m = mask.bool()
-    d = torch.where(m, old_logp - mu, torch.zeros_like(mu)).detach()  # log(pi_old / mu) per token
-    if mode == "tis" and per == "token":
-        w = d.clamp(max=math.log(cap)).exp()
-    elif mode == "tis":
-        w = (d.sum(1) / m.sum(1).clamp(min=1)).clamp(max=math.log(cap)).exp()[:, None].expand_as(d)
-    elif mode == "mask":
-        w = (d.sum(1) <= math.log(cap)).to(d.dtype)[:, None].expand_as(d)
-    else:
-        raise ValueError(f"mode must be one of {IS_CORRECTIONS}, got {mode!r}")
-    return torch.where(m, w, torch.ones_like(w))
-
-
-def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str, cap: float) -> dict:
-    """is_weight_mean, and the share of tokens the correction changed: truncated at cap (tis) or masked."""
-    if weights is None or not mask.bool().any():
-        return {}
-    w = weights[mask.bool()]
-    changed = (w >= cap) if mode == "tis" else (w == 0)
-    return {"is_weight_mean": w.mean().item(), f"is_{'truncated' if mode == 'tis' else 'masked'}_frac":
-            changed.float().mean().item()}  # fmt: skip
-
-
-def rollout_correction(old_logp, roll: Rollout, plan: list[tuple] | None, args, per: str = "token"):
-    """(weights [B, T] or None, diagnostics) of a step: `is_weights` and `mismatch_stats` over the
-    rows the updates forward (the ones with the trainer's pi_old). (None, {}) when mu is not
-    recorded. (None, None) with --old-logp rollout: no trainer log-probs exist before the updates,
-    so the scripts measure the mismatch on the first update's forward, which runs at the rollout's
-    weights (`mismatch_stats` over that minibatch's rows)."""
-    if roll.sample_logp is None:
-        return None, {}
-    if args.old_logp == "rollout":  # no trainer pi_old before the updates; no correction (check_rollout_args)
-        return None, None
-    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]  # ppo: None
-    weights = is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
-    stats = mismatch_stats(old_logp, roll.sample_logp, mask) if args.old_logp == "recompute" else {}
-    return weights, {**stats, **is_weight_stats(weights, mask, args.is_correction, args.is_cap)}
+    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    precision = extra("rollout_precision", "--is-correction")
+    return precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2043,7 +1977,7 @@ class NonFiniteGuard:
         self.in_a_row = state["in_a_row"]
 
 
-GRPO_CLIP = 0.2  # grpo.py's default --eps-low / --eps-high: the yardstick of ratio_outside_grpo_clip
+RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRPO's usual clip), for all three alike
 
 
 def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -2057,11 +1991,18 @@ def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     if log_ratio.numel() == 0:
         return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
     ratio = log_ratio.exp()
-    outside = (ratio < 1 - GRPO_CLIP) | (ratio > 1 + GRPO_CLIP)
+    outside = (ratio < 1 - RATIO_BAND) | (ratio > 1 + RATIO_BAND)
     return {
         "log_ratio_std": log_ratio.std(unbiased=False).item(),
         "ratio_outside_grpo_clip": outside.double().mean().item(),
     }
+
+
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each
+    script's group_advantages decides it (their advantages are exactly 0)."""
+    r = rewards.view(-1, group_size)
+    return r.max(1).values == r.min(1).values
 
 
 def mean_over_updates(updates: list[dict], planned: int) -> dict:
@@ -2087,117 +2028,6 @@ def trace_due(args, step: int) -> bool:
     return bool(args.trace_every) and step % args.trace_every == 0
 
 
-def _values(x: torch.Tensor | None, n: int):
-    """The first n values of a 1-d tensor as a list (floats to 8 significant digits), or None."""
-    if x is None or x.dtype == torch.bool:
-        return None if x is None else x[:n].tolist()
-    return [float(f"{v:.8g}") for v in x[:n].tolist()]
-
-
-def traced_forward(run, roll: Rollout) -> torch.Tensor:
-    """[b, T] the policy's log-probs of `roll` for a trace, without gradient. Under --fsdp the forward is
-    a collective: on a traced step every rank runs one (Run.trace), rank 0 for its trace."""
-    with torch.no_grad():
-        return completion_logprobs(run.model, roll, run.args.temperature)[0]
-
-
-class NoTrace:
-    """What Run.trace returns on a step that is not traced: update() records nothing and costs nothing."""
-
-    def update(self, rows, logp, entropy=None):
-        return None
-
-
-class Trace:
-    """One step's values for the rollout's first --trace-groups groups (rows 0 .. n * G - 1 of
-    this rank's rollout): what sampling, scoring and the no-grad passes computed, given to the
-    constructor, and what each update's loss used. `update(rows, logp, entropy)` takes an update's
-    forwarded rows and returns a dict that the loss function fills with its `ratio` and `clipped`
-    ([B, T], or [B] for a sequence ratio); `records()` makes traces.jsonl's records, one per group.
-    The only computation is a no-grad forward of traced rows that no update forwards (their pi_old
-    was never needed); no random stream moves, and the updates see the same tensors as untraced."""
-
-    def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, plan, per_token):
-        self.run, self.step, self.roll, self.examples = run, step, roll, records
-        self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
-        self.rows = list(range(min(len(roll), run.args.trace_groups * run.args.group_size)))  # the traced rows
-        forwarded = set(forwarded_rows(plan, len(roll), roll.completion_ids.device).nonzero().squeeze(1).tolist())
-        self.old_logp = old_logp[: len(self.rows)].detach().clone()  # [n, T]
-        skipped = [r for r in self.rows if r not in forwarded]
-        if skipped or sharded(run.model):  # their pi_old: old_logp holds 0 there (--fsdp: a forward on every rank)
-            self.old_logp[skipped] = traced_forward(run, roll[skipped or self.rows[:1]])[: len(skipped)]
-        self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
-
-    def update(self, rows, logp, entropy=None) -> dict:
-        filled = {}
-        self.updates.append((rows, logp.detach(), None if entropy is None else entropy.detach(), filled))
-        return filled
-
-    def _update_entries(self, lengths: list[int]) -> dict:
-        """row -> one entry per update that forwarded it (in update order), or None if none did."""
-        per_row = {r: [] for r in self.rows}
-        for k, (rows, logp, entropy, filled) in enumerate(self.updates):
-            ratio, clipped = filled.get("ratio"), filled.get("clipped")
-            if ratio is not None and ratio.dim() == 1:  # GSPO's sequence ratio: every token gets its row's
-                ratio, clipped = ratio[:, None].expand_as(logp), clipped[:, None].expand_as(logp)
-            values = {"logp": logp, "ratio": ratio, "clipped": clipped, "entropy": entropy}  # [b, T] or None
-            for pos, r in enumerate(rows.tolist()):
-                if r in per_row:
-                    row = {name: _values(None if x is None else x[pos], lengths[r]) for name, x in values.items()}
-                    per_row[r].append({"update": k, **row})
-        return {r: entries or None for r, entries in per_row.items()}
-
-    def records(self) -> list[dict]:
-        args, tok, roll = self.run.args, self.run.tok, self.roll
-        ends = completion_ends(roll, eos_token_ids(self.run.model, tok)).tolist()
-        lengths = roll.completion_mask.sum(1).long().tolist()
-        T = roll.completion_ids.shape[1]
-        updates = self._update_entries(lengths)
-        components = {k.removeprefix("reward/"): v for k, v in self.parts.items() if k.startswith("reward/")}
-        completions = []
-        for r in self.rows:
-            n, ids = lengths[r], roll.completion_ids[r, : lengths[r]].tolist()
-            adv = self.advantages[r]  # [] or, for PPO, [T]
-            completions.append(
-                {
-                    "row": r,
-                    "ids": ids,
-                    "tokens": [tok.decode([i]) for i in ids],
-                    "pad": T - n,  # padding after the completion (its EOS token is in ids)
-                    "text": tok.decode(ids, skip_special_tokens=True),
-                    "eos": bool(ends[r]),
-                    "reward": float(self.rewards[r]),
-                    "rewards": {name: float(v[r]) for name, v in components.items()},
-                    "advantage": _values(adv, n) if adv.dim() else float(adv),
-                    "old_logp": _values(self.old_logp[r], n),
-                    "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
-                    "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
-                    **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},
-                    "updates": updates[r],
-                }
-            )
-        out = []
-        for g in range(0, len(self.rows), args.group_size):
-            prompt = roll.prompt_ids[g][roll.prompt_mask[g].bool()].tolist()
-            out.append(
-                {
-                    "step": self.step,
-                    "algo": self.run.algo,
-                    "group": g // args.group_size,
-                    "prompt": {
-                        "text": self.examples[g]["prompt"],
-                        "ids": prompt,
-                        "tokens": [tok.decode([i]) for i in prompt],
-                        "pad": roll.prompt_ids.shape[1] - len(prompt),  # left padding before it
-                    },
-                    "answer": self.examples[g].get("answer"),
-                    "updates_planned": args.epochs * args.minibatches,
-                    "completions": completions[g : g + args.group_size],
-                }
-            )
-        return out
-
-
 # ---------------------------------------------------------------------------------------------
 # 9. The run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints, summary.json, final/
 # ---------------------------------------------------------------------------------------------
@@ -2206,29 +2036,43 @@ class Trace:
 class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
-    progress bar, OUT/metrics.jsonl (and TensorBoard with --report-to tensorboard), a few of each
-    evaluation's completions printed and kept in OUT/samples.jsonl, --trace-every's OUT/traces.jsonl
-    (`trace`), checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the
-    run), --resume, and at the end OUT/final/ and OUT/summary.json. `state` names the objects a
-    checkpoint saves besides the policy's weights (optimizers, the prompt stream, the sampling
-    generator, ...). Only rank 0 writes files.
+    progress bar, pi_old (`old_logprobs`), every measurement (`rollout`, `update`, `log`: the
+    metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
+    --trace-every's OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard with --report-to
+    tensorboard), a few of each evaluation's completions printed and kept in OUT/samples.jsonl,
+    checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the run), --resume,
+    and at the end OUT/final/ and OUT/summary.json. `state` names the objects a checkpoint saves
+    besides the policy's weights (optimizers, the prompt stream, the sampling generator, ...);
+    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model).
+    Only rank 0 writes files.
 
-        run = Run("gspo", args, env, model, tok, optimizer=optimizer, ...)
+        run = Run(args, env, model, tok, optimizer=optimizer, ...)
         for step in run.steps():
-            ...                              # sample, score, advantages, updates
-            run.log({"step": step, ...})     # + evaluation when due
+            ...                                   # sample, score, advantages
+            old_logp = run.old_logprobs(roll, plan)
+            run.rollout(roll, records, rewards, parts, advantages, old_logp, plan)
+            for idx, rows in plan:
+                ...                               # the loss, backward, step
+                run.update(rows, logp, entropy, old_logp[rows], mask[rows], info, stepped)
+            run.log({...})                        # + evaluation when due
             run.save_checkpoint_if_due(step)
         return run.finish()
     """
 
-    SHOWN = ("reward", "clip_frac", "explained_variance")  # printed beside each evaluation
+    SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
     SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
 
-    def __init__(self, algo: str, args, env: Setup, model, tok, **state):
-        self.algo, self.args, self.env, self.model, self.tok = algo, args, env, model, tok
+    def __init__(self, args, env: Setup, model, tok, reference=None, **state):
+        self.algo, self.args, self.env, self.model, self.tok = args.algo, args, env, model, tok
+        self.eos, self.optimizer = eos_token_ids(model, tok), state.get("optimizer")
+        self.reference = reference if args.reward_model else None  # kl_to_init is logged with --reward-model
+        # MoE models: each token's experts, recorded in the pi_old forward (drift; grpo.py's --routing-replay)
+        moe = is_moe(model)
+        self.routing = extra("moe", f"--model {args.model} (MoE)").RoutingReplay(model) if moe else None
         self.progress = Progress()
         self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
         self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
+        self.clip_key = "clip_frac"  # clip_frac_seqs where the clip counts sequences (GSPO), not tokens
         t_start = time.perf_counter()
         self.check_rewards()  # before anything is written to --out
         samples = []
@@ -2237,7 +2081,7 @@ class Run:
         else:
             self.progress.eval_before, samples = self.evaluate(0)
             self.progress.last_eval = self.progress.eval_before
-            if env.rank == 0:  # (under torchrun the evaluation is all ranks'; its training metrics are rank 0's)
+            if env.rank == 0:  # (under torchrun the evaluation is all ranks')
                 tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
         self.t_start = t_start - self.progress.wall_time_s
         self.logger = RunLogger(
@@ -2305,46 +2149,126 @@ class Run:
             disable=self.env.rank > 0,
         )
         for step in self.bar:
-            self.step_started, self.step_now, self.current_trace = time.perf_counter(), step, None
+            self.step_started, self.step_now, self.trace = time.perf_counter(), step, None
             yield step
             if self.stopping:
                 return
 
-    def trace(self, roll, records, rewards, parts, advantages, old_logp, plan=None, **per_token):
-        """--trace-every: on a traced step, rank 0 gets a Trace of the rollout's first --trace-groups
-        groups, which log() writes to traces.jsonl; on every other step a NoTrace, which costs
-        nothing. `plan`: plan_updates' list, for the rows whose pi_old old_logp holds (None: every
-        row); `per_token`: the script's other [B, T] values (ref_logp, value, token_reward)."""
-        due = trace_due(self.args, self.step_now)
-        if due and self.env.rank > 0 and sharded(self.model):
-            traced_forward(self, roll[:1])  # --fsdp: rank 0's forward for its trace gathers from every rank
-        if self.env.rank > 0 or not due:
-            return NoTrace()
-        per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
-        self.current_trace = Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
-                                   per_token)  # fmt: skip
-        return self.current_trace
+    def old_logprobs(self, roll: Rollout, plan: list[tuple] | None = None, every_row: bool = False) -> torch.Tensor:
+        """[B, T] log-probs of pi_old, the policy that sampled `roll`, without gradient: call it before any
+        update. --old-logp recompute (the default): the policy's forward over the rows the updates of
+        `plan` forward, 0 on the others (plan None, or `every_row`: every row; every row too when a
+        measurement needs them: an MoE model's routing record, --reward-model's kl_to_init). --old-logp
+        rollout: the sampler's own log-probs, no forward, as engines without a recompute do; those of its
+        untruncated distribution (`sample_logp_full`), so that with --top-p < 1 the ratio compares like
+        with like."""
+        if self.args.old_logp == "rollout":
+            return roll.sample_logp_full * roll.completion_mask
+        every_row = every_row or self.routing is not None or self.reference is not None
+        with torch.no_grad(), self.routing.record() if self.routing else contextlib.nullcontext():
+            return logprobs_of_forwarded_rows(self.model, roll, plan, self.args.temperature, every_row)
 
-    def log(self, row: dict, no_signal: bool = False):
-        """Append the step's metrics to metrics.jsonl, with step_time_s and, when due, the evaluation's
-        (eval_accuracy, eval_format_rate, eval_reward, eval_pass@1, ...). `no_signal`: this step's
-        rewards gave the update nothing to learn from (the script says when); after NO_SIGNAL_STEPS
-        such steps in a row, one warning, kept in summary.json, and the run goes on."""
+    def replayed_routing(self, rows: torch.Tensor, on: bool = True):
+        """Context for an update's forward and backward on rows `rows` of the rollout: with `on` (grpo.py's
+        --routing-replay) an MoE model routes every token through the experts that the pi_old forward
+        recorded (extras/moe.py); otherwise nothing."""
+        if not on or self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.replay(self.routing.indices, rows)
+
+    def rollout(self, roll, records, rewards, parts, advantages, old_logp, plan=None, weights=None, **per_token):
+        """The step's measurements before its updates (every rank calls it once a step): `roll`, its
+        `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for PPO), pi_old,
+        `plan` (plan_updates' list: the rows that have pi_old; None: every row), the --is-correction
+        `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
+        token_reward). It measures how far the sampler mu is from pi_old, when mu is recorded
+        (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace when one is due."""
+        self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
+        self.mismatch, precision, args = {}, _loaded("rollout_precision"), self.args
+        if precision is not None and roll.sample_logp is not None:
+            if args.old_logp == "rollout":  # no trainer pi_old before the updates: measured on the first (`update`)
+                self.mismatch = None
+            else:
+                mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+                corrected = precision.is_weight_stats(weights, mask, args.is_correction, args.is_cap)
+                self.mismatch = {**precision.mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}
+        if not trace_due(args, self.step_now):
+            return
+        if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
+            return  # the default (a trace at each evaluation), in a copy of the project without extras/traces.py
+        traces = extra("traces", "--trace-every")
+        if self.env.rank > 0:
+            if sharded(self.model):  # --fsdp: rank 0's forward for its trace gathers from every rank
+                traces.traced_forward(self, roll[:1])
+            return
+        per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
+        self.trace = traces.Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
+                                  per_token)  # fmt: skip
+
+    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool):
+        """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
+        False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
+        [b, T], and `info`, what the loss returned beside the loss. Its numbers are averaged over the
+        step's updates (those that stepped) and logged; its tensors (the ratio and the clip decisions)
+        go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
+        if self.mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+            mu = self.roll.sample_logp[rows]
+            self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
+        if self.trace is not None:
+            self.trace.update(rows, logp, entropy, info)
+        if stepped:
+            numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+            self.updates.append({**numbers, **token_ratio_stats(logp, old_logp, mask)})
+
+    def measured(self) -> dict:
+        """The metrics every run logs, from what `rollout` and `update` were given (docs/metrics.md):
+        means over all ranks' completions and tokens, except the updates' statistics, mismatch_* and
+        routing_drift, which are rank 0's (its share of the batch)."""
+        args, roll, mask = self.args, self.roll, self.roll.completion_mask
+        tokens = all_reduce_sum(mask.sum())
+        metrics = {
+            "step": self.step_now,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "reward": global_mean(self.rewards),
+            **global_means(self.parts),  # reward/<name> per --reward; accuracy, format_rate
+            "truncated_frac": global_mean((~completion_ends(roll, self.eos)).float()),
+            **mean_over_updates(self.updates, args.epochs * args.minibatches),  # loss, clip_frac*, ratio_*
+            "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),  # of pi_old
+            "response_len": global_mean(mask.sum(1)),
+            "tokens_per_s": tokens.item() / roll.seconds,  # all ranks' tokens, per second of this rank's sampling
+        }
+        if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
+            metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
+        if self.reference is not None:
+            learned = extra("reward_model", "--reward-model")
+            metrics.update(learned.kl_to_init(self.reference, roll, self.old_logp, args.temperature))
+        if self.routing is not None:  # MoE: share of tokens whose experts the updates changed
+            metrics.update(self.routing.drift(self.model, roll, args.temperature))
+        return {**metrics, **(self.mismatch or {})}
+
+    def log(self, row: dict, no_signal: bool = False, shown: tuple = ()):
+        """Append the step's metrics to metrics.jsonl: what every run measures (`measured`), the script's
+        own `row`, step_time_s and, when due, the evaluation's (eval_accuracy, eval_format_rate,
+        eval_reward, eval_pass@1, ...). `no_signal`: this step's rewards gave the update nothing to
+        learn from (the script says when); after NO_SIGNAL_STEPS such steps in a row, one warning, kept
+        in summary.json, and the run goes on. `shown`: the script's metrics printed at each evaluation."""
+        row = {**self.measured(), **row}
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
-        self.progress.clip_fracs.append(row.get("clip_frac", 0.0))
-        self.watch_signal(step, no_signal, grouped="zero_std_frac" in row)
+        self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
+        self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
+        self.watch_signal(step, no_signal, grouped=self.env.needs_group)
         samples = []
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             last, samples = self.evaluate(step)
             self.progress.last_eval = last
             row.update({f"eval_{k}": v for k, v in last.items()})
-            shown = "  ".join(f"{k} {row[k]:.3f}" for k in self.SHOWN if k in row and k != "reward")
+            shown = "  ".join(f"{k} {row[k]:.3f}" for k in (*self.SHOWN, *shown) if k in row)
             if self.env.rank == 0:
                 tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
         self.logger.log(row)
-        if self.current_trace is not None:
-            self.logger.log_traces(self.current_trace.records())
+        if self.trace is not None:
+            self.logger.log_traces(self.trace.records())
         self.show(samples)
         last = self.progress.last_eval
         self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{last.get('accuracy', last.get('reward')):.3f}")
@@ -2392,7 +2316,7 @@ class Run:
                 if self.logger.enabled:
                     torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
             if args.merge_lora and self.logger.enabled:
-                save_merged(self.model, self.tok, self.logger.out / "final" / "merged")
+                extra("lora", "--merge-lora").save_merged(self.model, self.tok, self.logger.out / "final" / "merged")
         before, after = progress.eval_before, progress.last_eval
         self.logger.summary(
             {
@@ -2412,7 +2336,7 @@ class Run:
                 "eval_overlap": self.env.eval_overlap,  # evaluation prompts also in the training data
                 "wall_time_s": time.perf_counter() - self.t_start,
                 "peak_mem_mb": peak_memory_mb(self.env.device),
-                "mean_clip_frac": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+                f"mean_{self.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
                 # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
                 "no_signal": progress.no_signal,
                 "no_signal_steps": progress.no_signal_steps,
@@ -2760,7 +2684,7 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
             f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
         )
     try:
-        config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
+        config = AutoConfig.from_pretrained(model_path(args.model))
     except Exception as e:
         raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
     diff = [
@@ -2784,16 +2708,11 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
     from transformers import AutoModelForCausalLM
 
     try:
-        if is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
-            load_lora_weights(model, found / "policy")
-        elif sharded(model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            whole = {}  # rank 0 reads the policy; the others receive their shards from it
-            if rank == 0:
-                whole = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=torch.float32).state_dict()
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, whole, options=options)
+        lora = _loaded("lora")
+        if lora is not None and lora.is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
+            lora.load_lora_weights(model, found / "policy")
+        elif sharded(model):  # rank 0 reads the policy; every rank receives its shards of it
+            _loaded("fsdp").load_policy(model, found / "policy", rank)
         else:
             saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
             model.load_state_dict(saved_policy.state_dict())
@@ -2857,174 +2776,56 @@ def leave_process_group(exiting: BaseException | None):
 def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
     """Under torchrun, `module` made data parallel: wrapped in DistributedDataParallel, which averages the
     gradients of what runs through its forward over the ranks, or with --fsdp (`args.fsdp`) sharded by
-    FSDP2 instead (`shard`). Without torchrun, `module` itself."""
+    FSDP2 instead (extras/fsdp.py). Without torchrun, `module` itself."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return module
     if args is not None and args.fsdp:
-        return shard(module, gathered_dtype(device, args))
+        fsdp = extra("fsdp", "--fsdp")
+        return fsdp.shard(module, fsdp.gathered_dtype(device, args))
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-# --fsdp: a model whose CompletionLogprobs wrapper is its FSDP root -> that wrapper (see completion_logprobs),
-# and the roots whose weights `gathered` holds whole right now
-_LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GATHERED: weakref.WeakSet = weakref.WeakSet()
-
-
-def check_fsdp_args(args):
-    """--fsdp: under torchrun, without LoRA (check_common_args: before anything is loaded)."""
-    if args.fsdp and "WORLD_SIZE" not in os.environ:
-        raise UsageError("--fsdp shards the model over torchrun's processes: run under torchrun "
-                         "(torchrun --nproc_per_node N gspo.py --fsdp ...; N may be 1)")  # fmt: skip
-    if args.fsdp and args.lora_rank:
-        raise UsageError("--fsdp with --lora-rank is not supported: LoRA trains adapters small enough to keep "
-                         "whole on every rank; drop --fsdp (torchrun then runs DDP) or --lora-rank")  # fmt: skip
-
-
-def gathered_dtype(device: torch.device, args) -> torch.dtype:
-    """The dtype --fsdp gathers the weights in: bf16 on CUDA with --rollout-dtype bfloat16, else float32."""
-    return torch.bfloat16 if device.type == "cuda" and args.rollout_dtype == "bfloat16" else torch.float32
-
-
-def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """--fsdp: PyTorch FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module` itself, the
-    root, whose forward gathers what the layers leave (embeddings, final norm, output projection, a critic's
-    head). Each rank keeps 1/world of every weight, gradient and AdamW moment; a layer's weights are whole
-    only while it runs, and the gradients are averaged over the ranks as DDP's are. The master weights stay
-    float32. The gathered weights are `dtype` (`gathered_dtype`): bf16 through a MixedPrecisionPolicy
-    (gradients reduced in float32), on which the training forward and the rollout both run, or float32,
-    and then on CUDA the training forward runs under bf16 autocast as without --fsdp. Returns
-    `module`, now the root; a CompletionLogprobs root is registered for its model (`completion_logprobs`)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    inner = module.model if isinstance(module, CompletionLogprobs) else module
-    if hasattr(inner, "config") and not _StaticKVDecoder.supports(inner):  # (a critic has no sampler)
-        raise UsageError(f"--fsdp: the sampler runs on gathered weights through its own decoder, which takes "
-                         f"Qwen2, Qwen3 and Llama models with full attention; this model is "
-                         f"{inner.config.model_type}: drop --fsdp (torchrun then runs DDP)")  # fmt: skip
-    options = {}
-    if dtype != torch.float32:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]:
-        fully_shard(layer, **options)
-    fully_shard(module, **options)
-    if isinstance(module, CompletionLogprobs):
-        _LOGPROBS_ROOT[module.model] = module
-    return module
+# --fsdp's hooks: each does nothing (and imports nothing) unless --fsdp has loaded extras/fsdp.py
 
 
 def sharded(module) -> bool:
-    """Whether --fsdp shards `module`'s parameters (they are DTensors)."""
-    from torch.distributed.tensor import DTensor
+    """Whether --fsdp shards `module`'s parameters."""
+    fsdp = _loaded("fsdp")
+    return fsdp is not None and fsdp.sharded(module)
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
-
-@contextlib.contextmanager
 def gathered(model):
-    """--fsdp: every weight of `model` (one `shard` registered) whole on this rank inside the block, for the
-    sampler, which calls the model's modules directly; sharded again after. It is a collective: every
-    rank enters it at the same point, and once; nested, it does nothing. Without --fsdp it does nothing."""
-    root = _LOGPROBS_ROOT.get(model)
-    if root is None or root in _GATHERED:
-        yield
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    for m in groups:
-        m.unshard()
-    _GATHERED.add(root)
-    try:
-        yield
-    finally:
-        _GATHERED.discard(root)
-        for m in groups:
-            m.reshard()
+    """Context: under --fsdp every weight of `model` whole on this rank inside it (for the sampler, which
+    calls the model's modules directly); a collective. Otherwise nothing."""
+    fsdp = _loaded("fsdp")
+    return fsdp.gathered(model) if fsdp is not None else contextlib.nullcontext()
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, whose total norm comes back as a plain tensor: under --fsdp the
-    gradients are sharded and torch returns the norm as a DTensor; its full value is the norm of all
-    ranks' shards together (the same on every rank)."""
-    from torch.distributed.tensor import DTensor
-
+    """torch.nn.utils.clip_grad_norm_, whose total norm comes back as a plain tensor (under --fsdp torch
+    returns a DTensor, whose full value is the norm of all ranks' shards together)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def full_state_dict(module) -> dict:
-    """`module.state_dict()` with whole tensors. Under --fsdp they are gathered from every rank's shards
-    (a collective: every rank calls it) to rank 0, on CPU; the other ranks get {}."""
-    if not sharded(module):
-        return module.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """`module.state_dict()`; under --fsdp whole tensors gathered to rank 0 (a collective; others get {})."""
+    return _loaded("fsdp").full_state_dict(module) if sharded(module) else module.state_dict()
 
 
 def pretrained_state(model) -> dict | None:
-    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one
-    (full_state_dict, a collective), a tied output embedding left out as save_pretrained leaves it out."""
-    if not sharded(model):
-        return None
-    state = full_state_dict(model)
-    output = model.get_output_embeddings()
-    if output is not None and output.weight is model.get_input_embeddings().weight:
-        state.pop(next(name for name, m in model.named_modules() if m is output) + ".weight", None)
-    return state
-
-
-class GatheredState:
-    """A module or an optimizer whose parameters --fsdp shards, as a checkpoint saves it: state_dict()
-    gathers whole tensors to rank 0 (a collective; see full_state_dict), load_state_dict() takes the whole
-    state dict, which every rank reads from the checkpoint, and keeps this rank's shards. A module's state
-    dict is its usual one; an optimizer's is keyed by parameter name (torch.distributed.checkpoint's
-    format), not by position as optimizer.state_dict() is, so --fsdp keeps its value on --resume."""
-
-    def __init__(self, module, optimizer=None):
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        if self.optimizer is None:
-            return full_state_dict(self.module)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.module, self.optimizer, options=options)
-
-    def load_state_dict(self, state: dict):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True)
-        if self.optimizer is None:
-            set_model_state_dict(self.module, state, options=options)
-        else:
-            set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
+    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one."""
+    return _loaded("fsdp").pretrained_state(model) if sharded(model) else None
 
 
 def checkpointed(state: dict, model) -> dict:
-    """Run's `state` with each module and optimizer that --fsdp shards as a GatheredState (an optimizer
-    with the module whose parameters it updates: `model` or a module of `state`); the rest unchanged."""
-    modules = [model] + [obj for obj in state.values() if isinstance(obj, torch.nn.Module)]
-    out = {}
-    for name, obj in state.items():
-        if isinstance(obj, torch.nn.Module) and sharded(obj):
-            obj = GatheredState(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            params = {id(p) for group in obj.param_groups for p in group["params"]}
-            owner = next((m for m in modules if params <= {id(p) for p in m.parameters()}), None)
-            if owner is not None and sharded(owner):
-                obj = GatheredState(owner, obj)
-        out[name] = obj
-    return out
+    """Run's `state` as a checkpoint saves it: under --fsdp each sharded module and optimizer gathers its
+    whole state when saved (extras/fsdp.py's GatheredState); otherwise `state` itself."""
+    fsdp = _loaded("fsdp")
+    return fsdp.checkpointed(state, model) if fsdp is not None else state
 
 
 def barrier():
@@ -3093,244 +2894,15 @@ def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
     return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
 
 
-# ---------------------------------------------------------------------------------------------
-# 12. Mixture-of-Experts routing: record and replay each token's experts (GSPO paper section 5.3), routing drift
-# ---------------------------------------------------------------------------------------------
-
-
-class RoutingReplay:
-    """Record and replay the experts an MoE model routes each position to (Routing Replay).
-
-    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
-    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
-    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
-    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
-    are no-ops.
-
-    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
-    holds the expert ids each router chose at every position (prompt and completion) of the last
-    forward pass inside the block.
-
-    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
-    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
-    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
-    current router's softmax over all E experts, gathered at the recorded ids and renormalised
-    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
-    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
-    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
-    normaliser cancels and only the recorded experts' router rows get gradient; without it every
-    row does, through the normaliser. An expert not recorded for a position gets none from it.
-    With unchanged weights a replayed pass equals a plain one."""
-
-    def __init__(self, model, replay_updates: bool = False):
-        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-        self.indices, self._shape, self._layers = None, None, None
-        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
-
-    def for_update(self, rows):
-        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
-        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
-        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
-
-    def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
-        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
-        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
-        if not self.blocks or self.indices is None:  # (--old-logp rollout: no pi_old forward before step 1's)
-            return {}
-        before = self.indices
-        with torch.no_grad(), self.record():
-            completion_logprobs(model, roll, temperature)
-        return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}
-
-    @contextlib.contextmanager
-    def _hooked(self, router_hook):
-        handles = []
-        for layer, block in enumerate(self.blocks):
-            handles.append(block.register_forward_pre_hook(self._note_shape))
-            handles.append(block.gate.register_forward_hook(functools.partial(router_hook, layer)))
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _note_shape(self, block, inputs):
-        self._shape = inputs[0].shape[:-1]  # (B, S): the router sees them flattened
-
-    @contextlib.contextmanager
-    def record(self):
-        self._layers = [None] * len(self.blocks)
-        with self._hooked(self._record_hook):
-            yield self
-        self.indices = torch.stack(self._layers) if self.blocks else None
-
-    @staticmethod
-    def _check(router, output):
-        if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(
-                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
-                "as Qwen3-MoE's router does"
-            )
-
-    def _record_hook(self, layer, router, inputs, output):
-        self._check(router, output)
-        self._layers[layer] = output[2].detach().view(*self._shape, -1)
-
-    @contextlib.contextmanager
-    def replay(self, indices, rows=None):  # indices None: a plain forward (replay off)
-        if indices is None:
-            yield self
-            return
-        self._layers = indices if rows is None else indices[:, rows]
-        with self._hooked(self._replay_hook):
-            yield self
-
-    def _replay_hook(self, layer, router, inputs, output):
-        self._check(router, output)
-        logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
-        if ids.shape[0] != logits.shape[0]:
-            raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")
-        weights = logits.float().softmax(-1).gather(-1, ids)  # the router's own arithmetic, recorded ids
-        if getattr(router, "norm_topk_prob", False):
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(logits.dtype), ids
-
-
-def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
-    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
-    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
-    differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
-    if mask is None:
-        return differ.mean().item()
-    differ = differ[..., -mask.shape[-1] :]
-    m = mask.to(differ.dtype)[None].expand_as(differ)
-    return ((differ * m).sum() / m.sum().clamp(min=1)).item()
-
-
-# ---------------------------------------------------------------------------------------------
-# 13. LoRA (--lora-rank): peft adapters on a frozen base; the reference is the base, adapters off
-# ---------------------------------------------------------------------------------------------
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
-
-
-def check_lora_args(args):
-    """--lora-rank, --lora-alpha, --lora-targets and --merge-lora; raises UsageError naming the flag."""
-    if args.lora_rank < 0:
-        raise UsageError(f"--lora-rank must be >= 0 (0: off, train every weight), got {args.lora_rank}")
-    if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
-        raise UsageError(f"--lora-alpha must be a finite number > 0, got {args.lora_alpha}")
-    if not args.lora_targets:
-        raise UsageError("--lora-targets needs at least one module name, e.g. q_proj v_proj")
-    if args.merge_lora and not args.lora_rank:
-        raise UsageError("--merge-lora merges LoRA adapters: it needs --lora-rank > 0")
-    if args.lora_rank and importlib.util.find_spec("peft") is None:
-        raise UsageError("--lora-rank needs the peft package: pip install -r requirements.txt")
-
-
-def check_lora_targets(args):
-    """--lora-targets against the module names of --model, built on the meta device (no weights, no
-    output): before anything is loaded or written. Every name given must exist; of the defaults, one
-    (a Qwen3-MoE's experts are fused tensors, not gate/up/down modules: its attention is adapted).
-    A checkpoint that does not load is left to load_model."""
-    if not args.lora_rank:
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(tiny_checkpoint(args.model) if args.model in TINY_MODELS else args.model)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-    except Exception:
-        return
-    names = {name.rpartition(".")[2] for name, _ in skeleton.named_modules()}
-    missing = [t for t in args.lora_targets if t not in names]
-    if len(missing) == len(args.lora_targets) or (missing and args.lora_targets != LORA_TARGETS):
-        raise UsageError(f"--lora-targets: {config.model_type} has no module named {', '.join(missing)}")
-
-
-def add_lora(model, args):
-    """With --lora-rank r > 0: `model` as a peft model whose --lora-targets projections carry
-    rank-r adapters, W x + (alpha / r) B A x, and whose every other weight is frozen (only the
-    adapters train). B starts at 0, so the policy starts equal to the base model. No dropout: the
-    log-probs of pi_old and of the update must come from one function. With r = 0: `model` itself."""
-    if not args.lora_rank:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank
-    config = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=list(args.lora_targets), lora_dropout=0.0)
-    return get_peft_model(model, config)
-
-
-def is_lora(model) -> bool:
-    """`model` is a peft model (the transformers model inside one is not: it calls its adapters)."""
-    peft = sys.modules.get("peft")  # not imported yet: no peft model exists
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 def reference_model(model, name: str, device: torch.device, args=None):
     """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
-    adapters disabled: the base never trains, so it *is* the initial policy, and no second copy of
-    the weights is loaded; without, a frozen copy of checkpoint `name`, which --fsdp (`args.fsdp`)
-    shards as it does the policy (completion_logprobs runs through its root)."""
-    if is_lora(model):
-        return AdaptersOff(model)
+    adapters disabled (extras/lora.py's AdaptersOff: no second copy of the weights); without, a frozen
+    copy of checkpoint `name`, which --fsdp (`args.fsdp`) shards as it does the policy."""
+    lora = _loaded("lora")
+    if lora is not None and lora.is_lora(model):
+        return lora.AdaptersOff(model)
     reference = load_model(name, device)[0].eval().requires_grad_(False)
     if args is not None and args.fsdp:
-        shard(CompletionLogprobs(reference), gathered_dtype(device, args))
+        fsdp = extra("fsdp", "--fsdp")
+        fsdp.shard(CompletionLogprobs(reference), fsdp.gathered_dtype(device, args))
     return reference
-
-
-class AdaptersOff:
-    """A peft model with its adapters disabled, as `completion_logprobs` uses a model: its decoder
-    (called inside peft's disable_adapter()) and its output embeddings (never adapted)."""
-
-    def __init__(self, peft_model):
-        self.peft_model = peft_model
-
-    def get_decoder(self):
-        decoder = self.peft_model.get_decoder()
-
-        def without_adapters(**inputs):
-            with self.peft_model.disable_adapter():
-                return decoder(**inputs)
-
-        return without_adapters
-
-    def get_output_embeddings(self):
-        return self.peft_model.get_output_embeddings()
-
-
-def lora_base(model):
-    """The transformers model under a peft model (its projections carry the adapters: calling them
-    applies them), or `model` itself."""
-    return model.get_base_model() if is_lora(model) else model
-
-
-def effective_weight(linear) -> torch.Tensor:
-    """The weight `linear` applies: for a peft LoRA layer with its adapters on and not merged,
-    W + (alpha / r) B A (peft's own get_delta_weight), which its `.weight` (the base's) is not."""
-    if not hasattr(linear, "lora_A") or linear.merged or linear.disable_adapters:
-        return linear.weight
-    active = [a for a in linear.active_adapters if a in linear.lora_A]
-    return linear.weight + sum(linear.get_delta_weight(a) for a in active)
-
-
-def load_lora_weights(model, directory: Path):
-    """Load the adapter weights a peft `save_pretrained` wrote in `directory` into `model`."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
-    if result.unexpected_keys:
-        raise ValueError(f"adapter weights that the model has no place for: {result.unexpected_keys[:3]}")
-
-
-def save_merged(model, tok, directory: Path):
-    """A standard checkpoint of the policy, W + (alpha / r) B A in every adapted projection. It
-    merges in place (a copy would need the memory LoRA saves): call it last; `model` is spent."""
-    merged = model.merge_and_unload()
-    merged.save_pretrained(directory)
-    tok.save_pretrained(directory)

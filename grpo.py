@@ -34,7 +34,6 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
-class Args:
+class Args(common.SharedArgs):  # the flags every script shares, then GRPO's own
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
     kl_coef: float = arg(0.0, "beta of the k3 KL penalty to a frozen reference (0: no reference in memory)")
@@ -65,86 +64,16 @@ class Args:
     routing_replay: bool = arg(
         False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"
     )
-    # the flags every script shares (common.SHARED_FLAGS: the same order in all three)
-    model: str = arg(
-        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
-    )
-    task: str = arg(
-        None,
-        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
-        choices=common.TASKS,
-    )
-    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
-    system_prompt: str = arg(
-        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
-    )
-    reward: list[str] = arg(
-        [],
-        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
-        "with --reward-model)",
-    )
-    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
-    reward_model: str = arg(
-        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
-    )
-    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
-    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(64, "prompts sampled per step")
-    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(3e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(
-        2, "minibatch updates per epoch over each rollout (every update after the first is off-policy)"
-    )
-    epochs: int = arg(1, "passes over each rollout")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
-    entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
-    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
-    eval_size: int = arg(500, "held-out prompts used for evaluation")
-    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg(
-        "none",
-        "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
-        choices=common.REPORT_TO,
-    )
-    trace_every: int | None = arg(
-        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
-    )
-    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
-    seed: int = arg(0, "random seed (data order, sampling, init)")
-    out: str = arg("runs/grpo", "output directory")
-    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(
-        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
-    )
-    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    device: str = arg("auto", "auto, cpu or cuda")
-    fsdp: bool = arg(
-        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
-    )
-    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
-    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
-    lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
-    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
-    rollout_dtype: str = arg(
-        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", common.ROLLOUT_DTYPES
-    )
-    old_logp: str = arg(
-        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", common.OLD_LOGP
-    )
-    is_correction: str = arg(
-        "none",
-        "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask",
-        common.IS_CORRECTIONS,
-    )
-    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
+    lr: float = arg(3e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")  # (shared flag)
+
+    def check(self):
+        common.check_clip(self.eps_low, self.eps_high)
+        if not 0 <= self.kl_coef < float("inf"):
+            raise common.UsageError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.routing_replay and self.old_logp == "rollout":
+            raise common.UsageError(
+                "--routing-replay replays the experts of the pi_old forward, which --old-logp rollout skips"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,12 +136,12 @@ def grpo_loss(
     max_len=None,
     denominator=None,
     weights=None,
-    trace=None,
 ):
     """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T].
     `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.
-    `trace` (--trace-every; a dict or None) receives each token's ratio and clip decision."""
+    Returns (loss, info): info holds each token's ratio and clip decision, detached, the shares of
+    tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
@@ -228,9 +157,9 @@ def grpo_loss(
     # the clip is active (and the token's gradient zero) where the clipped branch is the larger
     clip_low = (adv < 0) & (ratio < 1 - eps_low) & mask
     clip_high = (adv > 0) & (ratio > 1 + eps_high) & mask
-    if trace is not None:
-        trace.update(ratio=ratio.detach(), clipped=clip_low | clip_high)  # [B, T] each
-    stats = {
+    info = {
+        "ratio": ratio.detach(),  # [B, T]
+        "clipped": clip_low | clip_high,  # [B, T]
         "clip_frac": masked_mean((clip_low | clip_high).float(), mask).item(),
         "clip_frac_low": masked_mean(clip_low.float(), mask).item(),
         "clip_frac_high": masked_mean(clip_high.float(), mask).item(),
@@ -239,7 +168,7 @@ def grpo_loss(
         "ratio_std": masked_mean((ratio.detach() - masked_mean(ratio.detach(), mask)) ** 2, mask).sqrt().item(),
         "kl": masked_mean(kl.detach(), mask).item(),
     }
-    return loss, stats
+    return loss, info
 
 
 def loss_denominator(agg: str, minibatch_mask: torch.Tensor, max_len: int) -> torch.Tensor | int:
@@ -258,23 +187,14 @@ def loss_denominator(agg: str, minibatch_mask: torch.Tensor, max_len: int) -> to
 
 
 def train(args: Args):
-    if args.kl_coef < 0:
-        raise common.UsageError(f"--kl-coef must be >= 0, got {args.kl_coef}")
-    env = common.setup(args, "grpo", needs_group=True)  # flag checks, torchrun, data, --reward, --resume, seeds
+    env = common.setup(args)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
-    eos_ids = common.eos_token_ids(model, tok)
-    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
+    if args.routing_replay and not common.is_moe(model):
+        raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
+    sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T]; under torchrun data parallel (DDP, or with --fsdp sharded: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
-    # MoE models: notes each token's experts, for routing_drift and --routing-replay (GSPO paper section 5.3)
-    routing = common.RoutingReplay(model, replay_updates=args.routing_replay)
-    if args.routing_replay and not routing.blocks:
-        raise common.UsageError(f"--routing-replay: --model {args.model} has no MoE layers")
-    if args.routing_replay and args.old_logp == "rollout":
-        raise common.UsageError(
-            "--routing-replay replays the experts of the pi_old forward, which --old-logp rollout skips"
-        )
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
         ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
@@ -282,25 +202,22 @@ def train(args: Args):
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # metrics, evaluation, checkpoints and --resume; a checkpoint saves the policy and these objects:
-    run = common.Run("grpo", args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard)
+    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
+    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
+                     guard=guard)  # fmt: skip
 
     for step in run.steps():
-        lr_frac = common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
+        common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
         prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)  # G rows each
-        t0 = time.perf_counter()
-        roll = sampler.sample(
-            prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, rng
-        )
-        sample_time = time.perf_counter() - t0
+        roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
         # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right).
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
-        truncated = ~common.completion_ends(roll, eos_ids)  # [B] cut at --max-new-tokens, no EOS
+        truncated = ~common.completion_ends(roll, sampler.eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
         loss_mask = mask * ~truncated[:, None] if args.mask_truncated else mask
 
@@ -312,66 +229,43 @@ def train(args: Args):
         #    unless the KL term or the entropy bonus pulls it, so without them it is left out.
         skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
-        with torch.no_grad(), routing.record():  # (MoE: every row, to record its experts)
-            old_logp = common.old_logprobs(  # --old-logp rollout: the sampler's, no forward
-                model, roll, plan, args.temperature, args.old_logp, every_row=bool(routing.blocks or args.reward_model)
-            )  # kl_to_init (with --reward-model) needs every row
-        # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, and the loss weights
-        is_weights, mismatch = common.rollout_correction(old_logp, roll, plan, args)
+        old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
+        is_weights = common.is_weights(old_logp, roll, plan, args)  # --is-correction; else None
         ref_logp = None
         if args.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
-        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, plan, ref_logp=ref_logp)  # --trace-every
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, ref_logp=ref_logp)
 
         # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
-        updates = []
         for idx, rows in plan:
             ref = ref_logp[rows] if args.kl_coef > 0 else None
+            weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
-            with routing.for_update(rows):  # --routing-replay: the experts of step 4, also in backward
+            with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: step 4's experts in backward too
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
-                if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
-                    mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
-                weights = None if is_weights is None else is_weights[rows]  # --is-correction
-                loss, stats = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                        args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
-                                        denominator, weights, trace=trace.update(rows, logp, entropy))  # fmt: skip
+                loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
+                                       args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
+                                       denominator, weights)  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
+            stepped = guard.ok(step, loss, grad_norm)  # a non-finite loss or gradient skips the update
+            if stepped:
                 optimizer.step()
-                ratio_stats = common.token_ratio_stats(logp, old_logp[rows], loss_mask[rows])  # the same in all three
-                updates.append({**stats, **ratio_stats, "loss": loss.item(), "grad_norm": grad_norm.item()})
+            info.update(loss=loss.item(), grad_norm=grad_norm.item())
+            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped)
 
-        # 6. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
-        zero_std_frac = common.global_mean((rewards.view(-1, args.group_size).std(1) == 0).float())  # all ranks'
-        run.log(
-            {
-                "step": step,
-                "lr": args.lr * lr_frac,
-                "reward": common.global_mean(rewards),  # means over all ranks' completions
-                **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
-                "truncated_frac": common.global_mean(truncated.float()),
-                **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
-                **common.mean_over_updates(updates, args.epochs * args.minibatches),  # loss, clip_frac*, kl, ratio_*
-                **routing.drift(model, roll, args.temperature),  # MoE: share of tokens whose experts changed
-                **mismatch,  # mismatch_* between mu and pi_old, is_* of the correction (when mu is recorded)
-                "entropy": masked_mean(roll.entropy, mask).item(),  # of pi_old, recorded while sampling
-                "response_len": mask.sum(1).mean().item(),
-                "zero_std_frac": zero_std_frac,
-                "tokens_per_s": mask.sum().item() / sample_time,
-            },
-            no_signal=zero_std_frac == 1,  # every group's rewards equal: every advantage 0, no gradient
-        )
+        # 6. Log (reward, clip fractions, KL, ...; evaluating every --eval-every steps) and checkpoint (every
+        #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
+        run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
         run.save_checkpoint_if_due(step)
     return run.finish()
 
 
 if __name__ == "__main__":
-    common.main(train, Args, "grpo")
+    common.main(train, Args)

@@ -37,7 +37,6 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,7 @@ LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as ve
 
 
 @dataclass
-class Args:
+class Args(common.SharedArgs):  # the flags every script shares, then PPO's own
     critic_lr: float = arg(1e-3, "critic AdamW learning rate")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
@@ -63,86 +62,21 @@ class Args:
     vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
     cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
-    # the flags every script shares (common.SHARED_FLAGS: the same order in all three)
-    model: str = arg(
-        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
-    )
-    task: str = arg(
-        None,
-        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
-        choices=common.TASKS,
-    )
-    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
-    system_prompt: str = arg(
-        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
-    )
-    reward: list[str] = arg(
-        [],
-        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
-        "with --reward-model)",
-    )
-    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
-    reward_model: str = arg(
-        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
-    )
-    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
-    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
+    # shared flags with PPO's own defaults
     steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
     prompts_per_step: int = arg(128, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(6e-4, "policy AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold (policy and critic each)")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
     minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
-    epochs: int = arg(1, "passes over each rollout")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
-    entropy_coef: float = arg(
-        0.0, "weight of an entropy bonus in the loss, on every row (the PPO paper's c2, Eq. 9; 0: none, as RLHF PPO)"
-    )
-    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
-    eval_size: int = arg(500, "held-out prompts used for evaluation")
-    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg(
-        "none",
-        "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)",
-        choices=common.REPORT_TO,
-    )
-    trace_every: int | None = arg(
-        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
-    )
-    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
-    seed: int = arg(0, "random seed (data order, sampling, init)")
-    out: str = arg("runs/ppo", "output directory")
-    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(
-        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
-    )
-    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    device: str = arg("auto", "auto, cpu or cuda")
-    fsdp: bool = arg(
-        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
-    )
-    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
-    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
-    lora_targets: list[str] = arg(common.LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
-    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
-    rollout_dtype: str = arg(
-        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", common.ROLLOUT_DTYPES
-    )
-    old_logp: str = arg(
-        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", common.OLD_LOGP
-    )
-    is_correction: str = arg(
-        "none",
-        "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask",
-        common.IS_CORRECTIONS,
-    )
-    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
+
+    def check(self):
+        common.check_clip(self.eps_low, self.eps_high)
+        for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
+            if getattr(self, name) < 0:
+                raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise common.UsageError(f"--dual-clip must be > 1 (or none), got {self.dual_clip}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,12 +131,11 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(
-    logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None, trace=None
-):
+def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
     """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
-    [B, T], detached (--is-correction), multiply each token's term. `trace` (--trace-every; a dict
-    or None) receives each token's ratio and clip decision."""
+    [B, T], detached (--is-correction), multiply each token's term. Returns (loss, info): info holds
+    each token's ratio and clip decision, detached, the shares of tokens clipped and dual-clipped,
+    approx_kl and the mean ratio."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -216,15 +149,15 @@ def ppo_policy_loss(
         per_token = per_token * weights
     loss = masked_mean(per_token, mask)
     clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
-    if trace is not None:
-        trace.update(ratio=ratio.detach(), clipped=clipped)  # [B, T] each
-    stats = {
+    info = {
+        "ratio": ratio.detach(),  # [B, T]
+        "clipped": clipped,  # [B, T]
         "clip_frac": masked_mean(clipped.float(), mask).item(),
         "dual_clip_frac": masked_mean(dual.float(), mask).item(),
         "approx_kl": masked_mean((ratio - 1 - log_ratio).detach(), mask).item(),  # k3(old || new)
         "ratio_mean": masked_mean(ratio.detach(), mask).item(),
     }
-    return loss, stats
+    return loss, info
 
 
 def value_loss(values, old_values, returns, mask, clip=0.2):
@@ -269,28 +202,15 @@ class Critic(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def check_ppo_args(args: Args):
-    """Range checks of PPO's own flags (common.setup checks the shared ones); one line, exit status 2."""
-    for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
-        if getattr(args, name) < 0:
-            raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise common.UsageError(f"--dual-clip must be > 1 (or none), got {args.dual_clip}")
-
-
 def train(args: Args):
-    check_ppo_args(args)
-    env = common.setup(args, "ppo", needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
+    env = common.setup(args, needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
-    eos_ids = common.eos_token_ids(model, tok)
     ref_model = None
     if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL in the reward, kl_to_init; none when unused
         ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
-    sampler = common.Sampler(model, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
+    sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T] and roll -> values [B, T]; under torchrun data parallel (DDP, or --fsdp: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     value = common.data_parallel(critic, env.device, args)
@@ -301,40 +221,32 @@ def train(args: Args):
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # metrics, evaluation, checkpoints and --resume; a checkpoint saves the policy and these objects
+    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects
     # (not ref_model: it is the initial policy)
-    run = common.Run("ppo", args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard,
-                     critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
+    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
+                     guard=guard, critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
 
     for step in run.steps():
         # --anneal-lr: the policy's and the critic's learning rates decay linearly to ~0 together
-        lr_frac = common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))
+        common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
         prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)
-        t0 = time.perf_counter()
-        roll = sampler.sample(
-            prompts, args.max_new_tokens, eos_ids, tok.pad_token_id, args.temperature, args.top_p, rng
-        )
-        sample_time = time.perf_counter() - t0
+        roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
         # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right);
         #    minus --missing-eos-penalty for a completion without EOS.
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
-        ends = common.completion_ends(roll, eos_ids)  # [B]
+        ends = common.completion_ends(roll, sampler.eos_ids)  # [B]
         scores = rewards.to(env.device) - args.missing_eos_penalty * (~ends).float()
 
-        # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout; then the
-        #    per-token rewards (score - beta * KL) and their GAE advantages.
+        # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout, on every row;
+        #    then the per-token rewards (score - beta * KL) and their GAE advantages.
+        old_logp = run.old_logprobs(roll)  # [B, T]; --old-logp rollout: the sampler's, no forward
+        is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
         with torch.no_grad():
-            if args.old_logp == "rollout":  # the sampler's log-probs as pi_old: no forward, as engines without one
-                old_logp, old_entropy = roll.sample_logp_full * mask, roll.entropy
-            else:
-                old_logp, old_entropy = common.completion_logprobs(model, roll, args.temperature)  # [B, T]
-            # --rollout-dtype bfloat16 (or a correction): how far the sampler mu is from pi_old, the loss weights
-            is_weights, mismatch = common.rollout_correction(old_logp, roll, None, args)
             ref_logp = None  # --kl-coef 0: no reference forward
             if args.kl_coef > 0:
                 ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
@@ -342,72 +254,54 @@ def train(args: Args):
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
-        trace = run.trace(roll, records, rewards, parts, advantages, old_logp, ref_logp=ref_logp, value=old_values,
-                          token_reward=per_token_rewards)  # --trace-every: a few prompts  # fmt: skip
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, None, is_weights, ref_logp=ref_logp,
+                    value=old_values, token_reward=per_token_rewards)  # fmt: skip
 
         # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
-        updates = []
         for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
             # the loss is pg_loss + vf_coef * v_loss; the two models share no parameter, so each term's own
             # backward gives the same gradients, and only one model's activations are held at a time
-            v_loss, v_stats = value_loss(
-                value(roll[idx]), old_values[idx], returns[idx], mask[idx], args.cliprange_value
-            )
+            values = value(roll[idx])  # [b, T]
+            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
             (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
-            if mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
-                mismatch = common.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
-            weights = None if is_weights is None else is_weights[idx]  # --is-correction
-            pg_loss, stats = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                             args.eps_high, args.dual_clip, weights,
-                                             trace=trace.update(idx, logp, entropy))  # fmt: skip
+            weights = None if is_weights is None else is_weights[idx]
+            pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
+                                            args.eps_high, args.dual_clip, weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
             loss = pg_loss + args.vf_coef * v_loss
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            if guard.ok(step, loss, grad_norm, critic_grad_norm):  # a non-finite loss or gradient skips the update
+            stepped = guard.ok(step, loss, grad_norm, critic_grad_norm)  # a non-finite loss or gradient skips it
+            if stepped:
                 optimizer.step()
                 critic_optimizer.step()
-                losses = {"loss": pg_loss.item(), "value_loss": v_loss.item()}
-                norms = {"grad_norm": grad_norm.item(), "critic_grad_norm": critic_grad_norm.item()}
-                ratio_stats = common.token_ratio_stats(logp, old_logp[idx], mask[idx])  # the same in all three
-                updates.append({**stats, **v_stats, **losses, **norms, **ratio_stats})
+            info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
+                        critic_grad_norm=critic_grad_norm.item())  # fmt: skip
+            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped)
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
-        mean_entropy = masked_mean(old_entropy, mask).item()
-        run.log(
-            {
-                "step": step,
-                "lr": args.lr * lr_frac,
-                "reward": common.global_mean(rewards),  # means over all ranks' completions
-                **common.global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
-                **common.mean_over_updates(updates, args.epochs * args.minibatches),  # losses, clip_fracs, grad norms
-                **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
-                **common.kl_to_init(ref_model if args.reward_model else None, roll, old_logp, args.temperature),
-                **mismatch,  # mismatch_* between mu and pi_old, is_* of the correction (when mu is recorded)
-                "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
-                "value_mean": masked_mean(old_values, mask).item(),
-                "entropy": mean_entropy,
-                "response_len": mask.sum(1).mean().item(),
-                "eos_rate": ends.float().mean().item(),
-                "truncated_frac": common.global_mean((~ends).float()),  # cut at --max-new-tokens
-                "tokens_per_s": mask.sum().item() / sample_time,
-            },
-            # one completion per prompt is no group: no signal when every reward in the batch is equal (the
-            # critic then learns a constant, and the advantages are its noise) or the policy has stopped
-            # exploring (entropy near 0: every completion of a prompt the same)
-            no_signal=common.all_equal(scores) or mean_entropy < common.NO_SIGNAL_ENTROPY,
-        )
+        #    No signal: one completion per prompt is no group, so when every reward in the batch is equal (the
+        #    critic then learns a constant, and the advantages are its noise) or the policy has stopped exploring
+        #    (entropy near 0: every completion of a prompt the same).
+        ppo_metrics = {
+            **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
+            "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
+            "value_mean": masked_mean(old_values, mask).item(),
+            "eos_rate": ends.float().mean().item(),
+        }
+        no_signal = common.all_equal(scores) or masked_mean(roll.entropy, mask).item() < common.NO_SIGNAL_ENTROPY
+        run.log(ppo_metrics, no_signal=no_signal, shown=("explained_variance",))
         run.save_checkpoint_if_due(step)
     return run.finish(critic=critic)  # final/critic.pt beside the policy
 
 
 if __name__ == "__main__":
-    common.main(train, Args, "ppo")
+    common.main(train, Args)

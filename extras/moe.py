@@ -1,0 +1,127 @@
+"""extras/moe.py: Mixture-of-Experts routing, recorded and replayed (GSPO paper section 5.3), and its drift.
+
+Imported by common.Run only for a model with sparse MoE blocks (--model tiny-moe, a Qwen3-MoE): the Run
+records each token's experts in the pi_old forward, logs routing_drift (the share of tokens whose experts
+the step's updates changed) and, for grpo.py's --routing-replay, replays them in every update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from common import Rollout, completion_logprobs
+
+
+class RoutingReplay:
+    """Record and replay the experts an MoE model routes each position to (Routing Replay).
+
+    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
+    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
+    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
+    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
+    are no-ops.
+
+    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
+    holds the expert ids each router chose at every position (prompt and completion) of the last
+    forward pass inside the block.
+
+    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
+    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
+    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
+    current router's softmax over all E experts, gathered at the recorded ids and renormalised
+    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
+    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
+    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
+    normaliser cancels and only the recorded experts' router rows get gradient; without it every
+    row does, through the normaliser. An expert not recorded for a position gets none from it.
+    With unchanged weights a replayed pass equals a plain one."""
+
+    def __init__(self, model, replay_updates: bool = False):
+        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.indices, self._shape, self._layers = None, None, None
+        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
+
+    def for_update(self, rows):
+        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
+        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
+        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
+
+    def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
+        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
+        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
+        if not self.blocks or self.indices is None:  # (--old-logp rollout: no pi_old forward before step 1's)
+            return {}
+        before = self.indices
+        with torch.no_grad(), self.record():
+            completion_logprobs(model, roll, temperature)
+        return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}
+
+    @contextlib.contextmanager
+    def _hooked(self, router_hook):
+        handles = []
+        for layer, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(self._note_shape))
+            handles.append(block.gate.register_forward_hook(functools.partial(router_hook, layer)))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _note_shape(self, block, inputs):
+        self._shape = inputs[0].shape[:-1]  # (B, S): the router sees them flattened
+
+    @contextlib.contextmanager
+    def record(self):
+        self._layers = [None] * len(self.blocks)
+        with self._hooked(self._record_hook):
+            yield self
+        # None unless a forward ran inside the block (--old-logp rollout runs none before the updates)
+        ran = self.blocks and all(x is not None for x in self._layers)
+        self.indices = torch.stack(self._layers) if ran else None
+
+    @staticmethod
+    def _check(router, output):
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(
+                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                "as Qwen3-MoE's router does"
+            )
+
+    def _record_hook(self, layer, router, inputs, output):
+        self._check(router, output)
+        self._layers[layer] = output[2].detach().view(*self._shape, -1)
+
+    @contextlib.contextmanager
+    def replay(self, indices, rows=None):  # indices None: a plain forward (replay off)
+        if indices is None:
+            yield self
+            return
+        self._layers = indices if rows is None else indices[:, rows]
+        with self._hooked(self._replay_hook):
+            yield self
+
+    def _replay_hook(self, layer, router, inputs, output):
+        self._check(router, output)
+        logits, ids = output[0], self._layers[layer].reshape(-1, self._layers.shape[-1])  # [N, E], [N, k]
+        if ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"routing replay: {ids.shape[0]} recorded positions, the forward has {logits.shape[0]}")
+        weights = logits.float().softmax(-1).gather(-1, ids)  # the router's own arithmetic, recorded ids
+        if getattr(router, "norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+
+def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
+    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
+    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
+    differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
+    if mask is None:
+        return differ.mean().item()
+    differ = differ[..., -mask.shape[-1] :]
+    m = mask.to(differ.dtype)[None].expand_as(differ)
+    return ((differ * m).sum() / m.sum().clamp(min=1)).item()

@@ -1,0 +1,120 @@
+"""extras/rollout_precision.py: the sampler in bf16 (--rollout-dtype), pi_old from the sampler (--old-logp
+rollout), the mismatch between the sampler mu and the trainer, and its correction (--is-correction).
+
+Imported by common.py only when one of those flags is set (docs/rollout_mismatch.md). The scripts see
+two lines of it: `common.is_weights` (the loss weights, which change the gradient) and the Sampler; the
+mismatch statistics are the Run's (`mismatch_stats`, logged as mismatch_* and is_*).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from common import IS_CORRECTIONS, UsageError
+
+
+def check_args(args):
+    """--rollout-dtype, --old-logp, --is-correction, --is-cap: one-line errors (check_common_args)."""
+    if not 1 <= args.is_cap < math.inf:
+        raise UsageError(f"--is-cap must be a finite number >= 1, got {args.is_cap}")
+    if args.is_correction != "none" and args.old_logp == "rollout":
+        raise UsageError(
+            "--is-correction weighs by pi_old / mu, and with --old-logp rollout pi_old is mu (every weight 1): "
+            "use --old-logp recompute, or leave the correction to the ratio itself"
+        )
+
+
+class LowPrecisionCopy:
+    """The policy's module structure with parameters of `dtype`, filled from the policy at the start of
+    a rollout and emptied at its end (`cast_from`), so that it costs memory only while sampling
+    (buffers, such as RoPE's frequencies, stay float32; its KV cache is `dtype` too). With LoRA the copy
+    holds the adapters: it samples the adapted policy."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.dtype = dtype
+        empty = {id(p): torch.nn.Parameter(torch.empty(0), requires_grad=False) for p in model.parameters()}
+        self.module = copy.deepcopy(model, memo=empty).eval()
+
+    def cast_from(self, model):
+        """Context: the copy holds `model`'s current weights cast to `dtype` inside the block."""
+        pairs = list(zip(self.module.parameters(), model.parameters()))
+        return _Filled(pairs, self.dtype)
+
+
+class _Filled:
+    def __init__(self, pairs, dtype):
+        self.pairs, self.dtype = pairs, dtype
+
+    def __enter__(self):
+        for dst, src in self.pairs:
+            dst.data = src.detach().to(self.dtype)
+
+    def __exit__(self, *exc):
+        for dst, src in self.pairs:
+            dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
+
+
+def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The training-inference mismatch before any correction, over the tokens of `mask` [B, T]: d =
+    log(pi / mu) per token, with pi the trainer's log-prob at the rollout's weights.
+      mismatch_log_ratio_mean, _std   mean and std of d over tokens
+      mismatch_k3                     k3 estimate of KL(mu || pi): mean of exp(d) - d - 1 (>= 0)
+      mismatch_frac_beyond_ln2        share of tokens with |d| > ln 2 (a ratio outside [1/2, 2])
+      mismatch_seq_ratio_std          spread (std over sequences) of the sequence ratio exp(sum_t d)
+      mismatch_geo_ratio_max_dev      largest |exp(mean_t d) - 1|: GSPO's length-normalised ratio,
+                                      against its clip band of 3e-4 / 4e-4"""
+    m = mask.bool()
+    if not m.any():
+        return {}
+    d = torch.where(m, trainer_logp - mu, torch.zeros_like(mu)).double()
+    tokens = d[m]
+    rows = m.any(1)
+    seq = d.sum(1)[rows]
+    geo = seq / m.sum(1)[rows]
+    return {
+        "mismatch_log_ratio_mean": tokens.mean().item(),
+        "mismatch_log_ratio_std": tokens.std(unbiased=False).item(),
+        "mismatch_k3": (tokens.exp() - tokens - 1).mean().item(),
+        "mismatch_frac_beyond_ln2": (tokens.abs() > math.log(2)).double().mean().item(),
+        "mismatch_seq_ratio_std": seq.clamp(max=20).exp().std(unbiased=False).item(),
+        "mismatch_geo_ratio_max_dev": (geo.exp() - 1).abs().max().item(),
+    }
+
+
+def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, per="token"):
+    """Detached [B, T] loss weights correcting for sampling from mu instead of pi_old (--is-correction):
+      tis   token-level truncated importance sampling (verl PR #2953; Yao et al. 2025):
+            w_t = min(pi_old / mu, cap); per="sequence" (GSPO, whose term is one per sequence): one
+            weight per sequence, min(exp(mean_t log(pi_old / mu)), cap), the length normalisation of
+            its own ratio, on every token of it
+      mask  sequence-level masking as TRL's vllm_importance_sampling_correction `sequence_mask`
+            (TRL #4772): one-sided, w = 0 on every token of a sequence whose exp(sum_t log(pi_old /
+            mu)) exceeds cap, else 1. Masked rows stay in the batch and in every denominator (each
+            rank keeps its forwards; the loss is what the unmasked rows contribute)
+    1 wherever mask == 0; `none`: None."""
+    if mode == "none":
+        return None
+    m = mask.bool()
+    d = torch.where(m, old_logp - mu, torch.zeros_like(mu)).detach()  # log(pi_old / mu) per token
+    if mode == "tis" and per == "token":
+        w = d.clamp(max=math.log(cap)).exp()
+    elif mode == "tis":
+        w = (d.sum(1) / m.sum(1).clamp(min=1)).clamp(max=math.log(cap)).exp()[:, None].expand_as(d)
+    elif mode == "mask":
+        w = (d.sum(1) <= math.log(cap)).to(d.dtype)[:, None].expand_as(d)
+    else:
+        raise ValueError(f"mode must be one of {IS_CORRECTIONS}, got {mode!r}")
+    return torch.where(m, w, torch.ones_like(w))
+
+
+def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str, cap: float) -> dict:
+    """is_weight_mean, and the share of tokens the correction changed: truncated at cap (tis) or masked."""
+    if weights is None or not mask.bool().any():
+        return {}
+    w = weights[mask.bool()]
+    changed = (w >= cap) if mode == "tis" else (w == 0)
+    return {"is_weight_mean": w.mean().item(), f"is_{'truncated' if mode == 'tis' else 'masked'}_frac":
+            changed.float().mean().item()}  # fmt: skip
