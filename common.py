@@ -32,11 +32,9 @@ import dataclasses
 import difflib
 import functools
 import gc
-import hashlib
 import importlib.util
 import json
 import math
-import numbers
 import os
 import random
 import re
@@ -463,7 +461,7 @@ def main(train, args_cls, argv=None):
         for s, handler in previous.items():
             signal.signal(s, handler)
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
-            leave_process_group(sys.exc_info()[1])
+            _loaded("distributed").leave_process_group(sys.exc_info()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,110 +565,16 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-# --- The built-in `sums` task: long completions whose length depends on the problem ------
-# "7+5+9+4=" -> "7+5=12 12+9=21 21+4=25 #### 25": the running total after each term, then the final
-# answer. 2-6 one-digit terms, so a correct completion is 12-46 characters (tokens, with the
-# character tokenizer; 36 on average) and grows with the number of terms (docs/staleness.md); the
-# exact reward reads the number after '####'. Prompts are distinct, so few have 2 or 3 terms.
-
-SUMS_GENERATOR = dict(seed=4321, train_size=20000, eval_size=500, min_terms=2, max_terms=6, max_term=9)
-
-
-def sums_reference(prompt: str) -> str:
-    """The reference completion of a `sums` prompt: each running total written out, then '#### total'."""
-    terms = [int(x) for x in prompt.rstrip("=").split("+")]
-    steps, total = [], terms[0]
-    for x in terms[1:]:
-        steps.append(f"{total}+{x}={total + x}")
-        total += x
-    return " ".join(steps) + f" #### {total}"
-
-
-def sums_split():
-    """(train, held-out eval) of the `sums` task: distinct prompts drawn once from a fixed seed, so
-    the two parts never share a prompt and every run sees the same split."""
-    g = SUMS_GENERATOR
-    rng = np.random.RandomState(g["seed"])
-    seen, examples = set(), []
-    while len(examples) < g["train_size"] + g["eval_size"]:
-        terms = rng.randint(0, g["max_term"] + 1, rng.randint(g["min_terms"], g["max_terms"] + 1))
-        prompt = "+".join(str(x) for x in terms) + "="
-        if prompt not in seen:
-            seen.add(prompt)
-            examples.append({"prompt": prompt, "answer": str(int(terms.sum()))})
-    return examples[g["eval_size"] :], examples[: g["eval_size"]]
-
-
-# Flags a task sets when they are not given: the arithmetic defaults would break `sums` (8 new tokens
-# cut every completion short; at lr 3e-4 on-policy GRPO fell from 0.265 to 0.135 held-out in 20
-# steps, at 1e-4 it rose to 0.280; docs/staleness.md).
-TASK_DEFAULTS = {"sums": {"model": "tiny-sums", "max_new_tokens": 64, "lr": 1e-4}}
-
-
 def with_task_defaults(given: dict, fields: set) -> dict:
     """The flags given, plus --task's own defaults for those not given (explicit flags win)."""
-    defaults = {k: v for k, v in TASK_DEFAULTS.get(given.get("task"), {}).items() if k in fields}
+    task_defaults = extra("sums_task", "--task sums").TASK_DEFAULTS if given.get("task") == "sums" else {}
+    defaults = {k: v for k, v in task_defaults.items() if k in fields}
     return {**defaults, **given}
 
 
-# --- end of the `sums` task --------------------------------------------------------------------------
-
-
-def jsonl_objects(path: str, flag: str = "--data"):
-    """(line number, JSON object) for each non-blank line of a JSONL file; a missing or unreadable
-    file, invalid JSON or a line that is not an object is a UsageError naming `flag`, file and line."""
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
-    if not p.is_file():
-        raise UsageError(f"{flag} {path}: file not found")
-    try:
-        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{flag} {path}: cannot read ({e.__class__.__name__})") from e
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{flag} {path}:{lineno}: invalid JSON ({e.msg})") from e
-        if not isinstance(rec, dict):
-            raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object")
-        yield lineno, rec
-
-
 def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
-    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
-    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
-    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
-    have an answer (the built-in rewards compare against it); otherwise it is optional."""
-    records = []
-    for lineno, rec in jsonl_objects(path, flag):
-        gsm8k = "question" in rec and "prompt" not in rec  # GSM8K: the gold is what follows '####'
-        prompt = rec.pop("question") if gsm8k else rec.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise UsageError(f"{flag} {path}:{lineno}: missing field 'prompt' (or 'question')")
-        clash = {"prompts", "completions"} & rec.keys()
-        if clash:
-            raise UsageError(
-                f"{flag} {path}:{lineno}: field '{clash.pop()}' is the name of a reward function's own argument"
-            )
-        answer = rec.get("answer")
-        if isinstance(answer, (int, float)):
-            answer = str(answer)
-        if needs_answer and (not isinstance(answer, str) or not answer.strip()):
-            raise UsageError(f"{flag} {path}:{lineno}: missing field 'answer'")
-        if gsm8k and isinstance(answer, str) and (needs_answer or "####" in answer):
-            if "####" not in answer:
-                raise UsageError(f"{flag} {path}:{lineno}: field 'answer' has no '#### N' final answer")
-            answer = answer.rsplit("####", 1)[-1]
-        if isinstance(answer, str):
-            rec["answer"] = answer.strip()
-        records.append({**rec, "prompt": prompt})
-    if not records:
-        raise UsageError(f"{flag} {path}: no records")
-    return records
+    """The records of a --data / --eval-data file (extras/data_files.py: JSONL or GSM8K, checked)."""
+    return extra("data_files", flag).load_jsonl(path, flag, needs_answer)
 
 
 def load_task(
@@ -696,7 +600,7 @@ def load_task(
     if task in ("arith", "sums"):
         if data:
             raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
-        train, held = arith_split() if task == "arith" else sums_split()
+        train, held = arith_split() if task == "arith" else extra("sums_task", "--task sums").sums_split()
         return train, held if held_out is None else held_out
     if not data:
         raise UsageError(f"--task {task} needs --data FILE.jsonl")
@@ -889,61 +793,16 @@ def eos_token_ids(model, tok) -> list[int]:
 
 TINY_MODELS = ("tiny", "tiny-moe", "tiny-sums")
 
-PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
-
-TINY_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII and newline; others: <unk> (check_characters)
-
-TINY_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
-
-TINY_WARMSTART = dict(seed=0, max_steps=1500, batch=64, lr=2e-3, target_accuracy=0.2, probe_every=25, probe_size=256)
-
-TINY_RECIPE_VERSION = 1
-
-# tiny-moe: the same attention stack with every MLP a sparse MoE block (GSPO paper section 5.3):
-# 8 experts, top-2, each expert half the dense MLP's width, so 2 active experts cost one dense MLP.
-TINY_MOE_CONFIG = dict(
-    TINY_CONFIG,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=192,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-    router_aux_loss_coef=0.0,
-    output_router_logits=False,
-)
-
-TINY_SPECS = {  # name -> (cache-directory prefix, transformers class prefix, config)
-    "tiny": ("tiny-qwen3", "Qwen3", TINY_CONFIG),
-    "tiny-moe": ("tiny-qwen3moe", "Qwen3Moe", TINY_MOE_CONFIG),
-    "tiny-sums": ("tiny-qwen3-sums", "Qwen3", TINY_CONFIG),  # the `sums` task's warm start (below)
+# The shipped checkpoints' directories: each name with a hash of its recipe (tools/recipes.py, whose
+# checkpoint_key computes it; tests/test_common.py checks that the two agree). A changed recipe is a new key,
+# so a stale checkpoint is never reused.
+TINY_KEYS = {
+    "tiny": "tiny-qwen3-6ef631b1222a",
+    "tiny-moe": "tiny-qwen3moe-b2ca914f64f3",
+    "tiny-sums": "tiny-qwen3-sums-be8fdd9ce3ea",
+    "tiny-rm": "tiny-rm-24a0eee23632",
 }
-
-# tiny-sums: the same model and recipe, started from tiny's weights (it can add already) and SFT on
-# `sums` reference completions (working and answer) until a probe of training prompts reaches the
-# target; the probe generates whole completions. Smaller batches at a higher rate: the build's
-# cost is per token, and these completions are ten times arith's.
-SUMS_WARMSTART = dict(
-    TINY_WARMSTART, init="tiny", batch=32, lr=3e-3, max_steps=1200, target_accuracy=0.3, probe_size=128, probe_tokens=64
-)
-
-# tiny-rm: the tiny policy's trunk plus a scalar head, trained by Bradley-Terry on arithmetic preference
-# pairs, some of them the policy's own wrong samples (tools/train_reward_model.py; --reward-model tiny-rm).
-TINY_RM = "tiny-rm"
-
-TINY_RM_RECIPE = dict(seed=0, prompts=3000, policy_prompts=500, policy_samples=4, steps=300, batch=32, lr=2e-3,
-                      eval_frac=0.1, max_new_tokens=8)  # fmt: skip
+TINY_RM = "tiny-rm"  # the tiny policy's trunk plus a scalar head (--reward-model tiny-rm; tools/train_reward_model.py)
 
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 
@@ -952,33 +811,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLREF_CACHE", Path.home() / ".cache" / "rl-reference"))
 
 
-def checkpoint_key(name: str) -> str:
-    """The directory name of embedded checkpoint `name`: its prefix and a hash of everything its recipe
-    depends on (config, warm-start recipe, vocabulary; tiny-sums: also the task's generator and the tiny
-    checkpoint it starts from; tiny-rm: its recipe and that tiny checkpoint). A changed recipe is a new
-    key, so a stale checkpoint is never reused."""
-    if name == TINY_RM:
-        prefix, parts = TINY_RM, [TINY_RM_RECIPE, checkpoint_key("tiny")]
-    else:
-        prefix, _, config = TINY_SPECS[name]
-        parts = [config, TINY_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION]
-        if name == "tiny-sums":
-            parts = [config, SUMS_WARMSTART, TINY_CHARS, TINY_RECIPE_VERSION, SUMS_GENERATOR, checkpoint_key("tiny")]
-    recipe = json.dumps(parts, sort_keys=True)
-    return f"{prefix}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-
-
 def tiny_checkpoint(name: str = "tiny") -> str:
     """Path of an embedded checkpoint, all four shipped in checkpoints/ (3-10 MB each). "tiny": a real
     Qwen3ForCausalLM with a small config, warm-started by SFT on `arith` training pairs until a probe
     of *training* prompts reaches 20% accuracy, so the held-out accuracy starts in a band that leaves
     room for RL. "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse, the same
     recipe. "tiny-sums": the recipe on the `sums` task, started from tiny's weights. "tiny-rm": a
-    reward model (TINY_RM_RECIPE). They ship so that every machine starts from the same weights: the
-    recipe stops mid-way through a fast rise, and rebuilt on another CPU model it lands elsewhere in
+    reward model (tools/recipes.py holds every recipe). They ship so that every machine starts from
+    the same weights: the recipe stops mid-way through a fast rise, and rebuilt on another CPU model it
+    lands elsewhere in
     the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
-    `checkpoint_key`) stops the run with one line naming the command that builds it."""
-    key = checkpoint_key(name)
+    key) stops the run with one line naming the command that builds it."""
+    key = TINY_KEYS[name]
     for path in (SHIPPED_CHECKPOINTS / key, cache_root() / key):
         if (path / "config.json").is_file():
             return str(path)
@@ -1454,26 +1298,7 @@ def load_reward(spec: str):
         raise UsageError(
             f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or file.py:function"
         )
-    try:
-        if source.endswith(".py") or "/" in source or os.sep in source:
-            path = Path(source).expanduser()
-            if not path.is_file():
-                raise UsageError(f"--reward {spec}: file {source} not found")
-            module_spec = importlib.util.spec_from_file_location(f"reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(source)
-    except UsageError:
-        raise
-    except Exception as e:  # ImportError, SyntaxError, or whatever the module raised at import
-        raise UsageError(f"--reward {spec}: cannot import {source} ({_describe(e, first_sentence=False)})") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UsageError(f"--reward {spec}: {source} has no function {attr!r}")
-    if not callable(fn):
-        raise UsageError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
-    return attr, fn
+    return attr, extra("reward_functions", f"--reward {spec}").import_function(spec, source, attr)
 
 
 def _clip(text, width: int = 40) -> str:
@@ -1565,51 +1390,9 @@ class Rewards:
         return rewards, parts
 
     def _call(self, name, fn, records, completions) -> torch.Tensor:
-        prompts = [r["prompt"] for r in records]
+        """[B] rewards of your own function (or --reward-model's), checked: extras/reward_functions.py."""
         columns = self.columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
-        fields = {k: [r.get(k) for r in records] for k in columns}
-        B = len(completions)
-
-        def at(i):
-            return f"row {i} (prompt {_clip(prompts[i])}, completion {_clip(completions[i])})"
-
-        try:
-            values = fn(prompts=prompts, completions=completions, **fields)
-        except Exception as e:
-            row = next((i for i in range(B) if self._raises(fn, prompts, completions, fields, i)), None)
-            where = f"on {at(row)}" if row is not None else f"on a batch of {B} (no single row raises alone)"
-            raise RewardError(f"--reward {name} raised {_describe(e, first_sentence=False)} {where}") from e
-        if isinstance(values, (torch.Tensor, np.ndarray)):
-            values = values.tolist()
-        if not isinstance(values, (list, tuple)):
-            raise RewardError(
-                f"--reward {name} returned {type(values).__name__}, expected a list of {B} numbers or None"
-            )
-        if len(values) != B:
-            raise RewardError(f"--reward {name} returned {len(values)} values for {B} completions (one per completion)")
-        for i, v in enumerate(values):
-            if v is not None and not isinstance(v, numbers.Real):
-                raise RewardError(
-                    f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a number or None"
-                )
-            if v is not None and not math.isfinite(v):
-                raise RewardError(
-                    f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not applicable)"
-                )
-        return torch.tensor([0.0 if v is None else float(v) for v in values])
-
-    @staticmethod
-    def _raises(fn, prompts, completions, fields, i) -> bool:
-        """Does `fn` raise on row i alone? (to name the row an exception came from)"""
-        try:
-            fn(
-                prompts=prompts[i : i + 1],
-                completions=completions[i : i + 1],
-                **{k: v[i : i + 1] for k, v in fields.items()},
-            )
-        except Exception:
-            return True
-        return False
+        return extra("reward_functions", f"--reward {name}").call(name, fn, records, completions, columns)
 
 
 def pair_accuracy(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
@@ -2734,19 +2517,11 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """(rank, world, local_rank). Under torchrun: joins the process group (NCCL on CUDA, gloo on
-    CPU) and makes cuda:local_rank this process's GPU. Without torchrun: (0, 1, 0), no group."""
+    """(rank, world, local_rank): under torchrun the process group joined (extras/distributed.py);
+    without torchrun (0, 1, 0), no group."""
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, 0
-    import torch.distributed as dist
-
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    cuda = torch.cuda.is_available() and device != "cpu"
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return rank, world, local_rank
+    return extra("distributed", "torchrun").init_distributed(device)
 
 
 def leave_process_group(exiting: BaseException | None):

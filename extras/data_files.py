@@ -1,0 +1,69 @@
+"""extras/data_files.py: --data and --eval-data, JSONL files of {prompt, answer, ...} records or GSM8K's
+{question, answer: "... #### N"}, read with one-line errors naming the file and the line (docs/running.md).
+
+Imported by common.load_task only when a file is given: the built-in tasks (arith, sums) need none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common import UsageError
+
+
+def jsonl_objects(path: str, flag: str = "--data"):
+    """(line number, JSON object) for each non-blank line of a JSONL file; a missing or unreadable
+    file, invalid JSON or a line that is not an object is a UsageError naming `flag`, file and line."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
+    if not p.is_file():
+        raise UsageError(f"{flag} {path}: file not found")
+    try:
+        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: cannot read ({e.__class__.__name__})") from e
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{flag} {path}:{lineno}: invalid JSON ({e.msg})") from e
+        if not isinstance(rec, dict):
+            raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object")
+        yield lineno, rec
+
+
+def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
+    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
+    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
+    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
+    have an answer (the built-in rewards compare against it); otherwise it is optional."""
+    records = []
+    for lineno, rec in jsonl_objects(path, flag):
+        gsm8k = "question" in rec and "prompt" not in rec  # GSM8K: the gold is what follows '####'
+        prompt = rec.pop("question") if gsm8k else rec.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise UsageError(f"{flag} {path}:{lineno}: missing field 'prompt' (or 'question')")
+        clash = {"prompts", "completions"} & rec.keys()
+        if clash:
+            raise UsageError(
+                f"{flag} {path}:{lineno}: field '{clash.pop()}' is the name of a reward function's own argument"
+            )
+        answer = rec.get("answer")
+        if isinstance(answer, (int, float)):
+            answer = str(answer)
+        if needs_answer and (not isinstance(answer, str) or not answer.strip()):
+            raise UsageError(f"{flag} {path}:{lineno}: missing field 'answer'")
+        if gsm8k and isinstance(answer, str) and (needs_answer or "####" in answer):
+            if "####" not in answer:
+                raise UsageError(f"{flag} {path}:{lineno}: field 'answer' has no '#### N' final answer")
+            answer = answer.rsplit("####", 1)[-1]
+        if isinstance(answer, str):
+            rec["answer"] = answer.strip()
+        records.append({**rec, "prompt": prompt})
+    if not records:
+        raise UsageError(f"{flag} {path}: no records")
+    return records
