@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # conftest.py does this too; the helpers must not depend on it
     sys.path.insert(0, str(ROOT))
 
+# The scripts that the shared tests (reliability, arguments, traces, fork traps) run, by file stem: a fork
+# (rloo.py beside gspo.py, say) is covered by them once its name is added here (README, "Fork it").
+SCRIPTS = ("ppo", "grpo", "gspo")
+
 # Light hypothesis profile: no deadline (the machine is shared), a modest number of examples.
 LIGHT = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
