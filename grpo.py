@@ -15,7 +15,9 @@ a constant normaliser, no length bias).
 
 The defaults are the paper's aggregation and beta = 0 (no reference model in memory; the
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
-and adds nothing without a KL term; it stays in the batch but is not forwarded.
+and adds nothing; it stays in the batch, and the updates do not forward its rows unless the KL term
+or --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement reads
+every row: an MoE model's routing, --reward-model's kl_to_init).
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
@@ -41,7 +43,7 @@ import torch
 import common
 from common import arg, masked_mean
 
-LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as verl does)
+LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp: token ratios, +-20 as verl
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 
@@ -97,7 +99,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std",
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """[B, T]: k3 = exp(x) - x - 1 with x = ref - logp, an unbiased, non-negative estimate of
     KL(pi || ref) (Schulman's k3). expm1 keeps it >= 0 in float32 where exp(x) - 1 would not."""
-    x = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    x = (ref_logp - logp).clamp(*LOG_RATIO_CLAMP)
     return (torch.expm1(x) - x).clamp(min=0)
 
 
@@ -144,7 +146,7 @@ def grpo_loss(
     tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B, T]
+    ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()  # [B, T]
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
     if weights is not None:
@@ -195,9 +197,10 @@ def train(args: Args):
     sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T]; under torchrun data parallel (DDP, or with --fsdp sharded: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
-    ref_model = None
-    if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL term, kl_to_init; none when unused
-        ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
+    # a frozen initial policy for the KL term (and kl_to_init); LoRA: the policy, adapters off; else none
+    ref_model = (
+        common.reference_model(model, args.model, env.device, args) if args.kl_coef or args.reward_model else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
@@ -231,16 +234,14 @@ def train(args: Args):
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
         is_weights = common.is_weights(old_logp, roll, plan, args)  # --is-correction; else None
-        ref_logp = None
-        if args.kl_coef > 0:
-            with torch.no_grad():
-                ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, ref_logp=ref_logp)
+        with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
+            ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, ref_logp=ref_logp)  # metrics
 
         # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
         for idx, rows in plan:
-            ref = ref_logp[rows] if args.kl_coef > 0 else None
+            ref = ref_logp[rows] if args.kl_coef else None
             weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: step 4's experts in backward too
@@ -260,7 +261,7 @@ def train(args: Args):
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
             run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped)
 
-        # 6. Log (reward, clip fractions, KL, ...; evaluating every --eval-every steps) and checkpoint (every
+        # 6. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
         run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
         run.save_checkpoint_if_due(step)

@@ -11,7 +11,9 @@ sequences, where GRPO clips token by token. GSPO-token (section 4.3) gives every
 ratio value, log s_it = sg[log s_i] + logp_t - sg[logp_t], so that per-token advantages can be
 used; with one advantage per sequence its loss and gradient equal GSPO's. As in the paper there
 is no KL term and no reference model. A group whose rewards are all equal has A_i = 0 and adds
-nothing; it stays in the batch (no DAPO-style resampling) but is not forwarded.
+nothing; it stays in the batch (no DAPO-style resampling), and the updates do not forward its rows
+unless --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement
+reads every row: an MoE model's routing, --reward-model's kl_to_init).
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
@@ -37,7 +39,7 @@ import torch
 import common
 from common import arg, masked_mean
 
-LOG_RATIO_CLAMP = (-20.0, 10.0)  # sequence log-ratio bounds before exp (GSPO: <= 10)
+LOG_RATIO_CLAMP = (-20.0, 10.0)  # (low, high) bounds of a log-ratio before exp: the sequence ratio (GSPO: <= 10)
 
 
 @dataclass
@@ -60,12 +62,15 @@ class Args(common.SharedArgs):  # the flags every script shares, then GSPO's own
 # --------------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """[B] -> [B]: (R - group mean) / (group std + eps), std with Bessel's correction (Eq. 6).
-    Rewards come group by group. A group whose rewards are all equal gets exactly 0, not float
-    residue divided by eps."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
+    """[B] -> [B]: R - group mean, divided by (group std + eps) when scale="std" (Bessel's std).
+    Rewards come group by group. A group whose rewards are all equal gets exactly 0."""
     r = rewards.float().view(-1, group_size)  # [B/G, G]
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    adv = r - r.mean(1, keepdim=True)
+    if scale == "std":
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     constant = r.max(1, keepdim=True).values == r.min(1, keepdim=True).values
     return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
 
@@ -150,14 +155,14 @@ def train(args: Args):
     sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T]; under torchrun data parallel (DDP, or with --fsdp sharded: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
-    # with --reward-model, a frozen initial policy for kl_to_init (the over-optimisation axis); else none
-    init_model = common.reference_model(model, args.model, env.device, args) if args.reward_model else None
+    # a frozen initial policy for kl_to_init with --reward-model; LoRA: the policy, adapters off; else none
+    ref_model = common.reference_model(model, args.model, env.device, args) if args.reward_model else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
     # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
-    run = common.Run(args, env, model, tok, init_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
+    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
                      guard=guard)  # fmt: skip
 
     for step in run.steps():
@@ -185,7 +190,7 @@ def train(args: Args):
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
         is_weights = common.is_weights(old_logp, roll, plan, args, per=args.variant)  # --is-correction; else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights)  # for the step's metrics
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights)  # metrics
 
         # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()

@@ -45,7 +45,7 @@ from torch import nn
 import common
 from common import arg, masked_mean
 
-LOG_RATIO_CLAMP = 20.0  # token log-ratios are clamped to +-20 before exp (as verl does)
+LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp: token ratios, +-20 as verl
 
 
 @dataclass
@@ -138,7 +138,7 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
     approx_kl and the mean ratio."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps_low, 1 + eps_high))
     dual = torch.zeros_like(mask)
     if dual_clip is not None:
@@ -206,9 +206,10 @@ def train(args: Args):
     env = common.setup(args, needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
-    ref_model = None
-    if args.kl_coef > 0 or args.reward_model:  # a frozen initial policy: KL in the reward, kl_to_init; none when unused
-        ref_model = common.reference_model(model, args.model, env.device, args)  # LoRA: the policy, adapters off
+    # a frozen initial policy for the KL in the reward (and kl_to_init); LoRA: the policy, adapters off
+    ref_model = (
+        common.reference_model(model, args.model, env.device, args) if args.kl_coef or args.reward_model else None
+    )
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
     sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T] and roll -> values [B, T]; under torchrun data parallel (DDP, or --fsdp: FSDP2)
@@ -221,8 +222,7 @@ def train(args: Args):
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects
-    # (not ref_model: it is the initial policy)
+    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
     run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
                      guard=guard, critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
 
@@ -246,10 +246,8 @@ def train(args: Args):
         #    then the per-token rewards (score - beta * KL) and their GAE advantages.
         old_logp = run.old_logprobs(roll)  # [B, T]; --old-logp rollout: the sampler's, no forward
         is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
-        with torch.no_grad():
-            ref_logp = None  # --kl-coef 0: no reference forward
-            if args.kl_coef > 0:
-                ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0]  # [B, T]
+        with torch.no_grad():  # (--kl-coef 0: no reference forward)
+            ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
             old_values = critic(roll) * mask  # [B, T]
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
@@ -288,16 +286,14 @@ def train(args: Args):
             run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped)
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
-        #    No signal: one completion per prompt is no group, so when every reward in the batch is equal (the
-        #    critic then learns a constant, and the advantages are its noise) or the policy has stopped exploring
-        #    (entropy near 0: every completion of a prompt the same).
+        #    No signal (one completion per prompt is no group): every score in the batch equal, or the policy no
+        #    longer explores (entropy near 0: a prompt's completions all alike).
+        no_signal = common.all_equal(scores) or masked_mean(roll.entropy, mask).item() < common.NO_SIGNAL_ENTROPY
         ppo_metrics = {
-            **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
             "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
             "value_mean": masked_mean(old_values, mask).item(),
-            "eos_rate": ends.float().mean().item(),
+            **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
         }
-        no_signal = common.all_equal(scores) or masked_mean(roll.entropy, mask).item() < common.NO_SIGNAL_ENTROPY
         run.log(ppo_metrics, no_signal=no_signal, shown=("explained_variance",))
         run.save_checkpoint_if_due(step)
     return run.finish(critic=critic)  # final/critic.pt beside the policy
