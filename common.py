@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import difflib
 import functools
-import gc
 import importlib.util
 import json
 import math
@@ -303,7 +302,7 @@ def parse_args(args_cls, argv=None):
             argv[i - 1 : i + 1] = [f"{flag}={value}"]
     given = vars(parser.parse_args(argv))
     if given.get("resume"):
-        given = resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
+        given = extra("resume", "--resume").resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
     given = with_task_defaults(given, {f.name for f in dataclasses.fields(args_cls)})  # --task sums: its own
     args = args_cls(**given)
     check_choices(args)
@@ -313,15 +312,7 @@ def parse_args(args_cls, argv=None):
 def check_common_args(args, needs_group: bool):
     """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
     any model is loaded or any output is written."""
-    for name in (
-        "steps",
-        "prompts_per_step",
-        "max_new_tokens",
-        "minibatches",
-        "epochs",
-        "eval_size",
-        "max_consecutive_skips",
-    ):
+    for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size max_consecutive_skips".split():
         if getattr(args, name) < 1:
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
     if args.group_size < (2 if needs_group else 1):
@@ -519,7 +510,7 @@ def setup(args, needs_group: bool = True) -> Setup:
         print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
-    resume_from = open_checkpoint(args, args.algo, world) if args.resume else None
+    resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     if args.lora_rank:
@@ -929,7 +920,7 @@ def sample(
                 logits = logits.index_select(0, copies)
                 decoder.keep(copies)
         else:
-            decoder = _HFDecoder(model, roll, max_new_tokens)
+            decoder = extra("hf_decoder", f"--model {type(model).__name__}").HFDecoder(model, roll, max_new_tokens)
             logits = decoder.prefill()
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
@@ -1179,40 +1170,6 @@ def _attention(q, k, v, bias, scale: float):
     return scores.softmax(-1, dtype=torch.float32).to(v.dtype) @ v
 
 
-class _HFDecoder:
-    """Any other causal LM: its own forward with a DynamicCache (no row dropping)."""
-
-    def __init__(self, model, roll: Rollout, max_new_tokens: int):
-        from transformers import DynamicCache
-
-        self.model, self.prompt_ids = model, roll.prompt_ids
-        self.attn = F.pad(roll.prompt_mask, (0, max_new_tokens), value=1)
-        self.positions = (self.attn.cumsum(1) - 1).clamp(min=0)  # RoPE positions that skip left padding
-        self.cache = DynamicCache(config=model.config)
-        self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
-
-    def _forward(self, ids, start):
-        return (
-            self.model(
-                input_ids=ids,
-                attention_mask=self.attn[:, : self.n],
-                position_ids=self.positions[:, start : self.n],
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            .logits[:, -1]
-            .float()
-        )
-
-    def prefill(self):
-        return self._forward(self.prompt_ids, 0)
-
-    def step(self, token):
-        self.n += 1
-        return self._forward(token[:, None], self.n - 1)
-
-
 def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
     """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
     return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
@@ -1386,22 +1343,14 @@ class Rewards:
         if self.scores_answers:
             parts["accuracy"], parts["format_rate"] = answer_scores(self.parser)
             if "reward/reward_model" in parts:  # how well the learned reward ranks this batch's answers
-                parts["reward_model_pair_acc"] = pair_accuracy(parts["reward/reward_model"], parts["accuracy"])
+                learned = _loaded("reward_model")
+                parts["reward_model_pair_acc"] = learned.pair_accuracy(parts["reward/reward_model"], parts["accuracy"])
         return rewards, parts
 
     def _call(self, name, fn, records, completions) -> torch.Tensor:
         """[B] rewards of your own function (or --reward-model's), checked: extras/reward_functions.py."""
         columns = self.columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
         return extra("reward_functions", f"--reward {name}").call(name, fn, records, completions, columns)
-
-
-def pair_accuracy(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """[B] filled with the share of (correct, wrong) pairs of rows in the batch whose correct row
-    scores strictly higher (the reward model's accuracy on the policy's own samples); 0.5 when the
-    batch has no such pair. [B] so that it averages over ranks like the other parts."""
-    good, bad = scores[correct.bool()], scores[~correct.bool()]
-    acc = (good[:, None] > bad[None, :]).float().mean().item() if len(good) and len(bad) else 0.5
-    return torch.full_like(scores, acc, dtype=torch.float32)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -1494,12 +1443,6 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
         }
         for i, (rec, text) in enumerate(zip(records, texts))
     ]
-
-
-# ---------------------------------------------------------------------------------------------
-# 6b. Reward models: --reward-model (a learned reward, one --reward component; trained by
-#     tools/train_reward_model.py), the policy's KL to its start (kl_to_init)
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1798,11 +1741,6 @@ def mean_over_updates(updates: list[dict], planned: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# 8b. Traces (--trace-every): every token of a few groups, as sampled, scored and updated (docs/traces.md)
-# ---------------------------------------------------------------------------------------------
-
-
 def trace_due(args, step: int) -> bool:
     """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the
     last step); 0: never."""
@@ -1860,7 +1798,7 @@ class Run:
         self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-            load_checkpoint(env.resume_from, model, self.state, env.rank, env.world)
+            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world)
         else:
             self.progress.eval_before, samples = self.evaluate(0)
             self.progress.last_eval = self.progress.eval_before
@@ -2305,17 +2243,8 @@ def checkpoint_due(args, step: int) -> bool:
 
 def model_signature(config) -> dict:
     """The config values a checkpoint's weights depend on; resuming onto another model is refused."""
-    keys = (
-        "model_type",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "tie_word_embeddings",
-    )
-    return {k: getattr(config, k, None) for k in keys}
+    keys = "model_type vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
+    return {k: getattr(config, k, None) for k in (keys + "num_key_value_heads tie_word_embeddings").split()}
 
 
 def rng_state() -> dict:
@@ -2330,21 +2259,8 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _state_of(obj):
     return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
-
-
-def _restore(obj, state):
-    obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
@@ -2397,120 +2313,6 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
     barrier()
 
 
-def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
-    """(checkpoint directory, its meta.json) for --resume PATH: a checkpoint or a run's --out."""
-    p = Path(path)
-    if not p.is_dir():
-        raise UsageError(
-            f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
-            f"expected a run's --out directory or its checkpoint/"
-        )
-    # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint's renames
-    found = next((d for d in (p, p / "checkpoint", p / "checkpoint.old") if (d / "meta.json").is_file()), None)
-    if found is None:
-        raise UsageError(
-            f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
-            f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM"
-        )
-    try:
-        meta = json.loads((found / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--resume {path}: unreadable {found / 'meta.json'} ({_describe(e)})") from e
-    if not isinstance(meta, dict) or {"algo", "step", "model", "config", "args"} - meta.keys():
-        raise UsageError(f"--resume {path}: {found / 'meta.json'} lacks algo, step, model, config or args")
-    if meta["algo"] != algo:
-        raise UsageError(f"--resume {path}: the checkpoint was written by {meta['algo']}.py, not {algo}.py")
-    missing = [n for n in ("policy", "trainer.pt", "metrics.jsonl") if not (found / n).exists()]
-    if missing:
-        raise UsageError(f"--resume {path}: incomplete checkpoint, {found} has no {', '.join(missing)}")
-    return found, meta
-
-
-def resumed_args(given: dict, algo: str, fields: set) -> dict:
-    """The flags of a resumed run: the checkpoint's, overridden by those given on the command line,
-    which may differ from the checkpoint's only for RESUME_MAY_CHANGE. The run continues in the
-    checkpoint's run directory unless --out says otherwise."""
-    found, meta = find_checkpoint(given["resume"], algo)
-    saved = {k: v for k, v in meta["args"].items() if k in fields}
-    saved["out"] = str(found.parent)
-    for name, value in given.items():
-        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
-            raise UsageError(
-                f"{_flag(name)} {value} differs from the checkpoint's {saved[name]}: a resumed run keeps its "
-                f"settings (only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE if n != 'resume')} may change)"
-            )
-    return {**saved, **given}
-
-
-def open_checkpoint(args, algo: str, world: int = 1) -> Path:
-    """--resume, checked before any model is loaded: a checkpoint of `algo`, trained from this
-    --model (by name and by config), short of --steps, written by as many processes as this run has
-    (each rank continues its own sampling stream; --fsdp or not, the weights are saved whole). Returns
-    its directory."""
-    from transformers import AutoConfig
-
-    found, meta = find_checkpoint(args.resume, algo)
-    saved_world = meta.get("world", 1)
-    if saved_world != world:
-        ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
-        how = (
-            f"torchrun --nproc_per_node {saved_world}"
-            if saved_world > 1
-            else "one (python, or torchrun --nproc_per_node 1)"
-        )
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
-            f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
-        )
-    if meta["model"] != args.model:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
-        )
-    try:
-        config = AutoConfig.from_pretrained(model_path(args.model))
-    except Exception as e:
-        raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
-    diff = [
-        f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v
-    ]
-    if diff:
-        raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
-    if meta["step"] >= args.steps:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
-            f"{args.steps} does not exceed; pass a larger --steps to train further"
-        )
-    return found
-
-
-def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1):
-    """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
-    that open_checkpoint accepted (the inverse of save_checkpoint; every rank calls it). Under
-    --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
-    tensors are read as they are needed) and keeps its shards of the optimizer state."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        lora = _loaded("lora")
-        if lora is not None and lora.is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
-            lora.load_lora_weights(model, found / "policy")
-        elif sharded(model):  # rank 0 reads the policy; every rank receives its shards of it
-            _loaded("fsdp").load_policy(model, found / "policy", rank)
-        else:
-            saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
-            model.load_state_dict(saved_policy.state_dict())
-        saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True, mmap=world > 1)
-        if world > 1:  # this rank's own random streams
-            own = torch.load(found / f"rank{rank}.pt", map_location="cpu", weights_only=True)
-            saved["rng"] = own["rng"]
-            saved["state"].update(own["generators"])
-        for name, obj in state.items():
-            _restore(obj, saved["state"][name])
-    except Exception as e:  # a damaged checkpoint: one line, exit 2
-        raise UsageError(f"--resume {found}: cannot restore it ({_describe(e)})") from e
-    set_rng_state(saved["rng"])
-
-
 # ---------------------------------------------------------------------------------------------
 # 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE
 # ---------------------------------------------------------------------------------------------
@@ -2522,30 +2324,6 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, 0
     return extra("distributed", "torchrun").init_distributed(device)
-
-
-def leave_process_group(exiting: BaseException | None):
-    """main()'s last step under torchrun: destroy the process group. When the rank stops with an
-    exit status (`exiting` is the SystemExit of die() or of a stop by signal; its message is already
-    on stderr), two things first:
-    - the stopped run's frames are released. The exception that led to the exit (SystemExit's
-      __context__) holds train()'s frames in its traceback, and through them the DDP model, which
-      holds the process group: destroy_process_group() alone only unregisters it, and gloo's threads
-      and sockets then live on into interpreter shutdown, where they can abort the process (SIGABRT,
-      "terminate called without an active exception", seen once in 20 runs on a loaded machine);
-    - SIGTERM is ignored from here on: torchrun sends it to every rank still running as soon as one
-      has exited with a failure, and a rank that is already ending with its own status would be
-      reported as killed by SIGTERM instead. If this teardown ever hung, torchrun's SIGKILL follows.
-    Any other exception (a bug) keeps its traceback, for Python to print."""
-    if isinstance(exiting, SystemExit) and exiting.code not in (None, 0):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        error, seen = exiting.__context__, set()
-        while error is not None and id(error) not in seen:  # the chain of errors behind the exit
-            seen.add(id(error))
-            error.__traceback__ = None
-            error = error.__cause__ or error.__context__
-        gc.collect()  # and whatever of them sits in reference cycles
-    torch.distributed.destroy_process_group()
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:

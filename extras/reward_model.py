@@ -116,3 +116,12 @@ def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float
     with torch.no_grad():
         init_logp = completion_logprobs(init_model, roll, temperature)[0]  # [B, T]
     return {"kl_to_init": global_mean(((logp - init_logp) * roll.completion_mask).sum(1))}
+
+
+def pair_accuracy(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """[B] filled with the share of (correct, wrong) pairs of rows in the batch whose correct row
+    scores strictly higher (the reward model's accuracy on the policy's own samples); 0.5 when the
+    batch has no such pair. [B] so that it averages over ranks like the other parts."""
+    good, bad = scores[correct.bool()], scores[~correct.bool()]
+    acc = (good[:, None] > bad[None, :]).float().mean().item() if len(good) and len(bad) else 0.5
+    return torch.full_like(scores, acc, dtype=torch.float32)

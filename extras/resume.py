@@ -1,0 +1,146 @@
+"""extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume").
+
+Imported by common.py only for --resume. common.save_checkpoint writes the checkpoint (every --save-every
+steps, and on SIGINT / SIGTERM); this module finds and checks it before any model is loaded
+(`open_checkpoint`), merges its flags with the command line's (`resumed_args`) and restores the weights,
+the optimizers, the streams and every random state (`load_checkpoint`), so that a resumed run equals an
+uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import RESUME_MAY_CHANGE, UsageError, _describe, _flag, _loaded, model_path, model_signature, sharded
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _restore(obj, state):
+    obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
+
+
+def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
+    """(checkpoint directory, its meta.json) for --resume PATH: a checkpoint or a run's --out."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(
+            f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
+            f"expected a run's --out directory or its checkpoint/"
+        )
+    # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint's renames
+    found = next((d for d in (p, p / "checkpoint", p / "checkpoint.old") if (d / "meta.json").is_file()), None)
+    if found is None:
+        raise UsageError(
+            f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
+            f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM"
+        )
+    try:
+        meta = json.loads((found / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume {path}: unreadable {found / 'meta.json'} ({_describe(e)})") from e
+    if not isinstance(meta, dict) or {"algo", "step", "model", "config", "args"} - meta.keys():
+        raise UsageError(f"--resume {path}: {found / 'meta.json'} lacks algo, step, model, config or args")
+    if meta["algo"] != algo:
+        raise UsageError(f"--resume {path}: the checkpoint was written by {meta['algo']}.py, not {algo}.py")
+    missing = [n for n in ("policy", "trainer.pt", "metrics.jsonl") if not (found / n).exists()]
+    if missing:
+        raise UsageError(f"--resume {path}: incomplete checkpoint, {found} has no {', '.join(missing)}")
+    return found, meta
+
+
+def resumed_args(given: dict, algo: str, fields: set) -> dict:
+    """The flags of a resumed run: the checkpoint's, overridden by those given on the command line,
+    which may differ from the checkpoint's only for RESUME_MAY_CHANGE. The run continues in the
+    checkpoint's run directory unless --out says otherwise."""
+    found, meta = find_checkpoint(given["resume"], algo)
+    saved = {k: v for k, v in meta["args"].items() if k in fields}
+    saved["out"] = str(found.parent)
+    for name, value in given.items():
+        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
+            raise UsageError(
+                f"{_flag(name)} {value} differs from the checkpoint's {saved[name]}: a resumed run keeps its "
+                f"settings (only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE if n != 'resume')} may change)"
+            )
+    return {**saved, **given}
+
+
+def open_checkpoint(args, algo: str, world: int = 1) -> Path:
+    """--resume, checked before any model is loaded: a checkpoint of `algo`, trained from this
+    --model (by name and by config), short of --steps, written by as many processes as this run has
+    (each rank continues its own sampling stream; --fsdp or not, the weights are saved whole). Returns
+    its directory."""
+    from transformers import AutoConfig
+
+    found, meta = find_checkpoint(args.resume, algo)
+    saved_world = meta.get("world", 1)
+    if saved_world != world:
+        ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
+        how = (
+            f"torchrun --nproc_per_node {saved_world}"
+            if saved_world > 1
+            else "one (python, or torchrun --nproc_per_node 1)"
+        )
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
+            f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
+        )
+    if meta["model"] != args.model:
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
+        )
+    try:
+        config = AutoConfig.from_pretrained(model_path(args.model))
+    except Exception as e:
+        raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
+    diff = [
+        f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v
+    ]
+    if diff:
+        raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
+    if meta["step"] >= args.steps:
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
+            f"{args.steps} does not exceed; pass a larger --steps to train further"
+        )
+    return found
+
+
+def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1):
+    """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
+    that open_checkpoint accepted (the inverse of save_checkpoint; every rank calls it). Under
+    --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
+    tensors are read as they are needed) and keeps its shards of the optimizer state."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        lora = _loaded("lora")
+        if lora is not None and lora.is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
+            lora.load_lora_weights(model, found / "policy")
+        elif sharded(model):  # rank 0 reads the policy; every rank receives its shards of it
+            _loaded("fsdp").load_policy(model, found / "policy", rank)
+        else:
+            saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
+            model.load_state_dict(saved_policy.state_dict())
+        saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True, mmap=world > 1)
+        if world > 1:  # this rank's own random streams
+            own = torch.load(found / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+            saved["rng"] = own["rng"]
+            saved["state"].update(own["generators"])
+        for name, obj in state.items():
+            _restore(obj, saved["state"][name])
+    except Exception as e:  # a damaged checkpoint: one line, exit 2
+        raise UsageError(f"--resume {found}: cannot restore it ({_describe(e)})") from e
+    set_rng_state(saved["rng"])
