@@ -1,26 +1,30 @@
-"""common.py: everything ppo.py, grpo.py and gspo.py call while they run that is not the algorithm.
+"""common.py: what ppo.py, grpo.py and gspo.py run by default that is not the algorithm.
 
 A script's train() calls into it in this order, and the sections follow that order:
-   1. Command line     Args dataclass -> argparse, one-line errors with exit status 2, main()
+   1. Command line     SharedArgs (the flags every script shares) -> argparse, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
-   3. Data             the built-in `arith` and `sums` tasks, JSONL / GSM8K files, --eval-data, prompts
+   3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
    4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
-  6b. Reward models    --reward-model (a learned reward, one Rewards component), kl_to_init
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
+  7b. The sampler      Sampler (the policy as the rollout samples it), --is-correction's weights
    8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
-  8b. Traces           --trace-every: a few groups' every token, as sampled and as each update's loss saw it
-   9. The run          Run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints
-  10. Checkpoints      atomic save, exact --resume, SIGINT / SIGTERM
-  11. torchrun         process group, DDP wrapping, all-reduce helpers (no-ops in one process)
-  12. MoE routing      routing record / replay (GSPO paper section 5.3) and routing drift
-  13. LoRA             --lora-rank: peft adapters, the reference as the base with adapters off,
-                       what the sampler reads, adapter checkpoints, --merge-lora
+   9. The run          Run: pi_old, every measurement, metrics.jsonl, evaluation when due, checkpoints
+  10. Checkpoints      atomic save, SIGINT / SIGTERM
+  11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
+
+What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
+when asked for, so that a default run reads and runs this file alone: fsdp (--fsdp), lora (--lora-rank),
+moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
+reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
+functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
+(torchrun's process group), hf_decoder (sampling a model outside the Llama family). Each is reached
+through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
-tools/ (the memory planner, reward-model training, rebuilding the tiny checkpoints), experiments/
-(the studies behind docs/), benchmarks/, and tools/show_traces.py, the page of traces.jsonl.
+tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
+traces.jsonl), experiments/ (the studies behind docs/) and benchmarks/.
 """
 
 from __future__ import annotations
@@ -537,7 +541,7 @@ def seed_everything(seed: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Data: the built-in `arith` task, JSONL / GSM8K files, the prompt stream, prompts as token ids
+# 3. Data: the built-in `arith` task (files and `sums`: extras/), the prompt stream, prompts as token ids
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1555,8 +1559,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# 7b. Rollout precision: a bf16 sampler (--rollout-dtype), pi_old (--old-logp), the mismatch between the
-#     sampler mu and the trainer, and its correction (--is-correction); docs/rollout_mismatch.md
+# 7b. The sampler: the policy as the rollout samples it (--rollout-dtype: extras/rollout_precision.py), and
+#     --is-correction's loss weights
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1943,8 +1947,8 @@ class Run:
 
     def measured(self) -> dict:
         """The metrics every run logs, from what `rollout` and `update` were given (docs/metrics.md):
-        means over all ranks' completions and tokens, except the updates' statistics, mismatch_* and
-        routing_drift, which are rank 0's (its share of the batch)."""
+        means over all ranks' completions and tokens (the updates' statistics: the mean of each rank's),
+        except mismatch_* and routing_drift, which are rank 0's (its share of the batch)."""
         args, roll, mask = self.args, self.roll, self.roll.completion_mask
         tokens = all_reduce_sum(mask.sum())
         metrics = {
@@ -1953,7 +1957,8 @@ class Run:
             "reward": global_mean(self.rewards),
             **global_means(self.parts),  # reward/<name> per --reward; accuracy, format_rate
             "truncated_frac": global_mean((~completion_ends(roll, self.eos)).float()),
-            **mean_over_updates(self.updates, args.epochs * args.minibatches),  # loss, clip_frac*, ratio_*
+            # loss, clip_frac*, ratio_*: each rank's mean over its updates, averaged over the ranks
+            **rank_means(mean_over_updates(self.updates, args.epochs * args.minibatches)),
             "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),  # of pi_old
             "response_len": global_mean(mask.sum(1)),
             "tokens_per_s": tokens.item() / roll.seconds,  # all ranks' tokens, per second of this rank's sampling
@@ -1973,7 +1978,7 @@ class Run:
         eval_reward, eval_pass@1, ...). `no_signal`: this step's rewards gave the update nothing to
         learn from (the script says when); after NO_SIGNAL_STEPS such steps in a row, one warning, kept
         in summary.json, and the run goes on. `shown`: the script's metrics printed at each evaluation."""
-        row = {**self.measured(), **row}
+        row = {**self.measured(), **rank_means(row)}  # the script's own: the mean of each rank's
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
@@ -2195,7 +2200,7 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Checkpoints, --resume and stop signals: atomic checkpoints, exact resume, SIGINT / SIGTERM
+# 10. Checkpoints and stop signals: atomic checkpoints (--resume reads them: extras/resume.py), SIGINT / SIGTERM
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2420,6 +2425,17 @@ def global_means(values: dict) -> dict:
     count = torch.tensor(float(next(iter(values.values())).numel()))
     total = all_reduce_sum(torch.cat([x.cpu(), count[None]]))
     return {name: (total[i] / total[-1].clamp(min=1)).item() for i, name in enumerate(values)}
+
+
+def rank_means(values: dict) -> dict:
+    """{name: number} averaged over the ranks (the largest for a *_max_dev), in one all-reduce; `values`
+    itself without torchrun. Every rank calls it with the same names (each rank's own statistics)."""
+    dist = torch.distributed
+    if not values or not (dist.is_available() and dist.is_initialized()):
+        return values
+    x = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    mean, largest = all_reduce_sum(x) / dist.get_world_size(), all_reduce_sum(x, op="MAX")
+    return {k: (largest if k.endswith("_max_dev") else mean)[i].item() for i, k in enumerate(values)}
 
 
 def raise_on_every_rank(error: Exception | None):
