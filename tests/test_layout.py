@@ -1,0 +1,429 @@
+"""The layout of issue 39 ("The core and its extras"), tested as a reader, a forker and a user would meet it:
+
+  - hidden extras: a copy of the project without extras/ still trains (gspo.py, 2 steps), and each
+    optional capability's flag then stops with exit status 2 and one line naming the missing module;
+  - forks: gspo.py copied to rloo.py unchanged is "rloo" everywhere (its --out, summary.json, a
+    checkpoint of gspo.py refused); a fork that deletes the clip flags still runs (shared code reads
+    no algorithm flag);
+  - every script at the root that calls common.main( is in tests/helpers.py's SCRIPTS;
+  - the fixes of issue 39's section 4: MoE with --old-logp rollout, --routing-replay's refusal, GSPO's
+    clip_frac_seqs, constant_groups, losses returning (loss, info), no trace= and no load_model dtype.
+
+The subprocess runs are tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, 2 steps), one core
+each (RLREF_THREADS=1), offline, as in tests/test_reliability.py; each copy of the tree is made once per
+module. On a 2-core machine each run costs a few seconds, most of it importing torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from helpers import LIGHT, SCRIPTS, batches, is_clipped, loop_seq_ratio  # noqa: E402
+
+import common  # noqa: E402
+import grpo  # noqa: E402
+import gspo  # noqa: E402
+import ppo  # noqa: E402
+
+SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
+         "--minibatches", "2", "--eval-every", "0"]  # fmt: skip
+MODULES = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
+
+
+def env():
+    e = dict(os.environ, RLREF_THREADS="1", HF_HUB_OFFLINE="1")  # one core each; never reach the network
+    e.pop("PYTHONWARNINGS", None)
+    return e
+
+
+def run(cwd, script, *argv, timeout=300):
+    cmd = [sys.executable, script if script.endswith(".py") else f"{script}.py", *map(str, argv)]
+    return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def one_line_refusal(proc, *expected):
+    """Exit status 2 and a stderr of exactly one 'error: ...' line holding each of `expected`."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"stderr is not one 'error: ...' line:\n{proc.stderr}"
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+def jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def copy_tree(dest: Path, skip: str | None = None) -> Path:
+    """The project's files as a clone would have them (tracked, plus new files not yet committed and not
+    ignored), copied to `dest`, leaving out the folder `skip`."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        src = ROOT / name
+        if (skip and name.startswith(skip.rstrip("/") + "/")) or not src.is_file():
+            continue
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / name)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Hidden extras: the core runs without them; each capability's flag names what is missing
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """A copy of the project without extras/ (checkpoints/ kept), with a data file and a reward file."""
+    tree = copy_tree(tmp_path_factory.mktemp("bare"), skip="extras")
+    assert not (tree / "extras").exists() and (tree / "checkpoints").is_dir() and (tree / "gspo.py").is_file()
+    (tree / "some.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tree / "some_file.py").write_text("def fn(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    (tree / "a-run").mkdir()
+    return tree
+
+
+DEFAULT_RUN = ["--steps", "2", "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8"]
+
+# flag -> the extras module it needs. The refusal comes before any model is loaded (the whole of stderr is
+# the one line), except where only the model can say (MoE: see REFUSED_AFTER_LOADING).
+CAPABILITIES = {
+    ("--lora-rank", "4"): "lora",
+    ("--rollout-dtype", "bfloat16"): "rollout_precision",
+    ("--old-logp", "rollout"): "rollout_precision",
+    ("--is-correction", "tis"): "rollout_precision",
+    ("--fsdp",): "fsdp",
+    ("--model", "tiny-moe"): "moe",
+    ("--reward-model", "tiny-rm"): "reward_model",
+    ("--trace-every", "1"): "traces",
+    ("--task", "sums"): "sums_task",
+    ("--data", "some.jsonl"): "data_files",
+    ("--reward", "some_file.py:fn"): "reward_functions",
+    ("--resume", "a-run"): "resume",
+}
+# extras that no flag of a single-process run on the shipped checkpoints switches on
+NOT_FLAG_SWITCHED = {
+    "distributed": "torchrun (WORLD_SIZE) imports it",
+    "hf_decoder": "a --model outside the Llama family (no shipped checkpoint is one) samples through it",
+}
+REFUSED_AFTER_LOADING = {("--model", "tiny-moe")}  # see /work/tmp/requests-C.md
+
+
+def test_every_extras_module_has_a_refusal_case():
+    """A new module in extras/ gets its flag in CAPABILITIES (or says in NOT_FLAG_SWITCHED why none)."""
+    modules = {p.stem for p in (ROOT / "extras").glob("*.py") if p.stem != "__init__"}
+    covered = set(CAPABILITIES.values()) | set(NOT_FLAG_SWITCHED)
+    assert modules == covered, f"extras/ without a case: {sorted(modules - covered)}; gone: {sorted(covered - modules)}"
+
+
+def test_without_extras_the_default_run_trains(bare):
+    out = bare / "runs" / "gspo"
+    ok(run(bare, "gspo", *DEFAULT_RUN))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["algo"] == "gspo"
+    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
+    traces = out / "traces.jsonl"  # the default traces at each evaluation only when extras/traces.py is there
+    assert not traces.exists() or not traces.read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def refusals(bare):
+    """flag -> (future of its completed process, its --out): every case of CAPABILITIES, two at a time (each
+    process mostly imports torch), all started when the first test asks for one."""
+    with ThreadPoolExecutor(2) as pool:
+        cases = {}
+        for i, flag in enumerate(CAPABILITIES):
+            out = bare / "runs" / f"refused-{i}"
+            cases[flag] = pool.submit(run, bare, "gspo", *DEFAULT_RUN, *flag, "--out", out, timeout=120), out
+        yield cases
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        pytest.param(f, marks=pytest.mark.xfail(reason="see requests-C.md", strict=True))
+        if f in REFUSED_AFTER_LOADING
+        else f
+        for f in CAPABILITIES
+    ],
+    ids=lambda f: " ".join(f),
+)
+def test_without_extras_each_capability_is_refused_in_one_line(refusals, flag):
+    module = CAPABILITIES[flag]
+    future, out = refusals[flag]
+    proc = future.result()
+    one_line_refusal(proc, f"extras/{module}.py", flag[0])
+    assert "Traceback" not in proc.stderr
+    assert not out.exists(), "a refused run left an output directory"
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs in a full copy of the project, with two forks of gspo.py beside the scripts (each made once)
+# ---------------------------------------------------------------------------------------------
+
+
+def without_clip_flags(source: str) -> str:
+    """gspo.py's text as a fork that drops --eps-low / --eps-high would write it: no fields, no
+    Args.check (which only checked them), fixed clip values passed to the loss."""
+    edits = [
+        (r"\n    eps_low: float = arg\([^\n]*\)\n    eps_high: float = arg\([^\n]*\)\n", "\n"),  # the two fields
+        (r"\n    def check\(self\):\n(?:        [^\n]*\n)+", "\n"),  # the method, every line indented under it
+        (r"args\.eps_low,\s*args\.eps_high,", "3e-4, 4e-4,"),  # the loss call's clip range
+    ]
+    for pattern, new in edits:
+        source, n = re.subn(pattern, new, source)
+        assert n == 1, f"gspo.py no longer has the text the fork edits ({pattern!r} matched {n} times)"
+    assert "eps_low" not in source.split("def gspo_loss")[0].split("class Args")[1], "a clip field is left"
+    assert "args.eps_" not in source and "def check(self)" not in source
+    return source
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A full copy of the project with rloo.py (gspo.py, unchanged) and noclip.py (without the clip flags)."""
+    root = copy_tree(tmp_path_factory.mktemp("tree"))
+    shutil.copy2(root / "gspo.py", root / "rloo.py")
+    (root / "noclip.py").write_text(without_clip_flags((root / "gspo.py").read_text()))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tree):
+    """runs(name) -> (out dir, completed process): each run made once, in the tree's cwd."""
+    kinds = {
+        "gspo": ("gspo", "--steps", "2", "--save-every", "2", "--out", "runs/gspo-seq"),  # resumable
+        "gspo-token": ("gspo", "--steps", "2", "--variant", "token", "--out", "runs/gspo-token"),
+        "grpo": ("grpo", "--steps", "2", "--out", "runs/grpo"),
+        "rloo": ("rloo", "--steps", "2"),  # no --out: its default, runs/rloo
+        "noclip": ("noclip", "--steps", "2"),
+        "grpo-moe": ("grpo", "--steps", "2", "--model", "tiny-moe", "--old-logp", "rollout", "--out", "runs/gm"),
+        "gspo-moe": ("gspo", "--steps", "2", "--model", "tiny-moe", "--old-logp", "rollout", "--out", "runs/sm"),
+    }
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            script, *argv = kinds[name]
+            proc = ok(run(tree, script, *SMALL, *argv))
+            out = argv[argv.index("--out") + 1] if "--out" in argv else f"runs/{script}"
+            cache[name] = tree / out, proc
+        return cache[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Forks: the name comes from the file; shared code needs no algorithm flag
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_fork_is_named_by_its_file(runs):
+    out, _ = runs("rloo")
+    assert out.name == "rloo" and out.parent.name == "runs"  # --out's default, in the cwd
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algo"] == "rloo" and summary["steps"] == 2
+    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_fork_refuses_the_checkpoint_of_the_script_it_came_from(tree, runs):
+    source, _ = runs("gspo")
+    assert (source / "checkpoint").is_dir(), "the gspo run saved no checkpoint to resume"
+    proc = run(tree, "rloo", "--resume", source, "--steps", "4", timeout=120)
+    one_line_refusal(proc, "gspo.py", "rloo.py")
+
+
+def test_a_fork_without_the_clip_flags_runs(runs):
+    out, _ = runs("noclip")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algo"] == "noclip" and summary["steps"] == 2
+    assert "eps_low" not in summary["args"] and "eps_high" not in summary["args"]
+    assert len(jsonl(out / "metrics.jsonl")) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The scripts the shared tests run are listed in one place
+# ---------------------------------------------------------------------------------------------
+
+
+def scripts_at_root(root: Path) -> set[str]:
+    return {p.stem for p in root.glob("*.py") if "common.main(" in p.read_text()}
+
+
+def test_every_script_at_the_root_is_in_SCRIPTS():
+    found = scripts_at_root(ROOT)
+    assert {"ppo", "grpo", "gspo"} <= found, f"the scan found {sorted(found)}: does it still see the scripts?"
+    missing = sorted(found - set(SCRIPTS))
+    assert not missing, (
+        f"{', '.join(f'{m}.py' for m in missing)} calls common.main( but is not in tests/helpers.py's SCRIPTS: "
+        "add it there, so that the shared reliability, argument and trace tests run it"
+    )
+    assert all((ROOT / f"{s}.py").is_file() for s in SCRIPTS), f"SCRIPTS names a file that is gone: {SCRIPTS}"
+
+
+def test_the_scan_sees_an_unregistered_fork(tree):
+    """The test above fails for a fork that is not in SCRIPTS (the tree holds rloo.py and noclip.py)."""
+    assert scripts_at_root(tree) - set(SCRIPTS) == {"rloo", "noclip"}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The fixes of issue 39, section 4
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["grpo-moe", "gspo-moe"])
+def test_moe_with_rollout_old_logp_runs(runs, name):
+    """tiny-moe and --old-logp rollout (no pi_old forward to record routes from) used to stack Nones."""
+    out, _ = runs(name)
+    rows = jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_routing_replay_refuses_rollout_old_logp(tree):
+    proc = run(tree, "grpo", *SMALL, "--steps", "2", "--routing-replay", "--old-logp", "rollout",
+               "--model", "tiny-moe", "--out", tree / "runs" / "refused", timeout=120)  # fmt: skip
+    one_line_refusal(proc, "--routing-replay", "--old-logp rollout")
+    assert not (tree / "runs" / "refused").exists()
+
+
+def test_gspo_sequence_counts_clipped_sequences_by_that_name(runs):
+    out, _ = runs("gspo")
+    rows = jsonl(out / "metrics.jsonl")
+    assert all("clip_frac_seqs" in r and "clip_frac" not in r for r in rows), rows
+    summary = json.loads((out / "summary.json").read_text())
+    assert "mean_clip_frac" not in summary
+    assert math.isclose(summary["mean_clip_frac_seqs"], sum(r["clip_frac_seqs"] for r in rows) / 2, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gspo-token", "grpo"])
+def test_token_level_losses_log_clip_frac(runs, name):
+    out, _ = runs(name)
+    rows = jsonl(out / "metrics.jsonl")
+    assert all("clip_frac" in r and "clip_frac_seqs" not in r for r in rows), rows
+    summary = json.loads((out / "summary.json").read_text())
+    assert "mean_clip_frac_seqs" not in summary
+    assert math.isclose(summary["mean_clip_frac"], sum(r["clip_frac"] for r in rows) / 2, abs_tol=1e-6)
+
+
+def loop_constant_groups(rewards, group_size):
+    return [max(g) == min(g) for g in (rewards[i : i + group_size] for i in range(0, len(rewards), group_size))]
+
+
+REWARDS = st.sampled_from([0.0, 1.0, 0.1, 0.2, 0.3, 0.1 + 0.2, 1 / 3, -0.5, 1e-8])
+
+
+@LIGHT
+@given(group_size=st.integers(1, 4), n_groups=st.integers(1, 4), data=st.data())
+def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
+    """One definition of a constant group: common.constant_groups (zero_std_frac), a plain loop, and the
+    groups whose every advantage each script's group_advantages sets to exactly 0."""
+    flat = data.draw(st.lists(REWARDS, min_size=group_size * n_groups, max_size=group_size * n_groups))
+    if data.draw(st.booleans()):  # ties: whole groups of one repeated value (0.1 x G: its float32 mean is not 0.1)
+        flat = [flat[i - i % group_size] for i in range(len(flat))]
+    rewards = torch.tensor(flat, dtype=torch.float32)  # as the reward functions return them
+    expected = loop_constant_groups(rewards.tolist(), group_size)
+    assert common.constant_groups(rewards, group_size).tolist() == expected
+    for module, scale in ((grpo, "std"), (grpo, "none"), (gspo, "std")):
+        adv = module.group_advantages(rewards, group_size, scale).view(-1, group_size)
+        assert (adv == 0).all(1).tolist() == expected, (module.__name__, scale, flat)
+
+
+def loss_functions():
+    return [(name, fn) for name, module in MODULES.items() for fname, fn in vars(module).items()
+            if fname.endswith("_loss") and inspect.isfunction(fn) and fn.__module__ == name]  # fmt: skip
+
+
+def test_no_loss_takes_a_trace():
+    found = loss_functions()
+    assert {f.__name__ for _, f in found} >= {"ppo_policy_loss", "value_loss", "grpo_loss", "gspo_loss"}
+    for name, fn in found:
+        assert "trace" not in inspect.signature(fn).parameters, f"{name}.{fn.__name__} takes trace="
+
+
+def tensors(b):
+    t = lambda rows: torch.tensor(rows, dtype=torch.float32)
+    logp = t(b["logp"]).requires_grad_()
+    return logp, t(b["old"]), t(b["adv"]), t(b["mask"])
+
+
+def check_info(loss, info, shape, ratio, mask, adv, eps_low, eps_high):
+    """info["ratio"] / info["clipped"] against float64 loops; only real tokens (mask 1) are compared."""
+    assert loss.dim() == 0 and loss.requires_grad
+    assert info["ratio"].shape == shape and info["clipped"].shape == shape, (info["ratio"].shape, shape)
+    assert not info["ratio"].requires_grad and info["clipped"].dtype == torch.bool
+    got_r, got_c = info["ratio"].double().tolist(), info["clipped"].tolist()
+    if len(shape) == 1:  # one ratio per sequence: every row is compared
+        got_r, got_c, ratio = [[x] for x in got_r], [[x] for x in got_c], [[x] for x in ratio]
+        mask = [[1] for _ in ratio]
+    for i, (want_row, got_row, clip_row, mask_row) in enumerate(zip(ratio, got_r, got_c, mask)):
+        for t, (want, got, clipped, real) in enumerate(zip(want_row, got_row, clip_row, mask_row)):
+            if not real:
+                continue
+            assert math.isclose(got, want, rel_tol=2e-5), (i, t, got, want)
+            if min(abs(want - (1 + eps_high)), abs(want - (1 - eps_low))) > 1e-5:  # away from a bound's rounding
+                assert clipped == is_clipped(adv[i], want, eps_low, eps_high), (i, t, want, adv[i])
+
+
+def loop_token_ratio(b):
+    return [[math.exp(l - o) for l, o in zip(lr, orow)] for lr, orow in zip(b["logp"], b["old"])]
+
+
+@LIGHT
+@given(b=batches(), eps=st.sampled_from([(0.2, 0.2), (0.2, 0.28), (3e-4, 4e-4)]))
+def test_losses_return_loss_and_info(b, eps):
+    eps_low, eps_high = eps
+    B, T = b["B"], b["T"]
+    logp, old, adv, mask = tensors(b)
+    b = {**b, "adv": adv.double().tolist()}  # the advantages the losses see, float32 (a tiny one underflows to 0)
+    token = loop_token_ratio(b)
+
+    loss, info = grpo.grpo_loss(logp, old, adv, mask, eps_low, eps_high)
+    check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
+
+    adv_tok = adv[:, None].expand(B, T).contiguous()
+    loss, info = ppo.ppo_policy_loss(logp, old, adv_tok, mask, eps_low, eps_high)
+    check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
+
+    seq = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low, eps_high, "sequence")
+    check_info(loss, info, (B,), seq, b["mask"], b["adv"], eps_low, eps_high)
+    assert "clip_frac_seqs" in info and "clip_frac" not in info
+
+    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low, eps_high, "token")
+    check_info(loss, info, (B, T), [[s] * T for s in seq], b["mask"], b["adv"], eps_low, eps_high)
+    assert "clip_frac" in info and "clip_frac_seqs" not in info
+
+
+def test_load_model_has_no_dtype():
+    assert "dtype" not in inspect.signature(common.load_model).parameters
+
+
+def test_shared_code_reads_no_algorithm_flag():
+    source = (ROOT / "common.py").read_text()
+    for flag in ("eps_", "kl_coef", "variant", "loss_agg"):
+        assert not re.search(rf"args\.{flag}|getattr\(args, ['\"]{flag}", source), f"common.py reads args.{flag}"
