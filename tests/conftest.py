@@ -12,8 +12,6 @@ for folder in (ROOT, ROOT / "tools", ROOT / "experiments"):  # the tests of the 
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-import build_checkpoints  # noqa: E402
-
 import common  # noqa: E402
 
 # The models under test are tiny: intra-op threads only add synchronisation, and on a shared 2-core
@@ -29,4 +27,6 @@ def tiny_path() -> str:
 
 @pytest.fixture(scope="session")
 def char_tok():
+    import build_checkpoints  # here, not at the top: a tool that fails to import fails only the tests using it
+
     return build_checkpoints.build_char_tokenizer()

@@ -9,6 +9,8 @@ round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
 import copy
 import json
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +28,9 @@ from transformers import (
 )
 
 import common
+
+sys.path.insert(0, str(Path(common.__file__).parent / "tools"))  # conftest does too; be explicit
+import recipes  # noqa: E402  (tools/recipes.py: the embedded checkpoints' recipes)
 
 # Prompts of different lengths, so a batch of them is genuinely left-padded.
 PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
@@ -178,9 +183,18 @@ def test_every_embedded_checkpoint_ships_under_its_recipe_key():
 
     for name in (*common.TINY_MODELS, common.TINY_RM):
         path = Path(common.tiny_checkpoint(name))
-        assert path == common.SHIPPED_CHECKPOINTS / common.checkpoint_key(name), name
+        assert path == common.SHIPPED_CHECKPOINTS / recipes.checkpoint_key(name), name
         assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), name
-    assert len({common.checkpoint_key(n) for n in (*common.TINY_MODELS, common.TINY_RM)}) == 4
+    assert len({recipes.checkpoint_key(n) for n in (*common.TINY_MODELS, common.TINY_RM)}) == 4
+
+
+def test_the_shipped_keys_are_the_recipes_keys():
+    """common.TINY_KEYS (the directory names a run looks up; the runtime never reads the recipes) is
+    tools/recipes.py's checkpoint_key for every embedded checkpoint: a recipe changed without a rebuild
+    and a new key in TINY_KEYS fails here."""
+    assert set(common.TINY_KEYS) == {*common.TINY_MODELS, common.TINY_RM}
+    for name, key in common.TINY_KEYS.items():
+        assert recipes.checkpoint_key(name) == key, name
 
 
 def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
@@ -197,7 +211,19 @@ def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
     assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
 
 
-FAST_RECIPE = "common.TINY_WARMSTART = dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
+# A recipe of 3 SFT steps and the key it hashes to, put in common.TINY_KEYS (what a changed recipe does)
+FAST_RECIPE = (
+    "recipes.TINY_WARMSTART = dict(recipes.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
+    "common.TINY_KEYS['tiny'] = recipes.checkpoint_key('tiny')\n"
+)
+
+
+def fast_recipe(monkeypatch):
+    """The 3-step recipe in this process: recipes.TINY_WARMSTART changed and its new key in TINY_KEYS."""
+    fast = dict(recipes.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)
+    monkeypatch.setattr(recipes, "TINY_WARMSTART", fast)
+    monkeypatch.setitem(common.TINY_KEYS, "tiny", recipes.checkpoint_key("tiny"))
+    return common.TINY_KEYS["tiny"]
 
 
 def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_state_alone(tmp_path, monkeypatch):
@@ -210,8 +236,7 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_s
     import build_checkpoints
 
     monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
-    monkeypatch.setattr(common, "TINY_WARMSTART", dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
-    key = common.checkpoint_key("tiny")
+    key = fast_recipe(monkeypatch)
     with pytest.raises(common.UsageError, match=r"tiny: its checkpoint tiny-qwen3-\w+ is neither shipped") as e:
         common.tiny_checkpoint()
     assert str(e.value).endswith("build it with: python tools/build_checkpoints.py tiny") and "\n" not in str(e.value)
@@ -232,9 +257,8 @@ def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete
     import build_checkpoints
 
     monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
-    monkeypatch.setattr(common, "TINY_WARMSTART", dict(common.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    key = fast_recipe(monkeypatch)
     build_checkpoints.main(["tiny"])
-    key = common.checkpoint_key("tiny")
     weights = (tmp_path / key / "model.safetensors").read_bytes()
 
     def crash(name, recipe=None):
@@ -262,8 +286,9 @@ def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_lin
     from helpers import ROOT
 
     script = tmp_path / "gspo_fast_recipe.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport common, gspo\n" + FAST_RECIPE
-                      + "common.main(gspo.train, gspo.Args, 'gspo')\n")  # fmt: skip
+    script.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tools')!r}]\n"
+                      + "import common, gspo, recipes\n" + FAST_RECIPE
+                      + "common.main(gspo.train, gspo.Args)\n")  # fmt: skip
     cache, out = tmp_path / "cache", tmp_path / "out"
     env = {**os.environ, "RLREF_CACHE": str(cache)}
     proc = subprocess.run([sys.executable, str(script), "--steps", "2", "--out", str(out)], cwd=ROOT, env=env,
@@ -275,11 +300,11 @@ def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_lin
     assert not out.exists() and not cache.exists()
 
 
-@given(st.text(alphabet=st.sampled_from(common.TINY_CHARS), max_size=40))
+@given(st.text(alphabet=st.sampled_from(recipes.TINY_CHARS), max_size=40))
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_char_tokenizer_round_trips_any_printable_text(char_tok, text):
     # the special tokens' own spellings are parsed as the special tokens (as every HF tokenizer does)
-    assume(not any(special in text for special in (common.PAD, common.EOS, char_tok.unk_token)))
+    assume(not any(special in text for special in (recipes.PAD, recipes.EOS, char_tok.unk_token)))
     ids = enc(char_tok, text)
     assert len(ids) == len(text)
     assert char_tok.unk_token_id not in ids
