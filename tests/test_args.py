@@ -1,26 +1,26 @@
-"""The three scripts' command lines: Args instances share no mutable default, every script lists its
-own flags first and then the shared ones in common.SHARED_FLAGS' order, and --help shows them in
-titled groups, each flag exactly once."""
+"""The scripts' command lines (every script in helpers.SCRIPTS): Args instances share no mutable default,
+every script's Args subclasses common.SharedArgs, so its fields are the shared ones first (in
+common.HELP_GROUPS' order) and then its own, and --help shows them in titled groups, each flag
+exactly once."""
 
 import dataclasses
+import importlib
 import re
 import subprocess
 import sys
 
 import pytest
+from helpers import SCRIPTS
 
 import common
-import grpo
-import gspo
-import ppo
 
-SCRIPTS = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
-SHARED = [name for names in common.SHARED_FLAGS.values() for name in names]
+MODULES = {name: importlib.import_module(name) for name in SCRIPTS}
+SHARED = [name for names in common.HELP_GROUPS.values() for name in names.split()]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_two_args_instances_share_no_list(name):
-    a, b = SCRIPTS[name].Args(), SCRIPTS[name].Args()
+    a, b = MODULES[name].Args(), MODULES[name].Args()
     a.reward.append("x")
     a.reward_weights.append(2.0)
     a.lora_targets.append("lm_head")
@@ -31,18 +31,29 @@ def test_two_args_instances_share_no_list(name):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_own_flags_first_then_the_shared_ones_in_one_order(name):
-    fields = [f.name for f in dataclasses.fields(SCRIPTS[name].Args)]
-    own = fields[: len(fields) - len(SHARED)]
-    assert fields[len(own) :] == SHARED
+def test_the_shared_flags_first_in_one_order_then_the_scripts_own(name):
+    """The shared flags in HELP_GROUPS' order (a script redeclaring one, for its default, keeps its
+    place), then the script's own; the clip ranges are each paper's own."""
+    assert issubclass(MODULES[name].Args, common.SharedArgs)
+    fields = [f.name for f in dataclasses.fields(MODULES[name].Args)]
+    own = fields[len(SHARED) :]
+    assert fields[: len(SHARED)] == SHARED
     assert own and not set(own) & set(SHARED)
-    assert {"eps_low", "eps_high"} <= set(own)  # the clip ranges are each paper's own
+    assert {"eps_low", "eps_high"} <= set(own)
 
 
-def test_the_shared_flags_are_exactly_those_all_three_have():
-    names = [{f.name for f in dataclasses.fields(m.Args)} for m in SCRIPTS.values()]
+def test_the_shared_flags_are_exactly_those_all_scripts_have():
+    names = [{f.name for f in dataclasses.fields(m.Args)} for m in MODULES.values()]
     common_to_all = set.intersection(*names) - {"eps_low", "eps_high"}
     assert common_to_all == set(SHARED) and len(SHARED) == len(set(SHARED))
+    assert [f.name for f in dataclasses.fields(common.SharedArgs)] == SHARED
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_algo_is_the_scripts_file_stem_and_out_defaults_to_runs_algo(name):
+    args = MODULES[name].Args()
+    assert args.algo == name and args.out == f"runs/{name}"
+    assert MODULES[name].Args(out="elsewhere").out == "elsewhere"
 
 
 def help_groups(script: str) -> list[tuple[str, list[str]]]:
@@ -61,14 +72,14 @@ def help_groups(script: str) -> list[tuple[str, list[str]]]:
 
 def test_help_shows_titled_groups_in_the_same_order_each_flag_once():
     seen = {}
-    for name, module in SCRIPTS.items():
+    for name, module in MODULES.items():
         groups = help_groups(f"{name}.py")
         titles = [t for t, _ in groups]
-        assert titles == ["options", f"{name}.py's own flags (the paper's defaults)", *common.SHARED_FLAGS]
+        assert titles == ["options", f"{name}.py's own flags (the paper's defaults)", *common.HELP_GROUPS]
         flags = [f for _, fs in groups for f in fs]
         expected = ["-h"] + ["--" + f.name.replace("_", "-") for f in dataclasses.fields(module.Args)]
         assert sorted(flags) == sorted(expected) and len(flags) == len(set(flags))
-        assert [fs for t, fs in groups[2:]] == [["--" + n.replace("_", "-") for n in names]
-                                                for names in common.SHARED_FLAGS.values()]  # fmt: skip
+        assert [fs for t, fs in groups[2:]] == [["--" + n.replace("_", "-") for n in names.split()]
+                                                for names in common.HELP_GROUPS.values()]  # fmt: skip
         seen[name] = groups[2:]
-    assert seen["ppo"] == seen["grpo"] == seen["gspo"]
+    assert all(groups == seen[SCRIPTS[0]] for groups in seen.values())
