@@ -307,7 +307,7 @@ def test_mid_run_failure_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys,
     argv = ["--reward", f"{path}:flaky", "--steps", "3", "--save-every", "1", "--eval-every", "0", "--out", str(out),
             "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8"]  # fmt: skip
     with pytest.raises(SystemExit) as stop:
-        common.main(gspo.train, gspo.Args, "gspo", argv)
+        common.main(gspo.train, gspo.Args, argv)
     assert stop.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith(f"error: --reward flaky {expected}"), lines[-1]
