@@ -49,7 +49,7 @@ ROWS = "def alternate(prompts, completions, **kwargs):\n    return [float(i % 2)
 
 
 def train_in_process(module, *argv):
-    common.main(module.train, module.Args, module.__name__, [*SMALL, *map(str, argv)])
+    common.main(module.train, module.Args, [*SMALL, *map(str, argv)])
 
 
 def rows(path):
@@ -113,7 +113,7 @@ def write_jsonl(path, records):
 
 def setup_with(*argv):
     args = common.parse_args(gspo.Args, [*SMALL, *map(str, argv)])
-    return common.setup(args, "gspo", needs_group=True)
+    return common.setup(args, needs_group=True)
 
 
 def test_eval_data_replaces_the_held_out_part_and_overlap_is_counted(tmp_path, capsys):
@@ -228,7 +228,7 @@ def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_pat
         f.write(json.dumps({"step": 4, "prompt": "stale", "completion": "", "reward": -1.0}) + "\n")
     time.sleep(1.1)  # event files are ordered by their names' timestamps, in seconds
 
-    common.main(gspo.train, gspo.Args, "gspo", ["--resume", str(out), "--steps", "5"])
+    common.main(gspo.train, gspo.Args, ["--resume", str(out), "--steps", "5"])
     assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert_tensorboard_equals_metrics(out)  # steps 4 and 5 once each, the resumed run's values
     samples = rows(out / "samples.jsonl")
