@@ -1,4 +1,5 @@
-"""Reliability of ppo.py, grpo.py and gspo.py as programs, driven through subprocesses:
+"""Reliability of the scripts (helpers.SCRIPTS: ppo.py, grpo.py, gspo.py, and a fork once named there) as
+programs, driven through subprocesses:
 
   - bad input exits with status 2 and one line on stderr naming the flag or file, no traceback,
     no output directory left behind;
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from helpers import SCRIPTS  # noqa: E402
+
 import common  # noqa: E402
 
 SMALL = [
@@ -49,7 +52,6 @@ SMALL = [
     "--eval-every",
     "3",
 ]
-SCRIPTS = ("gspo", "grpo", "ppo")
 
 
 def env():
@@ -99,7 +101,9 @@ def write(path, text):
 
 
 def bad_inputs(tmp):
-    """(script, argv, what stderr must contain). Scripts rotate so that each one's wiring is seen."""
+    """(script, argv, what stderr must contain). The shared flags' cases rotate over SCRIPTS so that each
+    one's wiring is seen; the cases of a script's own flags (PPO's --critic-lr, the group-based methods'
+    --group-size >= 2) name their script."""
     no_config = tmp / "no-config"
     no_config.mkdir()
     broken = tmp / "broken-model"
@@ -109,50 +113,50 @@ def bad_inputs(tmp):
     good = json.dumps({"prompt": "1+1=", "answer": "2"})
     no_ckpt = tmp / "empty-run"
     no_ckpt.mkdir()
-    return [
-        ("gspo", ["--model", tmp / "missing-model"], "--model"),
-        ("grpo", ["--model", "./missing-model"], "no such directory"),
-        ("ppo", ["--model", no_config], "config.json"),
-        ("gspo", ["--model", broken], "cannot load"),
-        ("grpo", ["--model", a_file], "is a file"),
-        ("gspo", ["--data", tmp / "missing.jsonl"], "file not found"),
-        ("ppo", ["--data", write(tmp / "empty.jsonl", "\n\n")], "empty.jsonl: no records"),
-        ("grpo", ["--data", write(tmp / "badjson.jsonl", good + "\n{oops\n")], "badjson.jsonl:2: invalid JSON"),
+    shared = [
+        (["--model", tmp / "missing-model"], "--model"),
+        (["--model", "./missing-model"], "no such directory"),
+        (["--model", no_config], "config.json"),
+        (["--model", broken], "cannot load"),
+        (["--model", a_file], "is a file"),
+        (["--data", tmp / "missing.jsonl"], "file not found"),
+        (["--data", write(tmp / "empty.jsonl", "\n\n")], "empty.jsonl: no records"),
+        (["--data", write(tmp / "badjson.jsonl", good + "\n{oops\n")], "badjson.jsonl:2: invalid JSON"),
         (
-            "gspo",
             ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
             "noanswer.jsonl:3: missing field 'answer'",
         ),
-        (
-            "ppo",
-            ["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')],
-            "noprompt.jsonl:1: missing field 'prompt'",
-        ),
-        ("grpo", ["--data", tmp], "is a directory"),
-        ("gspo", ["--task", "poetry"], "--task must be one of arith, sums, gsm8k, jsonl, got 'poetry'"),
-        ("gspo", ["--steps", "0"], "--steps must be >= 1"),
-        ("ppo", ["--steps", "2.5"], "argument --steps: invalid int value: '2.5'"),
-        ("grpo", ["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
-        ("gspo", ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
-        ("ppo", ["--minibatches", "0"], "--minibatches must be >= 1"),
-        ("grpo", ["--epochs", "0"], "--epochs must be >= 1"),
+        (["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')], "noprompt.jsonl:1: missing field 'prompt'"),
+        (["--data", tmp], "is a directory"),
+        (["--task", "poetry"], "--task must be one of arith, sums, gsm8k, jsonl, got 'poetry'"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "2.5"], "argument --steps: invalid int value: '2.5'"),
+        (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        (["--minibatches", "0"], "--minibatches must be >= 1"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--eps-low", "-0.1"], "--eps-low must be"),
+        (["--eps-high", "-1e-4"], "--eps-high must be"),
+        (["--lr", "-1e-3"], "--lr must be"),
+        (["--lr", "nan"], "argument --lr: invalid float value: 'nan'"),
+        (["--prompts-per-step", "3", "--minibatches", "4"], "--minibatches 4 does not divide the batch of 6"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "-1"], "--temperature must be > 0"),
+        (["--out", a_file], "is a file"),
+        (["--out", a_file / "sub"], "is a file"),
+        (["--resume", tmp / "missing-run"], "--resume"),
+        (["--resume", no_ckpt], "no checkpoint"),
+        (["--save-every", "-1"], "--save-every must be >= 0"),
+        (["--seed", "-1"], "--seed must be in"),
+        (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
+    ]
+    own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
         ("grpo", ["--group-size", "1"], "--group-size must be >= 2"),
-        ("ppo", ["--eps-low", "-0.1"], "--eps-low must be"),
-        ("gspo", ["--eps-high", "-1e-4"], "--eps-high must be"),
-        ("grpo", ["--lr", "-1e-3"], "--lr must be"),
         ("ppo", ["--critic-lr", "-1"], "--critic-lr must be >= 0"),
-        ("gspo", ["--lr", "nan"], "argument --lr: invalid float value: 'nan'"),
-        ("gspo", ["--prompts-per-step", "3", "--minibatches", "4"], "--minibatches 4 does not divide the batch of 6"),
-        ("ppo", ["--temperature", "0"], "--temperature must be > 0"),
-        ("grpo", ["--temperature", "-1"], "--temperature must be > 0"),
-        ("gspo", ["--out", a_file], "is a file"),
-        ("ppo", ["--out", a_file / "sub"], "is a file"),
-        ("gspo", ["--resume", tmp / "missing-run"], "--resume"),
-        ("grpo", ["--resume", no_ckpt], "no checkpoint"),
-        ("gspo", ["--save-every", "-1"], "--save-every must be >= 0"),
-        ("ppo", ["--seed", "-1"], "--seed must be in"),
-        ("gspo", ["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
+    ]
+    return [(SCRIPTS[i % len(SCRIPTS)], argv, expected) for i, (argv, expected) in enumerate(shared)] + [
+        case for case in own if case[0] in SCRIPTS
     ]
 
 
@@ -252,10 +256,14 @@ def refusal(proc, *expected):
 
 
 def test_checkpoint_of_another_algorithm_is_refused(runs):
+    """gspo's checkpoint, offered to every other script (the run's directory or the checkpoint itself)."""
     part = runs("gspo", "part")
     before = (part / "metrics.jsonl").read_text()
-    refusal(run("grpo", "--resume", part, "--steps", "6"), "written by gspo.py, not grpo.py")
-    refusal(run("ppo", "--resume", part / "checkpoint", "--steps", "6"), "written by gspo.py, not ppo.py")
+    others = [script for script in SCRIPTS if script != "gspo"]
+    assert others
+    for i, script in enumerate(others):
+        where = part if i % 2 == 0 else part / "checkpoint"
+        refusal(run(script, "--resume", where, "--steps", "6"), f"written by gspo.py, not {script}.py")
     assert (part / "metrics.jsonl").read_text() == before
 
 
@@ -350,23 +358,31 @@ def test_sigterm_exits_143_with_a_checkpoint(tmp_path):
 # Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN)
 # ---------------------------------------------------------------------------------------------
 
-LOSS_FN = {"gspo": "gspo_loss", "grpo": "grpo_loss", "ppo": "ppo_policy_loss"}
+# The script's policy loss: `<script>_loss` (a fork named rloo.py: rloo_loss), except where named here
+LOSS_FN = {"ppo": "ppo_policy_loss"}
+
+
+def loss_fn_name(module) -> str:
+    name = LOSS_FN.get(module.__name__, f"{module.__name__}_loss")
+    assert callable(getattr(module, name, None)), f"{module.__name__}.py has no {name}(): add its loss to LOSS_FN"
+    return name
 
 
 def poison_loss(monkeypatch, module, from_call):
     """From the `from_call`-th call on (1-based), the script's loss function returns NaN."""
-    original, calls = getattr(module, LOSS_FN[module.__name__]), [0]
+    name = loss_fn_name(module)
+    original, calls = getattr(module, name), [0]
 
     def poisoned(*a, **kw):
         calls[0] += 1
-        loss, stats = original(*a, **kw)
-        return (loss * float("nan") if calls[0] >= from_call else loss), stats
+        loss, info = original(*a, **kw)
+        return (loss * float("nan") if calls[0] >= from_call else loss), info
 
-    monkeypatch.setattr(module, LOSS_FN[module.__name__], poisoned)
+    monkeypatch.setattr(module, name, poisoned)
 
 
 def train_in_process(module, *argv):
-    common.main(module.train, module.Args, module.__name__, [*SMALL, *map(str, argv)])
+    common.main(module.train, module.Args, [*SMALL, *map(str, argv)])
 
 
 def alternating_rewards(monkeypatch):
