@@ -5,8 +5,13 @@ Every expected value comes from an independent computation: a float64 plain-Pyth
 separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
+import helpers
 import pytest
 import torch
 from helpers import (
@@ -19,7 +24,6 @@ from helpers import (
     loop_geo_mean_ratio,
     loop_group_advantages,
     loop_seq_ratio,
-    run_smoke,
     t64,
 )
 from hypothesis import assume, given
@@ -29,6 +33,21 @@ import gspo
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4  # the paper's (and gspo_loss's default) clip range
 VARIANTS = ("sequence", "token")
+# the share clipped, by unit: the sequence variant clips whole sequences, GSPO-token clips tokens
+CLIP_KEY = {"sequence": "clip_frac_seqs", "token": "clip_frac"}
+
+
+def clip_frac(stats, variant):
+    """The loss's clipped share in its own unit; the other unit's key is absent (a share of sequences is
+    never reported under the token-level name, or the reverse)."""
+    other = CLIP_KEY["token" if variant == "sequence" else "sequence"]
+    assert other not in stats, f"variant={variant} reports {other}"
+    return stats[CLIP_KEY[variant]]
+
+
+def scalars(stats):
+    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
+    return {k: v for k, v in stats.items() if not isinstance(v, torch.Tensor)}
 
 
 def _grad(loss, x):
@@ -78,7 +97,7 @@ def test_identical_policies_give_ratio_one(b, variant):
     log_s = gspo.seq_log_ratio(logp, old, t64(b["mask"]))
     assert torch.equal(log_s, torch.zeros_like(log_s))
     _, stats = gspo.gspo_loss(logp, old, t64(b["adv"]), t64(b["mask"]), variant=variant)
-    assert stats["ratio_mean"] == 1.0 and stats["ratio_max_dev"] == 0.0 and stats["clip_frac"] == 0.0
+    assert stats["ratio_mean"] == 1.0 and stats["ratio_max_dev"] == 0.0 and clip_frac(stats, variant) == 0.0
 
 
 GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, -7.5, 0.0])
@@ -116,7 +135,8 @@ def test_padding_columns_change_nothing_sequence_variant(b, k, data):
     torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(g1[:, :T], g0, rtol=1e-10, atol=1e-14)
     assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert st1["clip_frac"] == st0["clip_frac"]
+    assert clip_frac(st1, "sequence") == clip_frac(st0, "sequence")
+    assert torch.equal(st1["clipped"], st0["clipped"])
 
 
 @LIGHT
@@ -131,7 +151,8 @@ def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data)
     torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(g1[:, :T], g0, rtol=1e-10, atol=1e-14)
     assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert st1["clip_frac"] == pytest.approx(st0["clip_frac"], abs=1e-12)
+    assert clip_frac(st1, "token") == pytest.approx(clip_frac(st0, "token"), abs=1e-12)
+    assert torch.equal(st1["clipped"][:, :T], st0["clipped"])  # the real tokens' decisions
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -220,7 +241,7 @@ def test_reference_example(variant):
     loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, EPS_LOW, EPS_HIGH, variant)
     assert loss.item() == pytest.approx(-(1 + EPS_HIGH), rel=1e-12)
     assert torch.equal(_grad(loss, logp), torch.zeros(1, 3, dtype=torch.float64))
-    assert stats["clip_frac"] == 1.0
+    assert clip_frac(stats, variant) == 1.0
 
     for a in (-1.0, -0.37):
         logp = logp0.clone().requires_grad_(True)
@@ -228,7 +249,7 @@ def test_reference_example(variant):
         assert loss.item() == pytest.approx(-a * s, rel=1e-12)
         expected = torch.full((1, 3), -a * s / 3, dtype=torch.float64)
         torch.testing.assert_close(_grad(loss, logp), expected, rtol=1e-12, atol=0)
-        assert stats["clip_frac"] == 0.0
+        assert clip_frac(stats, variant) == 0.0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -252,11 +273,13 @@ def test_clip_zero_gradient_both_sides(variant):
         expected = [-adv[i] * s / (lens[i] * 5) if t < lens[i] else 0.0 for t in range(4)]
         torch.testing.assert_close(g[i], t64(expected), rtol=1e-12, atol=0)
     if variant == "sequence":  # 2 of 5 sequences clipped (GSPO-token counts tokens instead)
-        assert stats["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+        assert clip_frac(stats, variant) == pytest.approx(2 / 5, abs=1e-7)
+    else:  # the clipped rows' tokens: 2 + 3 of the 12 real tokens
+        assert clip_frac(stats, variant) == pytest.approx(5 / 12, abs=1e-7)
 
 
 def test_clip_frac_hand_counted_sequence_variant():
-    """5 sequences, of which exactly rows 0 and 3 are clipped -> clip_frac 2/5."""
+    """5 sequences, of which exactly rows 0 and 3 are clipped -> clip_frac_seqs 2/5."""
     mask = t64([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
     # per-sequence mean log-ratio
     lr = [0.001, 0.001, -0.001, -0.001, 0.0002]
@@ -264,7 +287,8 @@ def test_clip_frac_hand_counted_sequence_variant():
     old = torch.zeros(5, 3, dtype=torch.float64)
     logp = t64([[x] * 3 for x in lr]) * mask
     _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, "sequence")
-    assert stats["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+    assert clip_frac(stats, "sequence") == pytest.approx(2 / 5, abs=1e-7)
+    assert stats["clipped"].tolist() == [True, False, False, True, False]
     expected_ratio_mean = sum(math.exp(x) for x in lr) / 5
     assert stats["ratio_mean"] == pytest.approx(expected_ratio_mean, rel=1e-12)
     assert stats["ratio_max_dev"] == pytest.approx(math.exp(0.001) - 1, rel=1e-9)
@@ -273,8 +297,39 @@ def test_clip_frac_hand_counted_sequence_variant():
     logp_full = t64([[x] * 3 for x in lr])
     _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "token")
     _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "sequence")
-    assert st_tok["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
-    assert st_seq["clip_frac"] == pytest.approx(2 / 5, abs=1e-7)
+    assert clip_frac(st_tok, "token") == pytest.approx(2 / 5, abs=1e-7)
+    assert clip_frac(st_seq, "sequence") == pytest.approx(2 / 5, abs=1e-7)
+
+
+@LIGHT
+@given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27), (0.0, 0.0)]), st.sampled_from(VARIANTS))
+def test_info_holds_each_ratio_and_clip_decision(b, eps, variant):
+    """What a trace keeps: info["ratio"] and info["clipped"], detached. The sequence variant has one of each per
+    sequence: s_i and whether its clip is active (the loop's rule); GSPO-token has them on every real token of the
+    sequence (each token's ratio has the value s_i). The reported share counts exactly those decisions, in its unit."""
+    s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
+    assume(_away_from_clip_edges(s, *eps))
+    logp = t64(b["logp"]).requires_grad_(True)
+    _, info = gspo.gspo_loss(logp, t64(b["old"]), t64(b["adv"]), t64(b["mask"]), *eps, variant)
+    ratio, clipped = info["ratio"], info["clipped"]
+    assert not ratio.requires_grad and clipped.dtype == torch.bool
+    rule = [is_clipped(a, si, *eps) for a, si in zip(b["adv"], s)]
+    lengths = [sum(row) for row in b["mask"]]
+    if variant == "sequence":
+        assert ratio.shape == clipped.shape == (b["B"],)
+        for got, expected in zip(ratio.tolist(), s):
+            assert got == pytest.approx(expected, rel=1e-10)
+        assert clipped.tolist() == rule
+        assert clip_frac(info, variant) == pytest.approx(sum(rule) / b["B"], abs=1e-7)  # (a float32 mean)
+    else:
+        assert ratio.shape == clipped.shape == (b["B"], b["T"])
+        for i, row in enumerate(b["mask"]):
+            for t, m in enumerate(row):
+                if m:
+                    assert ratio[i, t].item() == pytest.approx(s[i], rel=1e-10)
+                    assert clipped[i, t].item() == rule[i], (i, t)
+        share = sum(n for n, c in zip(lengths, rule) if c) / sum(lengths)
+        assert clip_frac(info, variant) == pytest.approx(share, abs=1e-7)
 
 
 def test_unknown_variant_raises():
@@ -363,7 +418,7 @@ def test_on_policy_gradient_equals_reinforce(b, variant):
     logp = t64(b["logp"]).requires_grad_(True)
     loss, stats = gspo.gspo_loss(logp, logp.detach(), adv, mask, variant=variant)
     g = _grad(loss, logp)
-    assert stats["clip_frac"] == 0.0
+    assert clip_frac(stats, variant) == 0.0
     # -mean_i A_i * mean_t logp_it over real tokens, written independently
     x = logp.detach().clone().requires_grad_(True)
     per_seq = torch.stack([(x[i] * mask[i]).sum() / mask[i].sum() for i in range(b["B"])])
@@ -460,7 +515,8 @@ def test_extreme_log_ratios_are_finite(variant, dtype):
         g = _grad(loss, x)
         assert torch.isfinite(loss), (adv, loss)
         assert torch.isfinite(g).all(), (adv, g)
-        assert all(math.isfinite(v) for v in stats.values())
+        assert all(math.isfinite(v) for v in scalars(stats).values())
+        assert torch.isfinite(stats["ratio"]).all()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -472,7 +528,8 @@ def test_all_masked_row_gives_no_nan(variant):
     g = _grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
-    assert all(math.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in scalars(stats).values())
+    assert torch.isfinite(stats["ratio"]).all()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -495,6 +552,49 @@ def test_all_masked_row_contributes_zero_to_the_loss(variant):
 # ----------------------------------------------------------------------------------------------
 
 
+def run_smoke(script, out, extra=()):
+    """helpers.run_smoke for gspo.py. Its checks name clip_frac, a share of tokens: GSPO-token's key; the sequence
+    variant (the default) logs clip_frac_seqs, a share of sequences, in its place, and summary.json has
+    mean_clip_frac_seqs. For it, the same checks with that key (requests-B.md: helpers.run_smoke could take the
+    key, and this copy go)."""
+    extra = list(extra)
+    if "token" in extra:
+        return helpers.run_smoke(script, out, extra)
+    env = dict(os.environ)
+    env.setdefault("RLREF_THREADS", "1")
+    cmd = [sys.executable, script, *helpers.SMOKE_ARGS, *extra, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2]
+    keys = helpers.METRIC_KEYS - {"clip_frac"} | {"clip_frac_seqs"}
+    for r in rows:
+        assert keys <= r.keys(), f"metrics row lacks {keys - r.keys()}"
+        assert "clip_frac" not in r  # a share of sequences is not logged under the token-level name
+        for k in keys - {"step"}:
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
+        assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["eval_accuracy"] <= 1.0
+        assert 0.0 <= r["clip_frac_seqs"] <= 1.0
+        assert r["entropy"] >= 0.0 and r["response_len"] >= 1.0
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    keys = helpers.SUMMARY_KEYS - {"mean_clip_frac"} | {"mean_clip_frac_seqs"}
+    assert keys <= summary.keys(), f"summary.json lacks {keys - summary.keys()}"
+    assert "mean_clip_frac" not in summary
+    assert summary["steps"] == 2 and summary["model"] == "tiny" and summary["task"] == "arith"
+    assert summary["seed"] == 0 and isinstance(summary["args"], dict)
+    assert math.isclose(summary["mean_clip_frac_seqs"], sum(r["clip_frac_seqs"] for r in rows) / 2, abs_tol=1e-5)
+    assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
+    assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(out / "final"), AutoTokenizer.from_pretrained(out / "final")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tok("1+2=")["input_ids"]])).logits
+    assert torch.isfinite(logits).all()
+    return rows, summary
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_smoke_run(tmp_path, variant):
     rows, summary = run_smoke("gspo.py", tmp_path / "run", ["--variant", variant])
@@ -511,7 +611,7 @@ def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, l
     clipped; a row whose pi_old was taken from the wrong row or never filled would be far off."""
     rows, _ = run_smoke("gspo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
     for r in rows:
-        assert r["ratio_max_dev"] <= 1e-5 and r["clip_frac"] == 0.0, r
+        assert r["ratio_max_dev"] <= 1e-5 and r["clip_frac_seqs"] == 0.0, r  # the default: the sequence variant
 
 
 # A reward that depends on the row alone (row i of B): 1 for the first row of every even group of
@@ -531,7 +631,7 @@ def patched_script(path, patch: str):
     path.write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport torch\nimport common, gspo\n"
         + patch
-        + "common.main(gspo.train, gspo.Args, 'gspo')\n"
+        + "common.main(gspo.train, gspo.Args)\n"
     )
     return path
 

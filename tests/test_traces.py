@@ -6,6 +6,7 @@ chromium), offline, with one span per completion token and a hovered token's num
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import show_traces
 import torch
@@ -22,11 +24,9 @@ from helpers import ROOT
 from safetensors.torch import load_file
 
 import common
-import grpo
-import gspo
-import ppo
 
-SCRIPTS = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
+SCRIPTS = {name: importlib.import_module(name) for name in helpers.SCRIPTS}  # a fork: add its name to helpers
+gspo = SCRIPTS.get("gspo") or importlib.import_module("gspo")
 # two epochs of two minibatches: every row is in two updates, the second of them off-policy; narrow
 # clip ranges and a high learning rate, so that the second update's ratios cross them
 RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2", "--epochs", "2", "--max-new-tokens", "4",
@@ -35,13 +35,13 @@ OWN = {
     "ppo": ["--group-size", "2", "--eps-low", "0.01", "--eps-high", "0.01"],
     "grpo": ["--eps-low", "0.01", "--eps-high", "0.01", "--kl-coef", "0.05"],  # a reference: ref_logp
     "gspo": [],  # its own clip range (3e-4, 4e-4) is narrow already; rows with A = 0 are not forwarded
-}
+}  # a script not named here (a fork) runs with its own defaults
 REQUIRE_BROWSER = os.environ.get("RLREF_REQUIRE_BROWSER") == "1"  # .ci/run: a missing browser fails
 
 
 def train(name, out, *extra):
     module = SCRIPTS[name]
-    common.main(module.train, module.Args, name, argv=[*RUN, *OWN[name], *map(str, extra), "--out", str(out)])
+    common.main(module.train, module.Args, argv=[*RUN, *OWN.get(name, []), *map(str, extra), "--out", str(out)])
     return out
 
 
@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
         part = train(name, root / f"{name}-part", "--steps", 1, "--trace-every", 1, "--save-every", 1)
         shutil.copytree(part / "final", root / f"{name}-after-step-1")
         module = SCRIPTS[name]
-        common.main(module.train, module.Args, name, argv=["--resume", str(part), "--steps", "2"])
+        common.main(module.train, module.Args, argv=["--resume", str(part), "--steps", "2"])
         out[name] = {"full": full, "untraced": untraced, "resumed": part, "after1": root / f"{name}-after-step-1"}
     return out
 
@@ -81,7 +81,7 @@ def logprobs(model, record, completion) -> torch.Tensor:
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
     records = traces(runs[name]["full"])
-    args = SCRIPTS[name].Args(**{"eps_low": 0.01, "eps_high": 0.01} if name != "gspo" else {})
+    args = common.parse_args(SCRIPTS[name].Args, [*RUN, *OWN.get(name, [])])  # the flags the runs were given
     eps_low, eps_high = args.eps_low, args.eps_high
     assert [r["step"] for r in records] == [1, 1, 1, 2, 2, 2]  # --trace-groups 3 of the 4 prompts
     device = torch.device("cpu")
@@ -162,7 +162,7 @@ def test_resume_cuts_traces_back_to_the_checkpoint(tmp_path):
     out = train("gspo", tmp_path / "run", "--steps", 1, "--trace-every", 1, "--save-every", 1)
     with open(out / "traces.jsonl", "a") as f:  # what a crash after the checkpoint's step leaves
         f.write(json.dumps({"step": 2, "stale": True}) + "\n")
-    common.main(gspo.train, gspo.Args, "gspo", argv=["--resume", str(out), "--steps", "2", "--trace-every", "0"])
+    common.main(gspo.train, gspo.Args, argv=["--resume", str(out), "--steps", "2", "--trace-every", "0"])
     assert [r["step"] for r in traces(out)] == [1, 1, 1] and not any("stale" in r for r in traces(out))
 
 
@@ -178,7 +178,7 @@ def test_the_default_traces_at_each_evaluation(tmp_path):
 @pytest.mark.parametrize("flag, value", [("--trace-every", "-1"), ("--trace-groups", "0")])
 def test_bad_trace_flags_are_one_line_errors(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as e:
-        common.main(gspo.train, gspo.Args, "gspo", argv=[*RUN, flag, value, "--out", str(tmp_path / "x")])
+        common.main(gspo.train, gspo.Args, argv=[*RUN, flag, value, "--out", str(tmp_path / "x")])
     assert e.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and flag in errors[0]
