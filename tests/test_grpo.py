@@ -14,6 +14,7 @@ from helpers import (
     batches,
     float32_round,
     group_mean_std,
+    is_clipped,
     loop_group_advantages,
     loop_grpo,
     run_smoke,
@@ -31,6 +32,11 @@ EPS_PAIRS = [(0.2, 0.2), (0.2, 0.28)]
 def _grad(loss, x):
     (g,) = torch.autograd.grad(loss, x)
     return g
+
+
+def scalars(stats):
+    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
+    return {k: v for k, v in stats.items() if not isinstance(v, torch.Tensor)}
 
 
 def _away_from_clip_edges(b, eps_low, eps_high, tol=1e-9):
@@ -200,6 +206,31 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
     assert stats["clip_frac"] == pytest.approx((n_low + n_high) / n, abs=1e-7)
 
 
+@LIGHT
+@given(batches(), st.sampled_from(EPS_PAIRS), st.booleans())
+def test_info_holds_each_tokens_ratio_and_clip_decision(b, eps, per_token_adv):
+    """What a trace keeps: info["ratio"] [B, T], each real token's exp(logp - old), and info["clipped"] [B, T],
+    the loop's clip rule for that token (False on padding), both detached; clip_frac counts those decisions."""
+    assume(_away_from_clip_edges(b, *eps))
+    adv = [[a * (-1) ** t for t in range(b["T"])] for a in b["adv"]] if per_token_adv else b["adv"]
+    _, _, info = _run(b, "token-mean", eps, adv=adv)
+    ratio, clipped = info["ratio"], info["clipped"]
+    assert ratio.shape == clipped.shape == (b["B"], b["T"])
+    assert not ratio.requires_grad and clipped.dtype == torch.bool
+    n_clipped = 0
+    for i, row in enumerate(b["mask"]):
+        for t, m in enumerate(row):
+            if not m:
+                assert not clipped[i, t]
+                continue
+            a = adv[i][t] if per_token_adv else adv[i]
+            r = math.exp(b["logp"][i][t] - b["old"][i][t])
+            assert ratio[i, t].item() == pytest.approx(r, rel=1e-12)
+            assert clipped[i, t].item() == is_clipped(a, r, *eps), (i, t)
+            n_clipped += is_clipped(a, r, *eps)
+    assert info["clip_frac"] == pytest.approx(n_clipped / sum(map(sum, b["mask"])), abs=1e-7)
+
+
 def test_clip_fractions_hand_counted_with_padding():
     """Two rows, 3 + 2 real tokens (5 in all), a padded column with a huge ratio that must not
     count. Row 0 (A = +1): r = [1.5, 1.0, 0.5] -> one high clip. Row 1 (A = -1): r = [0.5, 0.7]
@@ -211,6 +242,7 @@ def test_clip_fractions_hand_counted_with_padding():
     assert stats["clip_frac_high"] == pytest.approx(1 / 5, abs=1e-7)
     assert stats["clip_frac_low"] == pytest.approx(2 / 5, abs=1e-7)
     assert stats["clip_frac"] == pytest.approx(3 / 5, abs=1e-7)
+    assert stats["clipped"].tolist() == [[True, False, False, False], [True, True, False, False]]
     assert stats["ratio_mean"] == pytest.approx((1.5 + 1.0 + 0.5 + 0.5 + 0.7) / 5, rel=1e-7)
     assert stats["ratio_max_dev"] == pytest.approx(0.5, rel=1e-7)
 
@@ -414,7 +446,7 @@ def patched_script(path, patch: str):
     path.write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport torch\nimport common, grpo\n"
         + patch
-        + "common.main(grpo.train, grpo.Args, 'grpo')\n"
+        + "common.main(grpo.train, grpo.Args)\n"
     )
     return path
 
@@ -604,7 +636,8 @@ def test_extreme_log_ratios_are_finite(agg, dtype):
         g = _grad(loss, x)
         assert torch.isfinite(loss), (adv, loss)
         assert torch.isfinite(g).all(), (adv, g)
-        assert all(math.isfinite(v) for v in stats.values()), stats
+        assert all(math.isfinite(v) for v in scalars(stats).values()), stats
+        assert torch.isfinite(stats["ratio"]).all()
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -621,7 +654,7 @@ def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
     loss, g, stats = _run(b, agg, ref=ref, kl_coef=0.1, max_len=3)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
-    assert all(math.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in scalars(stats).values())
     exp_loss, exp_grad = loop_grpo(b, 0.2, 0.2, agg, 3, ref, 0.1)
     assert loss.item() == pytest.approx(exp_loss, rel=1e-12)
     torch.testing.assert_close(g, t64(exp_grad), rtol=1e-12, atol=0)
@@ -629,7 +662,8 @@ def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
     empty = dict(b, mask=[[0, 0, 0], [0, 0, 0]])
     loss, g, stats = _run(empty, agg, ref=ref, kl_coef=0.1, max_len=3)
     assert loss.item() == 0.0 and torch.equal(g, torch.zeros_like(g))
-    assert all(math.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in scalars(stats).values())
+    assert not stats["clipped"].any()  # no token, no clip decision
 
 
 # ----------------------------------------------------------------------------------------------

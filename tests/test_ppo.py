@@ -351,6 +351,11 @@ def test_whiten_all_masked():
 # --------------------------------------------------------------------------------------------
 
 
+def scalars(stats):
+    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
+    return {k: v for k, v in stats.items() if not isinstance(v, torch.Tensor)}
+
+
 def policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip, clamp=20.0):
     """Per-token loss and d loss / d logp written out from the formula (token-mean)."""
     n_tok = sum(lengths)
@@ -460,6 +465,8 @@ def test_policy_loss_clip_frac_hand_worked():
     adv = [[1.0, -1.0, 1.0, -1.0, 1.0]]
     _, _, stats = run_policy_loss([[math.log(r) for r in ratios[0]]], [[0.0] * 5], adv, as_mask([4], 5))
     assert stats["clip_frac"] == pytest.approx(0.5)
+    assert stats["clipped"].tolist() == [[True, True, False, False, False]]  # the padded token: no decision
+    close(stats["ratio"][:, :4], [ratios[0][:4]], atol=1e-12)
 
 
 @SETTINGS
@@ -501,6 +508,41 @@ def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high
     close(grad, want_grad, atol=1e-9)
 
 
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 4),
+    T=st.integers(1, 6),
+    data=st.data(),
+    eps_low=st.floats(0.05, 0.5),
+    eps_high=st.floats(0.05, 0.5),
+    dual_clip=st.one_of(st.none(), st.floats(1.5, 5.0)),
+)
+def test_policy_loss_info_holds_each_tokens_ratio_and_clip_decision(seed, B, T, data, eps_low, eps_high, dual_clip):
+    # what a trace keeps: info["ratio"] [B, T], each real token's exp(logp - old), and info["clipped"] [B, T], the
+    # clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low; the dual clip is counted
+    # apart), False on padding; both detached
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    g = torch.Generator().manual_seed(seed)
+    old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
+    logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    _, _, info = run_policy_loss(
+        logp, old, adv, as_mask(lengths, T), eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
+    assert info["ratio"].shape == info["clipped"].shape == (B, T)
+    assert not info["ratio"].requires_grad and info["clipped"].dtype == torch.bool
+    for i, n in enumerate(lengths):
+        for t in range(T):
+            if t >= n:
+                assert not info["clipped"][i, t]
+                continue
+            r, a = math.exp(logp[i][t] - old[i][t]), adv[i][t]
+            assert info["ratio"][i, t].item() == pytest.approx(r, rel=1e-12)
+            if abs(r - 1 - eps_high) > 1e-9 and abs(r - 1 + eps_low) > 1e-9:
+                assert info["clipped"][i, t].item() == ((a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low))
+
+
 @pytest.mark.parametrize("size", [50.0, 100.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dual_clip", [3.0, None])
@@ -513,7 +555,8 @@ def test_policy_loss_finite_at_extreme_log_ratios(size, dtype, dual_clip):
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logp.grad).all()
-    assert all(math.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in scalars(stats).values())
+    assert torch.isfinite(stats["ratio"]).all()
     if dual_clip is not None:
         # A=+1 r huge: -1.2; A=+1 r ~ 0: -r ~ 0; A=-1 r huge: dual cap 3; A=-1 r ~ 0: 0.8
         assert loss.item() == pytest.approx((-1.2 + 0.0 + 3.0 + 0.8) / 4, abs=1e-6)
@@ -538,7 +581,8 @@ def test_policy_loss_all_masked_row_is_harmless():
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(logp.grad, torch.zeros(2, 3, dtype=F64))
-    assert all(math.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in scalars(stats).values())
+    assert not stats["clipped"].any()
 
 
 # --------------------------------------------------------------------------------------------
