@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SCRIPTS
 from test_fork_traps import TINY_RUN, final_weights, one_line_error, run_main
 
 import common
 import grpo
 import gspo
 import ppo
+from extras import rollout_precision
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,8 @@ def test_recording_mu_changes_no_sample(tiny):
 
 
 def test_the_default_sampler_is_the_policy_itself(tiny):
-    model, _ = tiny
-    sampler = common.Sampler(model, args_for())
+    model, tok = tiny
+    sampler = common.Sampler(model, tok, args_for())
     assert sampler.copy is None and not sampler.records
 
 
@@ -107,11 +109,10 @@ def test_bf16_mu_equals_a_float64_recomputation_of_the_bf16_sampler(tiny):
     weights, the logits taken to float64 for the softmax: mu matches to bf16 tolerance, and is
     measurably not float32's pi_old."""
     model, tok = tiny
-    sampler = common.Sampler(model, args_for(rollout_dtype="bfloat16"))
+    sampler = common.Sampler(model, tok, args_for(rollout_dtype="bfloat16"))  # 8 new tokens, temperature 1, top-p 1
     assert sampler.records and sampler.copy is not None
-    eos = common.eos_token_ids(model, tok)
     g = torch.Generator().manual_seed(0)
-    roll = sampler.sample(arith_prompts(tok), 8, eos, tok.pad_token_id, 1.0, 1.0, g)
+    roll = sampler.sample(arith_prompts(tok), g)
     m = roll.completion_mask.bool()
     ref = torch.zeros_like(roll.sample_logp, dtype=torch.float64)
     with torch.no_grad():
@@ -138,7 +139,7 @@ def bf16_twin(model):
 def test_the_bf16_copy_follows_the_policy_and_is_freed_after_sampling(tiny, monkeypatch):
     model, tok = tiny
     model = copy.deepcopy(model)
-    sampler = common.Sampler(model, args_for(rollout_dtype="bfloat16"))
+    sampler = common.Sampler(model, tok, args_for(rollout_dtype="bfloat16", max_new_tokens=2))
     seen = {}
     real_sample = common.sample
 
@@ -151,12 +152,12 @@ def test_the_bf16_copy_follows_the_policy_and_is_freed_after_sampling(tiny, monk
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)  # an update: the next rollout must see it
-    sampler.sample(arith_prompts(tok, 1, 1), 2, common.eos_token_ids(model, tok), tok.pad_token_id, 1.0, 1.0, None)
+    sampler.sample(arith_prompts(tok, 1, 1), None)
     for a, b in zip(seen["params"], model.parameters()):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b.detach().to(torch.bfloat16))
     rope = [dtype for name, dtype in seen["buffers"].items() if "inv_freq" in name]
     assert rope and all(d == torch.float32 for d in rope)  # buffers stay float32
-    assert all(p.numel() == 0 for p in sampler.copy.parameters())  # freed between rollouts
+    assert all(p.numel() == 0 for p in sampler.copy.module.parameters())  # freed between rollouts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def hand_case():
 
 def test_tis_weights_hand_worked():
     old, mu, mask = hand_case()
-    w = common.is_weights(old, mu, mask, "tis", 2.0)
+    w = rollout_precision.is_weights(old, mu, mask, "tis", 2.0)
     expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]])  # min(ratio, 2); padding 1
     torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
 
@@ -182,7 +183,7 @@ def test_tis_weights_hand_worked():
 def test_sequence_tis_weights_hand_worked():
     """GSPO's per-sequence weight: min(geometric mean of the token ratios, cap)."""
     old, mu, mask = hand_case()
-    w = common.is_weights(old, mu, mask, "tis", 1.4, per="sequence")
+    w = rollout_precision.is_weights(old, mu, mask, "tis", 1.4, per="sequence")
     row0 = min((3 * 0.6) ** 0.5, 1.4)  # 1.342
     row1 = min((1.5 * 1.2 * 1.9) ** (1 / 3), 1.4)  # 1.507 -> 1.4
     torch.testing.assert_close(w, torch.tensor([[row0, row0, 1.0], [row1] * 3]), atol=1e-6, rtol=0)
@@ -191,15 +192,32 @@ def test_sequence_tis_weights_hand_worked():
 def test_sequence_mask_hand_worked():
     """TRL's one-sided sequence_mask: drop a sequence whose product of ratios exceeds the cap."""
     old, mu, mask = hand_case()
-    w = common.is_weights(old, mu, mask, "mask", 2.0)  # row 0: 1.8 <= 2 kept; row 1: 3.42 > 2 dropped
+    w = rollout_precision.is_weights(old, mu, mask, "mask", 2.0)  # row 0: 1.8 <= 2 kept; row 1: 3.42 > 2 dropped
     assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
-    assert torch.equal(common.is_weights(old, mu, mask, "mask", 4.0), torch.ones(2, 3))
-    assert common.is_weights(old, mu, mask, "none", 2.0) is None
+    assert torch.equal(rollout_precision.is_weights(old, mu, mask, "mask", 4.0), torch.ones(2, 3))
+    assert rollout_precision.is_weights(old, mu, mask, "none", 2.0) is None
+
+
+def test_the_scripts_hook_weighs_only_the_forwarded_rows():
+    """common.is_weights(old_logp, roll, plan, args): None without --is-correction (or without a recorded mu);
+    else the weights of the rows the plan's updates forward, 1 on the others (their pi_old was never computed)."""
+    old, mu, mask = hand_case()
+    roll = common.Rollout.from_lists([[5], [6]], [[7, 8], [9, 10, 11]], pad_id=0)
+    roll.sample_logp = mu
+    plan = [(torch.tensor([0, 1]), torch.tensor([1]))]  # one update, forwarding row 1 alone
+    assert common.is_weights(old, roll, plan, args_for()) is None
+    w = common.is_weights(old, roll, plan, args_for(is_correction="tis", is_cap=2.0))
+    expected = torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.2, 1.9]])  # row 0 not forwarded: 1; row 1 under the cap
+    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    w = common.is_weights(old, roll, None, args_for(is_correction="tis", is_cap=2.0))  # no plan: every row
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]]), atol=1e-6, rtol=0)
+    roll.sample_logp = None
+    assert common.is_weights(old, roll, plan, args_for(is_correction="tis")) is None
 
 
 def test_mismatch_stats_hand_worked():
     old, mu, mask = hand_case()
-    stats = common.mismatch_stats(old, mu, mask)
+    stats = rollout_precision.mismatch_stats(old, mu, mask)
     d = [math.log(3), math.log(0.6), math.log(1.5), math.log(1.2), math.log(1.9)]
     mean = sum(d) / 5
     assert abs(stats["mismatch_log_ratio_mean"] - mean) < 1e-6
@@ -236,7 +254,7 @@ def test_with_float32_rollouts_the_correction_changes_nothing(tiny, case, mode):
         old = common.completion_logprobs(model, roll, 1.0)[0] * mask
     adv = torch.randn(len(roll), generator=torch.Generator().manual_seed(1))
     per = "sequence" if case == "gspo" else "token"
-    weights = common.is_weights(old, roll.sample_logp, mask, mode, 2.0, per)
+    weights = rollout_precision.is_weights(old, roll.sample_logp, mask, mode, 2.0, per)
     shift = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
     results = []
     for w in (None, weights):
@@ -253,7 +271,7 @@ def test_with_float32_rollouts_the_correction_changes_nothing(tiny, case, mode):
         torch.testing.assert_close(g1, g0, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_old_logp_rollout_with_float32_gives_ratio_one_on_the_first_update(tmp_path, capsys, name):
     argv = ["--steps", 1, "--old-logp", "rollout", "--out", tmp_path / "out", *TINY_RUN]
     assert run_main(name, argv, capsys)[0] == 0
@@ -263,7 +281,7 @@ def test_old_logp_rollout_with_float32_gives_ratio_one_on_the_first_update(tmp_p
     assert abs(row["mismatch_log_ratio_mean"]) < 1e-5 and row["mismatch_log_ratio_std"] < 1e-5
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_bf16_rollouts_log_the_mismatch_and_the_correction(tmp_path, capsys, name):
     argv = ["--steps", 2, "--rollout-dtype", "bfloat16", "--is-correction", "tis", "--out", tmp_path / "out", *TINY_RUN]
     assert run_main(name, argv, capsys)[0] == 0
@@ -271,7 +289,7 @@ def test_bf16_rollouts_log_the_mismatch_and_the_correction(tmp_path, capsys, nam
     for r in rows:
         assert 1e-4 < r["mismatch_log_ratio_std"] < 0.2 and r["mismatch_k3"] >= 0
         assert 0.5 < r["is_weight_mean"] < 2 and 0 <= r["is_truncated_frac"] <= 1
-        assert "clip_frac" in r
+        assert ("clip_frac_seqs" if name == "gspo" else "clip_frac") in r  # GSPO's sequence variant: of sequences
 
 
 def test_resume_is_exact_with_bf16_rollouts(tmp_path, capsys):
