@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+from extras.moe import RoutingReplay, routing_drift
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def test_moe_checkpoint_round_trip_and_band(moe):
     assert config.model_type == "qwen3_moe" and config.num_experts == 8 and config.num_experts_per_tok == 2
     model = AutoModelForCausalLM.from_pretrained(path)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    assert len(common.RoutingReplay(model).blocks) == config.num_hidden_layers  # every layer sparse
+    assert len(RoutingReplay(model).blocks) == config.num_hidden_layers  # every layer sparse
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.decode(tok("12+34=")["input_ids"]) == "12+34="
     _, held_out = common.arith_split()
@@ -66,7 +67,7 @@ def test_sample_falls_back_to_hf_and_greedy_equals_generate(moe):
 
 def test_replay_with_unchanged_weights_equals_plain_forward(moe):
     model, tok = moe
-    roll, routing = small_rollout(tok), common.RoutingReplay(model)
+    roll, routing = small_rollout(tok), RoutingReplay(model)
     with torch.no_grad(), routing.record():
         plain, _ = common.completion_logprobs(model, roll)
     L, (B, S) = len(routing.blocks), (roll.prompt_ids.shape[0], roll.prompt_ids.shape[1] + roll.completion_ids.shape[1])
@@ -84,7 +85,7 @@ def test_replay_after_weight_change_uses_recorded_experts_and_gradients(moe):
     model, tok = moe
     model = type(model)(model.config).eval()  # a private copy: this test changes weights
     model.load_state_dict(moe[0].state_dict())
-    roll, routing, observed = small_rollout(tok), common.RoutingReplay(model), common.RoutingReplay(model)
+    roll, routing, observed = small_rollout(tok), RoutingReplay(model), RoutingReplay(model)
     with torch.no_grad(), routing.record():
         common.completion_logprobs(model, roll)
     recorded = routing.indices.clone()
@@ -94,7 +95,7 @@ def test_replay_after_weight_change_uses_recorded_experts_and_gradients(moe):
             block.gate.weight.add_(torch.randn_like(block.gate.weight))
     with torch.no_grad(), observed.record():
         common.completion_logprobs(model, roll)
-    assert common.routing_drift(recorded, observed.indices) > 0.1  # plain routing has drifted
+    assert routing_drift(recorded, observed.indices) > 0.1  # plain routing has drifted
 
     model.zero_grad()
     with routing.replay(recorded), observed.record():  # `observed` sees what the experts are given
@@ -115,12 +116,26 @@ def test_replay_after_weight_change_uses_recorded_experts_and_gradients(moe):
         assert routed and routed <= used, f"layer {layer}: router rows with gradient {routed}, recorded {used}"
 
 
+def test_is_moe_and_a_record_without_a_forward(moe):
+    """common.is_moe: the MoE checkpoint has sparse blocks, the dense one none. A record() block in which no
+    forward ran (--old-logp rollout's first step) leaves no indices, not a stack of Nones, and drift is {}."""
+    model, tok = moe
+    dense, _ = common.load_model("tiny", torch.device("cpu"))
+    assert common.is_moe(model) and not common.is_moe(dense)
+    routing = RoutingReplay(model)
+    with routing.record():
+        pass
+    assert routing.indices is None
+    assert routing.drift(model, small_rollout(tok)) == {}
+    assert RoutingReplay(dense).blocks == []
+
+
 def test_routing_drift_hand_made_and_identical():
     a = torch.tensor([[[[0, 1], [2, 3], [4, 5]]]])  # [layers=1, B=1, S=3, k=2]
     b = torch.tensor([[[[1, 0], [2, 4], [4, 5]]]])  # same set, different set, same
-    assert common.routing_drift(a, b) == pytest.approx(1 / 3)
-    assert common.routing_drift(a, b, torch.tensor([[1.0, 0.0]])) == pytest.approx(1.0)  # completion: last 2
-    assert common.routing_drift(a, b, torch.tensor([[0.0, 1.0]])) == 0.0
+    assert routing_drift(a, b) == pytest.approx(1 / 3)
+    assert routing_drift(a, b, torch.tensor([[1.0, 0.0]])) == pytest.approx(1.0)  # completion: last 2
+    assert routing_drift(a, b, torch.tensor([[0.0, 1.0]])) == 0.0
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 8, (3, 4, 5, 2), generator=g)
     y = torch.where(torch.rand(3, 4, 5, 1, generator=g) < 0.3, torch.randint(0, 8, (3, 4, 5, 2), generator=g), x)
@@ -132,17 +147,17 @@ def test_routing_drift_hand_made_and_identical():
                 if mask[i, t]:
                     total += 1
                     differ += set(x[layer, i, 2 + t].tolist()) != set(y[layer, i, 2 + t].tolist())
-    assert common.routing_drift(x, y, mask) == pytest.approx(differ / total)
+    assert routing_drift(x, y, mask) == pytest.approx(differ / total)
 
 
 def test_routing_drift_is_zero_for_identical_weights(moe):
     model, tok = moe
-    roll, a, b = small_rollout(tok), common.RoutingReplay(model), common.RoutingReplay(model)
+    roll, a, b = small_rollout(tok), RoutingReplay(model), RoutingReplay(model)
     with torch.no_grad(), a.record():
         common.completion_logprobs(model, roll)
     with torch.no_grad(), b.record():
         common.completion_logprobs(model, roll)
-    assert common.routing_drift(a.indices, b.indices, roll.completion_mask) == 0.0
+    assert routing_drift(a.indices, b.indices, roll.completion_mask) == 0.0
 
 
 SMOKE = [
