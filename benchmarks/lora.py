@@ -25,6 +25,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # recipes.py
+
+import recipes  # noqa: E402  (tools/recipes.py: the tiny model's shape)
 
 import common  # noqa: E402
 
@@ -88,7 +91,7 @@ def main():
     import transformers
 
     config = transformers.Qwen3Config(
-        **{**common.TINY_CONFIG, "hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8,
+        **{**recipes.TINY_CONFIG, "hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8,
            "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 8},
         vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
     )  # fmt: skip

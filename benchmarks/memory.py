@@ -228,16 +228,17 @@ def build_vocab_checkpoint(path: Path) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    import common
+    sys.path.insert(0, str(ROOT / "tools"))
+    import recipes
 
-    names = [common.PAD, common.EOS] + common.TINY_CHARS + ["<unk>"]
+    names = [recipes.PAD, recipes.EOS] + recipes.TINY_CHARS + ["<unk>"]
     names += [f"<t{i}>" for i in range(VOCAB - len(names))]
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=common.PAD, eos_token=common.EOS,
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=recipes.PAD, eos_token=recipes.EOS,
                                   unk_token="<unk>", padding_side="left")  # fmt: skip
-    config = {**common.TINY_CONFIG, "vocab_size": VOCAB, "max_position_embeddings": 1024}
+    config = {**recipes.TINY_CONFIG, "vocab_size": VOCAB, "max_position_embeddings": 1024}
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**config, pad_token_id=0, eos_token_id=1, bos_token_id=None))
     model.save_pretrained(path)

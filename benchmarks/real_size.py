@@ -40,12 +40,11 @@ def build_checkpoint(fields: dict, path: Path):
     tokenizer whose vocabulary has the real size (the char tokenizer's entries, then filler tokens up
     to vocab_size, so that every id the model samples decodes to text), saved at `path`."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+    import recipes
     import torch
     from build_checkpoints import build_char_tokenizer
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
-
-    import common
 
     fields = dict(fields)  # model_type is taken out below
     chars = build_char_tokenizer().get_vocab()  # {token: id}: PAD 0, EOS 1, then the characters
@@ -54,7 +53,7 @@ def build_checkpoint(fields: dict, path: Path):
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=common.PAD, eos_token=common.EOS,
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=recipes.PAD, eos_token=recipes.EOS,
                                   unk_token="<unk>", padding_side="left")  # fmt: skip
     assert len(tok) == fields["vocab_size"], (len(tok), fields["vocab_size"])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, pad_token_id=tok.pad_token_id,

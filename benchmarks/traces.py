@@ -3,8 +3,8 @@
     python benchmarks/traces.py [--script gspo] [--steps 20] [--threads 1] [any script flag ...]
 
 Runs the script in this process with --trace-every 2 (every other step traced; the default
-traces only at evaluations) and --eval-every 0, timing the tracing code itself: run.trace (its
-no-grad forward of traced rows no update forwards), every trace.update call, and the records
+traces only at evaluations) and --eval-every 0, timing the tracing code itself (extras/traces.py): Trace's constructor
+(its no-grad forward of traced rows no update forwards), every trace.update call, and the records
 written to traces.jsonl. Prints, for traced and untraced steps, the median step time (the step's
 step_time_s plus the records' time, which log() spends after measuring it) and the median time
 inside the tracing code, with its share of the step; and the size of traces.jsonl. CPU time of
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from extras import traces  # noqa: E402
 
 
 def main():
@@ -49,14 +50,14 @@ def main():
 
         return wrapper
 
-    common.Run.trace = timed(common.Run.trace, lambda run: run.step_now)
-    common.Trace.update = timed(common.Trace.update, lambda trace: trace.step)
-    common.Trace.records = timed(common.Trace.records, lambda trace: trace.step)
+    traces.Trace.__init__ = timed(traces.Trace.__init__, lambda trace: trace.step)
+    traces.Trace.update = timed(traces.Trace.update, lambda trace: trace.step)
+    traces.Trace.records = timed(traces.Trace.records, lambda trace: trace.step)
     step_cpu = {}  # step -> CPU seconds of the whole step
     original_log = common.Run.log
 
-    def log(self, row, no_signal=False):  # the step's CPU time, records included
-        original_log(self, row, no_signal)
+    def log(self, row, *a, **k):  # the step's CPU time, records included
+        original_log(self, row, *a, **k)
         step_cpu[row["step"]] = time.process_time() - self.step_cpu_started
 
     original_steps = common.Run.steps
@@ -69,7 +70,7 @@ def main():
     common.Run.log, common.Run.steps = log, steps
     with tempfile.TemporaryDirectory() as out:
         argv = ["--steps", str(args.steps), "--eval-every", "0", "--trace-every", "2", *rest, "--out", out]
-        common.main(module.train, module.Args, args.script, argv=argv)
+        common.main(module.train, module.Args, argv=argv)
         size = (Path(out) / "traces.jsonl").stat().st_size
         traced = {json.loads(line)["step"] for line in (Path(out) / "traces.jsonl").read_text().splitlines()}
     rows = []

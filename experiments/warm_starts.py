@@ -6,7 +6,7 @@ checkpoint and from the same recipe's other warm starts? Defaults are chosen by 
     python experiments/warm_starts.py --report-only  the report from OUT's finished runs
 
 Warm starts: SFT seed 0 is the shipped checkpoint (`common.tiny_checkpoint("tiny")`: the recipe
-`common.TINY_WARMSTART` with seed 0, built once on the AMD EPYC host). SFT seed k > 0 is the same
+`TINY_WARMSTART` (tools/recipes.py) with seed 0, built once on the AMD EPYC host). SFT seed k > 0 is the same
 recipe with seed k, built on first use into OUT/checkpoints/sft<k>/ (about a minute each). They stand
 in for what the recipe gives on other machines: it stops at the first probe past 20% training
 accuracy, mid-way through a fast rise, so its seed and the CPU's rounding both move where it stops.
@@ -87,9 +87,9 @@ def checkpoint_path(out: Path, sft: int) -> Path:
 
 def warm_start(out: Path, sft: int) -> str:
     """The checkpoint of SFT seed `sft`: the shipped one for 0, else built (once) into OUT."""
-    import common
 
     sys.path.insert(0, str(ROOT / "tools"))
+    import recipes
     from build_checkpoints import build_tiny_checkpoint
 
     if sft == 0:
@@ -98,7 +98,7 @@ def warm_start(out: Path, sft: int) -> str:
     if not (path / "config.json").is_file():
         t0 = time.time()
         print(f"building warm start SFT seed {sft} -> {path}", flush=True)
-        build_tiny_checkpoint("tiny", path.resolve(), recipe=dict(common.TINY_WARMSTART, seed=sft))
+        build_tiny_checkpoint("tiny", path.resolve(), recipe=dict(recipes.TINY_WARMSTART, seed=sft))
         print(f"      built in {time.time() - t0:.0f} s", flush=True)
     return str(path)
 

@@ -22,6 +22,7 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from helpers import SCRIPTS  # noqa: E402
 from test_real_checkpoints import GSM8K, build_tiny_qwen2  # noqa: E402
 
 import common  # noqa: E402
@@ -130,7 +131,7 @@ def test_two_ranks_update_equals_one_process(model_dir, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
-@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("algo", SCRIPTS)
 def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K))

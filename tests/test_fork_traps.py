@@ -6,6 +6,7 @@ a fork's string flag without a check, and argparse taking --step for --steps."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -14,23 +15,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, SCRIPTS
 
 import common
 import grpo
 import gspo
-import ppo
 
-SCRIPTS = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
+sys.path.insert(0, str(ROOT / "tools"))  # conftest does too; be explicit
+import recipes  # noqa: E402  (tools/recipes.py: the tiny tokenizer's characters)
+
+MODULES = {name: importlib.import_module(name) for name in SCRIPTS}
+# The scripts that score completions against their group: every one but PPO (whose critic's baseline
+# leaves advantages nonzero when every reward is equal)
+GROUP_SCRIPTS = [name for name in SCRIPTS if name != "ppo"]
 TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
             "--eval-size", "8", "--eval-every", "0"]  # fmt: skip
 
 
 def run_main(name, argv, capsys):
     """common.main of script `name` in this process: (exit status, stdout, stderr)."""
-    module = SCRIPTS[name]
+    module = MODULES[name]
     try:
-        common.main(module.train, module.Args, name, argv=[str(a) for a in argv])
+        common.main(module.train, module.Args, argv=[str(a) for a in argv])
         status = 0
     except SystemExit as e:
         status = e.code
@@ -62,7 +68,7 @@ def test_the_tiny_tokenizer_drops_what_it_cannot_represent():
     assert tok.unk_token_id in b and tok.unk_token_id not in a
     assert tok.decode(b, skip_special_tokens=True) == "Reverse: b"
     assert common.unknown_characters(tok, "Reverse: äöb\n") == {"ä", "ö"}
-    assert common.unknown_characters(tok, "".join(common.TINY_CHARS)) == set()
+    assert common.unknown_characters(tok, "".join(recipes.TINY_CHARS)) == set()
     assert common.unknown_characters(tok, "tab\there") == {"\t"}  # printable ASCII and newline only
 
 
@@ -105,7 +111,7 @@ SPREAD = (
 )
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, name):
     (tmp_path / "rewards.py").write_text(CONSTANT)
     extra = ["--kl-coef", "0"] if name == "ppo" else []  # ppo: no per-token KL reward either
@@ -121,7 +127,7 @@ def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, cap
     assert summary["no_signal_steps"] == 25 and summary["step"] == 25
 
 
-@pytest.mark.parametrize("name", ["gspo", "ppo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, name):
     (tmp_path / "rewards.py").write_text(SPREAD)  # a hash of the text: different completions, different rewards
     argv = ["--reward", f"{tmp_path}/rewards.py:spread", "--steps", 22, "--out", tmp_path / "out", *TINY_RUN]
@@ -234,7 +240,7 @@ def final_weights(out: Path, name: str = "final") -> dict:
     return load_file(out / name / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo"])
+@pytest.mark.parametrize("name", GROUP_SCRIPTS)
 def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
     """With a constant reward every advantage is 0: without the bonus no row is worth forwarding
     and the weights stay exactly where they started; with it every row is forwarded and the step
@@ -274,7 +280,7 @@ def test_a_bad_entropy_coef_is_one_line(tmp_path, capsys, value):
 PER_PROMPT = "def per_prompt(prompts, completions, **kw):\n    return [1.0 for _ in dict.fromkeys(prompts)]\n"
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_a_reward_of_the_wrong_length_stops_before_out_is_written(tmp_path, capsys, name):
     """One value per distinct prompt fits the step-0 evaluation (one greedy completion per prompt);
     the check on a real grouped batch catches it first, before --out exists."""
@@ -329,29 +335,33 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
 # flags: choices, no abbreviations, did you mean
 # ---------------------------------------------------------------------------------------------
 
-FIXED_SETS = {
-    "ppo": {"task": common.TASKS, "report_to": ("none", "tensorboard")},
-    "grpo": {
-        "task": common.TASKS,
-        "report_to": ("none", "tensorboard"),
-        "loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
-        "scale_rewards": ("std", "none"),
-    },
-    "gspo": {"task": common.TASKS, "report_to": ("none", "tensorboard"), "variant": ("sequence", "token")},
-}
-
-
-ROLLOUT_SETS = {  # the rollout-precision flags, in all three (docs/rollout_mismatch.md)
+SHARED_SETS = {  # common.SharedArgs' fixed-set flags, in every script (rollout precision: docs/rollout_mismatch.md)
+    "task": common.TASKS,
+    "report_to": ("none", "tensorboard"),
     "rollout_dtype": ("float32", "bfloat16"),
     "old_logp": ("recompute", "rollout"),
     "is_correction": ("none", "tis", "mask"),
 }
+OWN_SETS = {  # each script's own (a script without any has no entry)
+    "grpo": {
+        "loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
+        "scale_rewards": ("std", "none"),
+    },
+    "gspo": {"variant": ("sequence", "token")},
+}
+
+
+def declared_choices(args_cls) -> dict:
+    return {f.name: f.metadata["choices"] for f in dataclasses.fields(args_cls) if f.metadata["choices"]}
+
+
+def test_every_shared_fixed_set_flag_declares_its_choices():
+    assert declared_choices(common.SharedArgs) == SHARED_SETS
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_fixed_set_flag_declares_its_choices(name):
-    declared = {f.name: f.metadata["choices"] for f in dataclasses.fields(SCRIPTS[name].Args) if f.metadata["choices"]}
-    assert declared == FIXED_SETS[name] | ROLLOUT_SETS
+    assert declared_choices(MODULES[name].Args) == SHARED_SETS | OWN_SETS.get(name, {})
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # 
 
 import common  # noqa: E402
 import ppo  # noqa: E402
+from extras import fsdp as fsdp_extra  # noqa: E402
 
 CPU = torch.device("cpu")
 TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
@@ -43,7 +44,7 @@ def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> d
     model = common.load_model(model_dir, CPU)[0].train()
     train_model = common.CompletionLogprobs(model)
     if fsdp:
-        train_model = common.shard(train_model, dtype)
+        train_model = fsdp_extra.shard(train_model, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     loss = loss_for(case, train_model, batch, rows)
     loss.backward()
@@ -59,7 +60,7 @@ def critic_step(model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict
     with torch.no_grad():  # a head that is not 0, so that the step reaches the trunk
         critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     if fsdp:
-        common.shard(critic, dtype)
+        fsdp_extra.shard(critic, dtype)
     roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
     opt = torch.optim.SGD(critic.parameters(), lr=1.0)
     old_values, returns = batch["token_adv"][rows] * 0.1, batch["token_adv"][rows]
@@ -104,7 +105,7 @@ def _worker(rank, port, model_dir, out):
         results["critic"] = critic_step(model_dir, batch, mine, fsdp=True)
         model = common.load_model(model_dir, CPU)[0].eval()
         sampler = bf16_sampler(model)  # made before shard, as the scripts make it
-        common.shard(common.CompletionLogprobs(model))
+        fsdp_extra.shard(common.CompletionLogprobs(model))
         results["rollouts"] = rollouts(model, tok, sampler)
         results["evaluation"] = evaluation(model, tok)
         results["weights_still_sharded"] = common.sharded(model)  # gathered() resharded after sampling
@@ -113,7 +114,7 @@ def _worker(rank, port, model_dir, out):
         results["bf16 critic"] = critic_step(model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
         model = common.load_model(model_dir, CPU)[0].eval()
         sampler = bf16_sampler(model)
-        common.shard(common.CompletionLogprobs(model), torch.bfloat16)
+        fsdp_extra.shard(common.CompletionLogprobs(model), torch.bfloat16)
         results["bf16 rollouts"] = rollouts(model, tok, sampler)
         if rank == 0:
             torch.save(results, out)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import recipes
 import staleness_sweep
 import torch
 from helpers import ROOT
@@ -18,6 +19,7 @@ import common
 import grpo
 import gspo
 import ppo
+from extras import sums_task
 
 # ----------------------------------------------------------------------------------------------
 # The generator
@@ -26,12 +28,12 @@ import ppo
 
 @pytest.fixture(scope="module")
 def split():
-    return common.sums_split()
+    return sums_task.sums_split()
 
 
 def test_split_is_deterministic_and_the_held_out_set_is_disjoint(split):
     train, held = split
-    assert (train, held) == common.sums_split()
+    assert (train, held) == sums_task.sums_split()
     assert len(train) == 20000 and len(held) == 500
     prompts = [ex["prompt"] for ex in train + held]
     assert len(set(prompts)) == len(prompts)  # distinct, so no held-out prompt is a training prompt
@@ -47,7 +49,7 @@ def test_every_reference_completion_works_the_sum_and_parses_to_the_answer(split
         for x in terms:  # the gold answer, by a plain loop
             total += x
         assert ex["answer"] == str(total)
-        ref = common.sums_reference(ex["prompt"])
+        ref = sums_task.sums_reference(ex["prompt"])
         working, answer = ref.split(" #### ")
         assert answer == str(total)
         steps = working.split(" ")
@@ -65,7 +67,7 @@ def test_length_distribution_as_documented(split):
     prompts occur and the rest have 4-6 terms."""
     lengths = {}
     for ex in split[0] + split[1]:
-        lengths.setdefault(ex["prompt"].count("+") + 1, []).append(len(common.sums_reference(ex["prompt"])))
+        lengths.setdefault(ex["prompt"].count("+") + 1, []).append(len(sums_task.sums_reference(ex["prompt"])))
     every = [n for v in lengths.values() for n in v]
     assert min(every) == 12 and max(every) == 46
     assert abs(sum(every) / len(every) - 36.2) < 0.05
@@ -74,7 +76,7 @@ def test_length_distribution_as_documented(split):
     for k, expected in zip(sorted(lengths), (12.9, 20.5, 28.3, 36.3, 44.3)):
         assert abs(sum(lengths[k]) / len(lengths[k]) - expected) < 0.05, k
     # with its EOS the longest completion fits the task's default --max-new-tokens
-    assert max(every) + 1 <= common.TASK_DEFAULTS["sums"]["max_new_tokens"]
+    assert max(every) + 1 <= sums_task.TASK_DEFAULTS["sums"]["max_new_tokens"]
 
 
 @pytest.mark.parametrize(
@@ -117,7 +119,9 @@ def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(t
     import build_checkpoints
     import numpy as np
 
-    monkeypatch.setattr(common, "SUMS_WARMSTART", dict(common.SUMS_WARMSTART, max_steps=3, probe_every=1, probe_size=8))
+    monkeypatch.setattr(
+        recipes, "SUMS_WARMSTART", dict(recipes.SUMS_WARMSTART, max_steps=3, probe_every=1, probe_size=8)
+    )
     weights = []
     for cache in ("a", "b"):
         monkeypatch.setenv("RLREF_CACHE", str(tmp_path / cache))

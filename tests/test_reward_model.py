@@ -13,12 +13,14 @@ import types
 import build_checkpoints  # tools/, on sys.path through conftest.py
 import numpy as np
 import pytest
+import recipes
 import torch
 import train_reward_model  # tools/
 import transformers
 from helpers import ROOT
 
 import common
+from extras import reward_model as reward_model_extra
 
 SMALL = dict(
     hidden_size=32,
@@ -92,8 +94,8 @@ def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
 def test_pair_accuracy_hand_case():
     scores = torch.tensor([3.0, 1.0, 2.0, 0.0])
     correct = torch.tensor([1.0, 1.0, 0.0, 0.0])  # pairs (3,2) (3,0) (1,2) (1,0): 3 of 4 ordered rightly
-    assert common.pair_accuracy(scores, correct).tolist() == [0.75] * 4
-    assert common.pair_accuracy(scores, torch.ones(4)).tolist() == [0.5] * 4  # no wrong row: no pair
+    assert reward_model_extra.pair_accuracy(scores, correct).tolist() == [0.75] * 4
+    assert reward_model_extra.pair_accuracy(scores, torch.ones(4)).tolist() == [0.5] * 4  # no wrong row: no pair
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,17 +106,19 @@ def test_pair_accuracy_hand_case():
 @pytest.fixture
 def classifier(tmp_path, char_tok):
     path = save_classifier(tmp_path / "rm", char_tok)
-    return common.load_reward_model(path, torch.device("cpu"))
+    return reward_model_extra.load_reward_model(path, torch.device("cpu"))
 
 
 def test_scores_do_not_depend_on_batch_composition_or_padding_side(classifier):
     model, tok = classifier
-    together = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
-    alone = torch.cat([common.reward_model_scores(model, tok, [p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)])
-    reversed_ = common.reward_model_scores(model, tok, PROMPTS[::-1], COMPLETIONS[::-1]).flip(0)
-    in_pairs = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS, batch_size=2)
+    together = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    alone = torch.cat(
+        [reward_model_extra.reward_model_scores(model, tok, [p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)]
+    )
+    reversed_ = reward_model_extra.reward_model_scores(model, tok, PROMPTS[::-1], COMPLETIONS[::-1]).flip(0)
+    in_pairs = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS, batch_size=2)
     tok.padding_side = "left"  # the tokenizer's own side does not matter: scoring pads on the right
-    left = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    left = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
     for other in (alone, reversed_, in_pairs, left):
         torch.testing.assert_close(together, other, atol=1e-5, rtol=1e-5)
     assert together.std() > 0  # a random head still tells the texts apart
@@ -137,7 +141,7 @@ def other_tokenizer():
     """A different tokenizer from the policy's: other ids for the same characters, and a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    chars = ["<pad>", "</s>", "<unk>"] + common.TINY_CHARS[::-1]
+    chars = ["<pad>", "</s>", "<unk>"] + recipes.TINY_CHARS[::-1]
     core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -152,7 +156,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
     tokenizer: the reward model reads exactly its chat template around the decoded prompt and
     completion, in its own ids; the reward is its score."""
     rm_tok = other_tokenizer()
-    rm = object.__new__(common.RewardModel)
+    rm = object.__new__(reward_model_extra.RewardModel)
     rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), rm_tok, False, 64
     records = [{"prompt": p, "answer": "7"} for p in PROMPTS]
     eos = char_tok.eos_token_id
@@ -163,7 +167,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
     (ids, attention), = rm.model.seen  # fmt: skip
     texts = [rm_tok.decode(row[m.bool()]) for row, m in zip(ids, attention)]
     assert texts == [f"U:{p}\nA:{c}\n" for p, c in zip(PROMPTS, COMPLETIONS)]
-    assert texts[0] == common.reward_model_text(rm_tok, PROMPTS[0], COMPLETIONS[0])
+    assert texts[0] == reward_model_extra.reward_model_text(rm_tok, PROMPTS[0], COMPLETIONS[0])
     assert rm_tok("7")["input_ids"] != char_tok("7")["input_ids"]  # really another vocabulary
     assert rewards.tolist() == parts["reward/reward_model"].tolist() == (ids * attention).sum(1).float().tolist()
     assert set(parts) == {"reward/reward_model", "accuracy", "format_rate", "reward_model_pair_acc"}
@@ -171,7 +175,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
 
 
 def test_reward_model_is_one_weighted_component(char_tok):
-    rm = object.__new__(common.RewardModel)
+    rm = object.__new__(reward_model_extra.RewardModel)
     rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), other_tokenizer(), True, 64
     records = [{"prompt": p, "answer": c} for p, c in zip(PROMPTS, ["7", "1", "2", "0", "22"])]
     completions = [char_tok(c)["input_ids"] for c in COMPLETIONS]
@@ -202,13 +206,13 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
     assert 0 <= result["pairwise_accuracy"] <= 1 and result["eval_pairs"] == 6 and result["train_pairs"] == 18
     loaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     assert type(loaded).__name__ == "Qwen3ForSequenceClassification" and loaded.config.num_labels == 1
-    common.check_reward_model(str(out))  # what --reward-model accepts
-    model, tok = common.load_reward_model(str(out), torch.device("cpu"))
+    reward_model_extra.check(str(out))  # what --reward-model accepts
+    model, tok = reward_model_extra.load_reward_model(str(out), torch.device("cpu"))
     base_lm = transformers.AutoModelForCausalLM.from_pretrained(base)
     assert not torch.equal(model.model.embed_tokens.weight, base_lm.model.embed_tokens.weight)  # trained
     with torch.no_grad():
-        a = common.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
-        b = common.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
+        a = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+        b = reward_model_extra.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(a, b)
     assert train_reward_model.pairwise_accuracy(model, tok, pairs) == pytest.approx(
         float(
@@ -217,7 +221,7 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
                     x > y
                     for x, y in zip(
                         *[
-                            common.reward_model_scores(
+                            reward_model_extra.reward_model_scores(
                                 model, tok, [p["prompt"] for p in pairs], [p[k] for p in pairs]
                             ).tolist()
                             for k in ("chosen", "rejected")
@@ -252,7 +256,7 @@ def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
         "not-a-checkpoint": lambda: (tmp_path / "empty").mkdir() or str(tmp_path / "empty"),
     }[kind]()
     with pytest.raises(common.UsageError) as e:  # the check itself, in process
-        common.check_reward_model(path)
+        reward_model_extra.check(path)
     expected = {"missing": "no such", "causal-lm": "Qwen3ForCausalLM, not a sequence classifier",
                 "two-labels": "has 2 labels", "not-a-checkpoint": "no such"}[kind]  # fmt: skip
     assert expected in str(e.value)
@@ -270,9 +274,9 @@ def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, 
     completions = [char_tok(c or "1")["input_ids"] for c in COMPLETIONS]
     roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
     logp = common.completion_logprobs(model, roll)[0]
-    assert common.kl_to_init(model, roll, logp) == {"kl_to_init": 0.0}
-    assert common.kl_to_init(None, roll, logp) == {}
-    shifted = common.kl_to_init(model, roll, logp + 0.5 * roll.completion_mask)["kl_to_init"]
+    assert reward_model_extra.kl_to_init(model, roll, logp) == {"kl_to_init": 0.0}
+    assert reward_model_extra.kl_to_init(None, roll, logp) == {}
+    shifted = reward_model_extra.kl_to_init(model, roll, logp + 0.5 * roll.completion_mask)["kl_to_init"]
     assert shifted == pytest.approx(0.5 * roll.completion_mask.sum(1).float().mean().item(), rel=1e-6)
 
 
@@ -292,7 +296,7 @@ def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
     roll = common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
     with torch.no_grad():
         logp = common.completion_logprobs(policy, roll)[0]
-        got = common.kl_to_init(init, roll, logp)["kl_to_init"]
+        got = reward_model_extra.kl_to_init(init, roll, logp)["kl_to_init"]
         per_row = []
         for p, c in zip(prompts, completions):
             ids = torch.tensor([p + c])
@@ -310,7 +314,7 @@ def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
     assert abs(with_padding - expected) > 1e-3  # the padding positions do differ: the mask matters here
 
 
-FAST_RM_RECIPE = dict(common.TINY_RM_RECIPE, prompts=16, policy_prompts=4, policy_samples=2, steps=2, batch=4)
+FAST_RM_RECIPE = dict(recipes.TINY_RM_RECIPE, prompts=16, policy_prompts=4, policy_samples=2, steps=2, batch=4)
 
 
 def test_building_tiny_rm_leaves_the_random_state_alone(tmp_path):
@@ -333,7 +337,7 @@ def test_building_tiny_rm_leaves_the_random_state_alone(tmp_path):
     b = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "b")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
-    common.check_reward_model(str(tmp_path / "a"))
+    reward_model_extra.check(str(tmp_path / "a"))
 
 
 def test_preference_pairs_cover_the_failure_shapes():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import recipes
 import torch
 import warm_starts as ws  # experiments/, on sys.path through conftest.py
 from build_checkpoints import build_tiny_checkpoint  # tools/, likewise
@@ -130,7 +131,7 @@ def test_no_finished_run_is_an_error(tmp_path, monkeypatch, capsys):
 
 def test_the_recipe_built_with_another_sft_seed(tmp_path):
     """Two SFT steps of the tiny recipe: the seed changes the weights, the same seed repeats them."""
-    short = dict(common.TINY_WARMSTART, max_steps=2, probe_every=1000)
+    short = dict(recipes.TINY_WARMSTART, max_steps=2, probe_every=1000)
 
     def build(seed, name):
         build_tiny_checkpoint("tiny", tmp_path / name, recipe=dict(short, seed=seed))

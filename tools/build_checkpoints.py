@@ -3,9 +3,9 @@
     python tools/build_checkpoints.py tiny-moe              # into $RLREF_CACHE (default ~/.cache/rl-reference)
     python tools/build_checkpoints.py tiny tiny-rm --into checkpoints --force   # replace the shipped ones
 
-All four ship in checkpoints/, so a run never builds one: this is for a changed recipe (common.py's
+All four ship in checkpoints/, so a run never builds one: this is for a changed recipe (tools/recipes.py's
 TINY_CONFIG, TINY_WARMSTART, SUMS_WARMSTART, TINY_RM_RECIPE, ...: each checkpoint's directory name is
-`common.checkpoint_key`, a hash of its recipe, so a changed recipe needs a new build, and a run that
+`recipes.checkpoint_key`, a hash of its recipe, so a changed recipe needs a new build, and a run that
 finds none stops with one line naming this command) and for the warm-start study
 (experiments/warm_starts.py builds the same recipe with other SFT seeds). A build takes about a
 minute on 2 CPU cores (tiny-sums and tiny-rm start from tiny's weights, so build tiny first when it
@@ -25,35 +25,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_reward_model.py beside this file
 
+import recipes  # noqa: E402  (tools/recipes.py; read at build time: a test or a study may change a recipe)
+from recipes import EOS, PAD, TINY_CHARS, TINY_SPECS, checkpoint_key  # noqa: E402
 from train_reward_model import arith_preference_pairs, train_reward_model  # noqa: E402
 
-import common  # noqa: E402  (its recipes are read at build time: a test or a study may change them)
 from common import (  # noqa: E402
-    EOS,
-    PAD,
-    TINY_CHARS,
     TINY_MODELS,
     TINY_RM,
-    TINY_SPECS,
     ArgumentParser,
     Rollout,
     arith_split,
     cache_root,
-    checkpoint_key,
     completion_logprobs,
     evaluate,
     load_model,
-    sums_reference,
-    sums_split,
     tiny_checkpoint,
 )
+from extras.sums_task import sums_reference, sums_split  # noqa: E402
 
 
 def _warm_start_recipe(name: str) -> tuple[dict, list, object]:
     """(recipe, training examples, SFT target of an example) of an embedded checkpoint."""
     if name == "tiny-sums":
-        return common.SUMS_WARMSTART, sums_split()[0], lambda ex: sums_reference(ex["prompt"])
-    return common.TINY_WARMSTART, arith_split()[0], lambda ex: ex["answer"]
+        return recipes.SUMS_WARMSTART, sums_split()[0], lambda ex: sums_reference(ex["prompt"])
+    return recipes.TINY_WARMSTART, arith_split()[0], lambda ex: ex["answer"]
 
 
 def build_char_tokenizer():
@@ -162,7 +157,7 @@ def build_tiny_reward_model(path: Path, recipe: dict | None = None, replace: boo
     """Pairs from `arith` training prompts (and the warm-started policy's own wrong samples), then
     `train_reward_model` from the tiny checkpoint, saved at `path`. Returns the trainer's report
     (held-out pairwise accuracy, time)."""
-    r = recipe or common.TINY_RM_RECIPE
+    r = recipe or recipes.TINY_RM_RECIPE
 
     def build(tmp):
         train, _ = arith_split()

@@ -72,9 +72,6 @@ TINY_RM_RECIPE = dict(seed=0, prompts=3000, policy_prompts=500, policy_samples=4
                       eval_frac=0.1, max_new_tokens=8)  # fmt: skip
 
 
-
-
-
 def checkpoint_key(name: str) -> str:
     """The directory name of embedded checkpoint `name`: its prefix and a hash of everything its recipe
     depends on (config, warm-start recipe, vocabulary; tiny-sums: also the task's generator and the tiny

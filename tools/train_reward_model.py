@@ -25,16 +25,15 @@ from common import (  # noqa: E402
     ArgumentParser,
     UsageError,
     _number,
-    _tiny_attention,
     check_model_name,
     die,
     eos_token_ids,
-    jsonl_objects,
-    reward_model_scores,
     sample,
     score,
     tiny_checkpoint,
 )
+from extras.data_files import jsonl_objects  # noqa: E402
+from extras.reward_model import _tiny_attention, reward_model_scores  # noqa: E402
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
