@@ -517,6 +517,8 @@ def setup(args, needs_group: bool = True) -> Setup:
     resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
+    if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
+        extra("moe", f"--model {args.model} (MoE)")
     if args.lora_rank:
         extra("lora", "--lora-rank").check_targets(args)
     bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
@@ -715,6 +717,14 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
 def is_moe(model) -> bool:
     """Whether `model` has sparse mixture-of-experts blocks (a module with a router `gate` and `experts`)."""
     return any(hasattr(m, "gate") and hasattr(m, "experts") for m in model.modules())
+
+
+def declares_experts(name: str) -> bool:
+    """Whether --model `name`'s config.json (a local directory) declares sparse experts, read before
+    loading; a hub id cannot be read before loading it (Run checks the loaded model: is_moe)."""
+    config = Path(model_path(name)) / "config.json"
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    return any(fields.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def model_path(name: str) -> str:

@@ -111,7 +111,7 @@ def bare(tmp_path_factory):
 DEFAULT_RUN = ["--steps", "2", "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8"]
 
 # flag -> the extras module it needs. The refusal comes before any model is loaded (the whole of stderr is
-# the one line), except where only the model can say (MoE: see REFUSED_AFTER_LOADING).
+# the one line); --model tiny-moe's from its config.json (common.declares_experts).
 CAPABILITIES = {
     ("--lora-rank", "4"): "lora",
     ("--rollout-dtype", "bfloat16"): "rollout_precision",
@@ -131,7 +131,6 @@ NOT_FLAG_SWITCHED = {
     "distributed": "torchrun (WORLD_SIZE) imports it",
     "hf_decoder": "a --model outside the Llama family (no shipped checkpoint is one) samples through it",
 }
-REFUSED_AFTER_LOADING = {("--model", "tiny-moe")}  # see /work/tmp/requests-C.md
 
 
 def test_every_extras_module_has_a_refusal_case():
@@ -165,12 +164,7 @@ def refusals(bare):
 
 @pytest.mark.parametrize(
     "flag",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(reason="see requests-C.md", strict=True))
-        if f in REFUSED_AFTER_LOADING
-        else f
-        for f in CAPABILITIES
-    ],
+    list(CAPABILITIES),
     ids=lambda f: " ".join(f),
 )
 def test_without_extras_each_capability_is_refused_in_one_line(refusals, flag):
@@ -427,3 +421,17 @@ def test_shared_code_reads_no_algorithm_flag():
     source = (ROOT / "common.py").read_text()
     for flag in ("eps_", "kl_coef", "variant", "loss_agg"):
         assert not re.search(rf"args\.{flag}|getattr\(args, ['\"]{flag}", source), f"common.py reads args.{flag}"
+
+
+def test_experts_are_known_from_the_config_before_loading(tmp_path):
+    """common.declares_experts reads config.json (each family's own field), so a missing extras/moe.py
+    stops the run before any weights load; a name that is no local directory says nothing."""
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        (tmp_path / field).mkdir()
+        (tmp_path / field / "config.json").write_text(json.dumps({field: 4, "num_experts_per_tok": 2}))
+        assert common.declares_experts(str(tmp_path / field)), field
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({"num_experts": 0, "num_experts_per_tok": 2}))
+    assert not common.declares_experts(str(tmp_path / "dense"))
+    assert common.declares_experts("tiny-moe") and not common.declares_experts("tiny")
+    assert not common.declares_experts("Qwen/Qwen3-0.6B")  # a hub id: only the loaded model can tell (is_moe)
