@@ -2473,15 +2473,15 @@ def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
     return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
 
 
-def reference_model(model, name: str, device: torch.device, args=None):
+def reference_model(model, device: torch.device, args):
     """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
     adapters disabled (extras/lora.py's AdaptersOff: no second copy of the weights); without, a frozen
-    copy of checkpoint `name`, which --fsdp (`args.fsdp`) shards as it does the policy."""
+    copy of checkpoint --model, which --fsdp shards as it does the policy."""
     lora = _loaded("lora")
     if lora is not None and lora.is_lora(model):
         return lora.AdaptersOff(model)
-    reference = load_model(name, device)[0].eval().requires_grad_(False)
-    if args is not None and args.fsdp:
+    reference = load_model(args.model, device)[0].eval().requires_grad_(False)
+    if args.fsdp:
         fsdp = extra("fsdp", "--fsdp")
         fsdp.shard(CompletionLogprobs(reference), fsdp.gathered_dtype(device, args))
     return reference

@@ -156,7 +156,7 @@ def train(args: Args):
     # roll -> (logp, entropy) [B, T]; under torchrun data parallel (DDP, or with --fsdp sharded: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     # a frozen initial policy for kl_to_init with --reward-model; LoRA: the policy, adapters off; else none
-    ref_model = common.reference_model(model, args.model, env.device, args) if args.reward_model else None
+    ref_model = common.reference_model(model, env.device, args) if args.reward_model else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples

@@ -177,6 +177,16 @@ def explained_variance(values, returns, mask):
     return (1 - var_d / var_r).item() if var_r > 0 else float("nan")
 
 
+def ppo_metrics(old_values, returns, mask, old_logp, ref_logp) -> dict:
+    """PPO's own metrics of a step: the critic's explained variance and mean value, and the KL to the
+    reference (the mean over completion tokens of log pi_old - log pi_ref) when there is one."""
+    metrics = {"explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
+               "value_mean": masked_mean(old_values, mask).item()}  # fmt: skip
+    if ref_logp is not None:
+        metrics["kl_to_ref"] = masked_mean(old_logp - ref_logp, mask).item()
+    return metrics
+
+
 class Critic(nn.Module):
     """V(x, y_<t) for every completion position: a transformer trunk initialised from the policy
     checkpoint, with a scalar head initialised to zero (so V starts at 0 everywhere). With
@@ -207,9 +217,7 @@ def train(args: Args):
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     # a frozen initial policy for the KL in the reward (and kl_to_init); LoRA: the policy, adapters off
-    ref_model = (
-        common.reference_model(model, args.model, env.device, args) if args.kl_coef or args.reward_model else None
-    )
+    ref_model = common.reference_model(model, env.device, args) if args.kl_coef or args.reward_model else None
     critic = Critic(args.model, env.device, args.grad_checkpointing, lora=args)
     sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
     # roll -> (logp, entropy) [B, T] and roll -> values [B, T]; under torchrun data parallel (DDP, or --fsdp: FSDP2)
@@ -227,8 +235,7 @@ def train(args: Args):
                      guard=guard, critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
 
     for step in run.steps():
-        # --anneal-lr: the policy's and the critic's learning rates decay linearly to ~0 together
-        common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))
+        common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))  # --anneal-lr: both
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
@@ -262,8 +269,7 @@ def train(args: Args):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
-            # the loss is pg_loss + vf_coef * v_loss; the two models share no parameter, so each term's own
-            # backward gives the same gradients, and only one model's activations are held at a time
+            # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a time
             values = value(roll[idx])  # [b, T]
             v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
             (args.vf_coef * v_loss * scale).backward()
@@ -274,10 +280,9 @@ def train(args: Args):
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
-            loss = pg_loss + args.vf_coef * v_loss
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            stepped = guard.ok(step, loss, grad_norm, critic_grad_norm)  # a non-finite loss or gradient skips it
+            stepped = guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm)  # a non-finite one skips it
             if stepped:
                 optimizer.step()
                 critic_optimizer.step()
@@ -285,16 +290,10 @@ def train(args: Args):
                         critic_grad_norm=critic_grad_norm.item())  # fmt: skip
             run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped)
 
-        # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C).
-        #    No signal (one completion per prompt is no group): every score in the batch equal, or the policy no
-        #    longer explores (entropy near 0: a prompt's completions all alike).
+        # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C). No
+        #    signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike).
         no_signal = common.all_equal(scores) or masked_mean(roll.entropy, mask).item() < common.NO_SIGNAL_ENTROPY
-        ppo_metrics = {
-            "explained_variance": common.finite_or(explained_variance(old_values, returns, mask)),
-            "value_mean": masked_mean(old_values, mask).item(),
-            **({"kl_to_ref": masked_mean(old_logp - ref_logp, mask).item()} if ref_logp is not None else {}),
-        }
-        run.log(ppo_metrics, no_signal=no_signal, shown=("explained_variance",))
+        run.log(ppo_metrics(old_values, returns, mask, old_logp, ref_logp), no_signal, shown=("explained_variance",))
         run.save_checkpoint_if_due(step)
     return run.finish(critic=critic)  # final/critic.pt beside the policy
 

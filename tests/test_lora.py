@@ -99,7 +99,7 @@ def lora_and_merged(tiny_path):
 def test_the_reference_is_the_base_model(lora_and_merged):
     model, _, base, tok = lora_and_merged
     roll = common.sample(base, prompts(tok), 6, common.eos_token_ids(base, tok), tok.pad_token_id, greedy=True)
-    reference = common.reference_model(model, "tiny", CPU)
+    reference = common.reference_model(model, CPU, SimpleNamespace(model="tiny", fsdp=False))
     assert not isinstance(reference, torch.nn.Module)  # a view of the policy, not a second copy of the weights
     with torch.no_grad():
         ref_logp = common.completion_logprobs(reference, roll)[0]

@@ -917,7 +917,7 @@ def test_kl_coef_0_loads_and_runs_no_reference(tmp_path, monkeypatch):
     # at the default 0.1 the reference is built once, and at step 1 (no update yet) the KL is 0.
     built = []
     real = common.reference_model
-    monkeypatch.setattr(common, "reference_model", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(common, "reference_model", lambda *a, **k: built.append(a[2].model) or real(*a, **k))
     flags = ["--steps", "2", "--prompts-per-step", "8", "--minibatches", "2", "--eval-size", "8", "--eval-every", "0"]
 
     def rows(out):
