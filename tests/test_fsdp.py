@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,12 +74,12 @@ def critic_step(model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict
     return {"loss": mean_loss, "grad_norm": norm, "weights": common.full_state_dict(critic)}
 
 
-def rollouts(model, tok, sampler_args=None):
+def rollouts(model, tok, sampler):
     """Greedy completions of a few arithmetic prompts, and a bf16 Sampler's sampled ones (seeded)."""
     prompts = [tok.encode(f"{a}+{b}=") for a, b in ((12, 34), (5, 7), (40, 41), (9, 90))]
     eos = common.eos_token_ids(model, tok)
     greedy = common.sample(model, prompts, 6, eos, tok.pad_token_id, greedy=True)
-    bf16 = sampler_args.sample(prompts, 6, eos, tok.pad_token_id, 1.0, 1.0, torch.Generator().manual_seed(0))
+    bf16 = sampler.sample(prompts, torch.Generator().manual_seed(0))  # 6 new tokens, temperature and top-p 1
     return greedy.completion_ids, bf16.completion_ids, bf16.sample_logp
 
 
@@ -88,9 +89,10 @@ def evaluation(model, tok):
     return common.evaluate(model, tok, records, 6, system_prompt="", batch_size=2)
 
 
-def bf16_sampler(model):
-    args = type("A", (), {"rollout_dtype": "bfloat16", "old_logp": "recompute", "is_correction": "none"})()
-    return common.Sampler(model, args)
+def bf16_sampler(model, tok):
+    args = SimpleNamespace(rollout_dtype="bfloat16", old_logp="recompute", is_correction="none",
+                           max_new_tokens=6, temperature=1.0, top_p=1.0)  # fmt: skip
+    return common.Sampler(model, tok, args)
 
 
 def _worker(rank, port, model_dir, out):
@@ -104,7 +106,7 @@ def _worker(rank, port, model_dir, out):
         results = {case: sgd_step(case, model_dir, batch, mine, fsdp=True) for case in CASES}
         results["critic"] = critic_step(model_dir, batch, mine, fsdp=True)
         model = common.load_model(model_dir, CPU)[0].eval()
-        sampler = bf16_sampler(model)  # made before shard, as the scripts make it
+        sampler = bf16_sampler(model, tok)  # made before shard, as the scripts make it
         fsdp_extra.shard(common.CompletionLogprobs(model))
         results["rollouts"] = rollouts(model, tok, sampler)
         results["evaluation"] = evaluation(model, tok)
@@ -113,7 +115,7 @@ def _worker(rank, port, model_dir, out):
         results["bf16 step"] = sgd_step("grpo-token-mean", model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
         results["bf16 critic"] = critic_step(model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
         model = common.load_model(model_dir, CPU)[0].eval()
-        sampler = bf16_sampler(model)
+        sampler = bf16_sampler(model, tok)
         fsdp_extra.shard(common.CompletionLogprobs(model), torch.bfloat16)
         results["bf16 rollouts"] = rollouts(model, tok, sampler)
         if rank == 0:
@@ -163,7 +165,7 @@ def test_a_sharded_critic_step_equals_one_process(sharded_results, tiny_path):
 def test_sharded_rollouts_and_uneven_evaluation_equal_unsharded(sharded_results, tiny_path):
     model, tok = common.load_model(tiny_path, CPU)
     model.eval()
-    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model))
+    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model, tok))
     sharded_greedy, sharded_bf16, sharded_bf16_logp = sharded_results["rollouts"]
     assert torch.equal(sharded_greedy, greedy)
     assert torch.equal(sharded_bf16, bf16)  # the bf16 copy is cast from the gathered weights
@@ -281,7 +283,7 @@ def test_bf16_gathered_weights_sample_as_the_bf16_sampler_and_train_to_bf16_prec
     step (float32 log-probs from bf16 weights, float32 gradient reduction) is the float32 one to bf16 precision."""
     model, tok = common.load_model(tiny_path, CPU)
     model.eval()
-    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model))
+    greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model, tok))
     _, sharded_bf16, sharded_bf16_logp = sharded_results["bf16 rollouts"]
     assert torch.equal(sharded_bf16, bf16)
     torch.testing.assert_close(sharded_bf16_logp, bf16_logp, rtol=0, atol=0)
