@@ -564,7 +564,7 @@ def arith_split(max_operand: int = 99):
 
 def with_task_defaults(given: dict, fields: set) -> dict:
     """The flags given, plus --task's own defaults for those not given (explicit flags win)."""
-    task_defaults = extra("sums_task", "--task sums").TASK_DEFAULTS if given.get("task") == "sums" else {}
+    task_defaults = extra("sums_task", "--task sums").TASK_DEFAULTS["sums"] if given.get("task") == "sums" else {}
     defaults = {k: v for k, v in task_defaults.items() if k in fields}
     return {**defaults, **given}
 
@@ -824,8 +824,7 @@ def tiny_checkpoint(name: str = "tiny") -> str:
     recipe. "tiny-sums": the recipe on the `sums` task, started from tiny's weights. "tiny-rm": a
     reward model (tools/recipes.py holds every recipe). They ship so that every machine starts from
     the same weights: the recipe stops mid-way through a fast rise, and rebuilt on another CPU model it
-    lands elsewhere in
-    the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
+    lands elsewhere in the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
     key) stops the run with one line naming the command that builds it."""
     key = TINY_KEYS[name]
     for path in (SHIPPED_CHECKPOINTS / key, cache_root() / key):

@@ -129,11 +129,11 @@ def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(t
         expected = (torch.rand(4), np.random.rand(4), random.random())
         common.seed_everything(7)
         build_checkpoints.main(["tiny-sums"])
-        path = common.tiny_checkpoint("tiny-sums")
-        assert path.startswith(str(tmp_path / cache))  # built here, now
+        path = tmp_path / cache / recipes.checkpoint_key("tiny-sums")  # the changed recipe's own key
+        assert path.name != common.TINY_KEYS["tiny-sums"] and (path / "model.safetensors").is_file()  # built here, now
         after = (torch.rand(4), np.random.rand(4), random.random())
         assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
-        weights.append((tmp_path / cache / path.split("/")[-1] / "model.safetensors").read_bytes())
+        weights.append((path / "model.safetensors").read_bytes())
     assert weights[0] == weights[1]
 
 
