@@ -55,6 +55,16 @@ SHARED_SETTINGS = ("model", "task", "prompts_per_step", "group_size", "max_new_t
 MOE_CURVES = ["reward", "routing_drift", "ratio_std", "clip_frac"]
 MOE_SUMMARY_KEYS = ["eval_accuracy_before", "eval_accuracy_after", "wall_time_s"]
 MOE_STEP_KEYS = ["routing_drift", "ratio_std", "clip_frac"]  # averaged over steps, then seeds
+# GSPO's sequence variant counts clipped sequences (clip_frac_seqs), every other run clipped tokens (clip_frac):
+# the report reads whichever a run logged and marks the sequences' with "(seqs)".
+CLIP_KEYS = ("clip_frac", "clip_frac_seqs")
+
+
+def clip_frac_of(d: dict, prefix: str = "") -> float | None:
+    """A metrics row's (or, prefix "mean_", a summary's) clip fraction, in whichever unit it was logged."""
+    return next((d[prefix + k] for k in CLIP_KEYS if d.get(prefix + k) is not None), None)
+
+
 COLORS = {"ppo": "tab:blue", "grpo": "tab:orange", "gspo": "tab:green"}
 
 
@@ -192,7 +202,8 @@ def per_seed_values(runs: dict, config: str, seeds: list[int]) -> list[dict]:
                 "wall_time_s": num(summary.get("wall_time_s")),
                 "tokens_per_s": mean_or_none(r.get("tokens_per_s") for r in rows),
                 "peak_mem_mb": num(summary.get("peak_mem_mb")),
-                "mean_clip_frac": num(summary.get("mean_clip_frac")),
+                "mean_clip_frac": num(clip_frac_of(summary, "mean_")),
+                "clip_counts_seqs": summary.get("mean_clip_frac_seqs") is not None,
                 "final_entropy": num(rows[-1].get("entropy")),
             }
         )
@@ -211,6 +222,7 @@ def aggregate(runs: dict, configs: list[str], seeds: list[int]) -> dict:
                 for v in vals
             ],
             "per_seed": vals,
+            "clip_counts_seqs": any(v["clip_counts_seqs"] for v in vals),
         }
     return results
 
@@ -248,7 +260,7 @@ def results_table(results: dict, configs: list[str], n_seeds: int) -> list[str]:
             format_mean_std(r["wall_time_s"], 0, n),
             format_mean_std(r["tokens_per_s"], 0, n),
             format_mean_std(r["peak_mem_mb"], 0, n),
-            format_mean_std(r["mean_clip_frac"], 3, n),
+            format_mean_std(r["mean_clip_frac"], 3, n) + (" (seqs)" if r["clip_counts_seqs"] else ""),
             format_mean_std(r["final_entropy"], 3, n),
         ]
         table.append("| " + " | ".join(cells) + " |")
@@ -371,7 +383,8 @@ def write_comparison_report(out: Path, runs: dict, configs: list[str], seeds: li
         *table,
         "",
         f"reward: mean training reward of the last {LAST_N} steps; tokens/s: mean over steps of sampled "
-        "completion tokens per second of generation; clip frac: mean over steps; final entropy: last step's.",
+        "completion tokens per second of generation; clip frac: mean over steps of the share of clipped tokens "
+        "(seqs: of clipped sequences, GSPO's sequence ratio); final entropy: last step's.",
         "",
         f"Command: `{command}`  ",
         f"Date: {date}  ",
@@ -420,11 +433,13 @@ def moe_table(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
         seed_rows = [runs[(config, s)][1] for s in seeds]
         over_seeds = {k: nan_mean(summary.get(k) for summary in summaries) for k in MOE_SUMMARY_KEYS}
         over_steps = {k: nan_mean(nan_mean(r.get(k) for r in rows) for rows in seed_rows) for k in MOE_STEP_KEYS}
+        over_steps["clip_frac"] = nan_mean(nan_mean(clip_frac_of(r) for r in rows) for rows in seed_rows)
+        seqs = " (seqs)" if any(r.get("clip_frac_seqs") is not None for rows in seed_rows for r in rows) else ""
         final_reward = nan_mean(nan_mean(r.get("reward") for r in rows[-LAST_N:]) for rows in seed_rows)
         lines.append(
             f"| {config} | {over_seeds['eval_accuracy_before']:.3f} | {over_seeds['eval_accuracy_after']:.3f} "
             f"| {final_reward:.3f} | {over_steps['routing_drift']:.4f} | {over_steps['ratio_std']:.4f} "
-            f"| {over_steps['clip_frac']:.4f} | {over_seeds['wall_time_s']:.0f} |"
+            f"| {over_steps['clip_frac']:.4f}{seqs} | {over_seeds['wall_time_s']:.0f} |"
         )
     return lines
 
@@ -441,7 +456,8 @@ def plot_moe_curves(path: Path, runs: dict, configs: list[str], seeds: list[int]
             ev += [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
             axes[0].plot(*zip(*ev), marker="o", label=label, color=f"C{c}")
             for ax, key in zip(axes[1:], MOE_CURVES):
-                ax.plot([r["step"] for r in rows], [r.get(key) for r in rows], label=label, color=f"C{c}", alpha=0.8)
+                values = [clip_frac_of(r) if key == "clip_frac" else r.get(key) for r in rows]
+                ax.plot([r["step"] for r in rows], values, label=label, color=f"C{c}", alpha=0.8)
     for ax, title in zip(axes, ["held-out accuracy"] + MOE_CURVES):
         ax.set_title(title)
         ax.set_xlabel("step")

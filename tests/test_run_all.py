@@ -30,8 +30,12 @@ EXTRA_KEYS = {
 }
 
 
+CLIP = {"ppo": "mean_clip_frac", "grpo": "mean_clip_frac", "gspo": "mean_clip_frac_seqs"}  # each summary's key
+
+
 def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: int = EVAL_EVERY):
     """Write plausible summary.json + metrics.jsonl for one run; return (summary, rows)."""
+    clip_key = "mean_clip_frac_seqs" if algo == "gspo" else "mean_clip_frac"  # (CLIP; this runs in a fake trainer too)
     a, k = ALGOS.index(algo), seed
     rows = []
     for step in range(1, steps + 1):
@@ -51,6 +55,8 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
             **EXTRA_KEYS[algo],
         }
         row["accuracy"] = row["reward"]
+        if algo == "gspo":  # GSPO's sequence variant counts clipped sequences, under its own name
+            row["clip_frac_seqs"] = row.pop("clip_frac")
         if step % eval_every == 0 or step == steps:
             row["eval_accuracy"] = round(0.3 + 0.005 * step + 0.01 * a + 0.004 * k, 6)
             row["eval_format_rate"] = 0.99
@@ -68,7 +74,7 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
         "eval_format_rate_after": 0.99,
         "wall_time_s": round(100.0 + 40 * a + 3.5 * k, 6),
         "peak_mem_mb": round(900.0 + 300 * (algo == "ppo") + 11 * k, 6),
-        "mean_clip_frac": round(statistics.mean(r["clip_frac"] for r in rows), 6),
+        clip_key: round(statistics.mean(r[clip_key.removeprefix("mean_")] for r in rows), 6),
         "args": {
             "model": "tiny",
             "task": None,
@@ -135,7 +141,7 @@ def test_report_only_builds_table_json_and_plot(fabricated):
             "wall_time_s": ms([s["wall_time_s"] for s in summaries]),
             "tokens_per_s": ms([statistics.mean(r["tokens_per_s"] for r in rows) for rows in metrics]),
             "peak_mem_mb": ms([s["peak_mem_mb"] for s in summaries]),
-            "mean_clip_frac": ms([s["mean_clip_frac"] for s in summaries]),
+            "mean_clip_frac": ms([s[CLIP[algo]] for s in summaries]),
             "final_entropy": ms([rows[-1]["entropy"] for rows in metrics]),
         }
         got = data["algos"][algo]
@@ -158,6 +164,8 @@ def test_report_only_builds_table_json_and_plot(fabricated):
         shown = [float(x) for x in before_after.groups()]
         want = [*expected["eval_accuracy_before"], *expected["eval_accuracy_after"]]
         assert all(abs(x - y) <= 5e-4 + 1e-9 for x, y in zip(shown, want)), (cells[1], want)
+        assert cells[6].endswith(" (seqs)") == (algo == "gspo"), cells[6]  # the unit marked where it differs
+        cells[6] = cells[6].removesuffix(" (seqs)")
         for cell, key, tol in (
             (cells[2], "final_reward", 5e-4),
             (cells[3], "wall_time_s", 0.5),
