@@ -74,8 +74,8 @@ def summarize(run: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = {"acc_before": summary["eval_accuracy_before"], "acc_after": summary["eval_accuracy_after"]}
-    for key in SHOWN:
-        values = [r[key] for r in rows if key in r]
+    for key in SHOWN:  # (GSPO's sequence variant logs its clipped sequences' share as clip_frac_seqs)
+        values = [v for r in rows if (v := r.get(key, r.get(f"{key}_seqs"))) is not None]
         out[key] = statistics.fmean(values) if values else None
     return out
 

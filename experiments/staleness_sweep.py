@@ -213,7 +213,8 @@ def run_values(summary: dict, rows: list[dict]) -> dict:
         "collapsed": collapse_step(curve) is not None,
         "log_ratio_std": step_mean("log_ratio_std"),
         "ratio_outside_grpo_clip": step_mean("ratio_outside_grpo_clip"),
-        "clip_frac": step_mean("clip_frac"),
+        # GSPO's sequence variant counts clipped sequences (clip_frac_seqs), the others clipped tokens
+        "clip_frac": step_mean("clip_frac") if any("clip_frac" in r for r in rows) else step_mean("clip_frac_seqs"),
         "grad_norm_spikes": grad_norm_spikes([r.get("grad_norm") for r in rows]),
         "final_entropy": sum(tail) / len(tail) if tail else None,
         "response_len": step_mean("response_len"),
@@ -230,7 +231,7 @@ COLUMNS = [  # (key, header, digits)
     ("mean_eval_accuracy", "mean acc", 3),
     ("log_ratio_std", "log-ratio std", 4),
     ("ratio_outside_grpo_clip", "outside [0.8,1.2]", 4),
-    ("clip_frac", "clip frac", 4),
+    ("clip_frac", "clip frac (GSPO sequence: of sequences)", 4),
     ("grad_norm_spikes", "grad spikes", 1),
     ("final_entropy", "entropy", 3),
     ("response_len", "length", 1),
