@@ -519,6 +519,8 @@ def setup(args, needs_group: bool = True) -> Setup:
         tiny_checkpoint(args.model)
     if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
         extra("moe", f"--model {args.model} (MoE)")
+    if not _StaticKVDecoder.supports_config(local_config(args.model) or {"model_type": "llama"}):  # (hub id: later)
+        extra("hf_decoder", f"--model {args.model} (outside the hand-written decoder's {_StaticKVDecoder.MODEL_TYPES})")
     if args.lora_rank:
         extra("lora", "--lora-rank").check_targets(args)
     bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
@@ -719,12 +721,16 @@ def is_moe(model) -> bool:
     return any(hasattr(m, "gate") and hasattr(m, "experts") for m in model.modules())
 
 
-def declares_experts(name: str) -> bool:
-    """Whether --model `name`'s config.json (a local directory) declares sparse experts, read before
-    loading; a hub id cannot be read before loading it (Run checks the loaded model: is_moe)."""
+def local_config(name: str) -> dict:
+    """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
+    weights load. {} for a hub id, which only loading can read (Run checks the model: is_moe)."""
     config = Path(model_path(name)) / "config.json"
-    fields = json.loads(config.read_text()) if config.is_file() else {}
-    return any(fields.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def declares_experts(name: str) -> bool:
+    """Whether --model `name` (a local directory) has sparse MoE blocks, by its config's own field."""
+    return any(local_config(name).get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def model_path(name: str) -> str:
@@ -1027,12 +1033,15 @@ class _StaticKVDecoder:
         from transformers import PreTrainedModel
 
         config = getattr(model, "config", None)
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        return (
-            isinstance(model, PreTrainedModel)
-            and getattr(config, "model_type", None) in cls.MODEL_TYPES
-            and layer_types == {"full_attention"}
-        )  # sliding-window layers: HF forward instead
+        fields = {k: getattr(config, k, None) for k in ("model_type", "layer_types")}
+        return isinstance(model, PreTrainedModel) and cls.supports_config(fields)
+
+    @classmethod
+    def supports_config(cls, config: dict) -> bool:
+        """A config.json's fields: a Llama-family model whose layers all attend fully (sliding-window
+        layers: transformers' forward instead)."""
+        layer_types = set(config.get("layer_types") or ["full_attention"])
+        return config.get("model_type") in cls.MODEL_TYPES and layer_types == {"full_attention"}
 
     def __init__(self, model, roll: Rollout, max_new_tokens: int):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()

@@ -129,7 +129,7 @@ CAPABILITIES = {
 # extras that no flag of a single-process run on the shipped checkpoints switches on
 NOT_FLAG_SWITCHED = {
     "distributed": "torchrun (WORLD_SIZE) imports it",
-    "hf_decoder": "a --model outside the Llama family (no shipped checkpoint is one) samples through it",
+    "hf_decoder": "a --model outside the hand-written decoder's Llama family (tiny-moe is one) samples through it",
 }
 
 
@@ -174,6 +174,16 @@ def test_without_extras_each_capability_is_refused_in_one_line(refusals, flag):
     one_line_refusal(proc, f"extras/{module}.py", flag[0])
     assert "Traceback" not in proc.stderr
     assert not out.exists(), "a refused run left an output directory"
+
+
+def test_a_model_outside_the_llama_family_without_hf_decoder_is_refused_before_loading(tmp_path):
+    """tiny-moe (qwen3_moe) samples through extras/hf_decoder.py: a copy that has extras/moe.py but not
+    it stops in one line before any weights load (its config.json tells), not at the first rollout."""
+    tree = copy_tree(tmp_path / "tree")
+    (tree / "extras" / "hf_decoder.py").unlink()
+    proc = run(tree, "gspo", *DEFAULT_RUN, "--model", "tiny-moe", "--out", tmp_path / "out", timeout=120)
+    one_line_refusal(proc, "extras/hf_decoder.py", "--model tiny-moe")
+    assert "Loading weights" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,3 +445,11 @@ def test_experts_are_known_from_the_config_before_loading(tmp_path):
     assert not common.declares_experts(str(tmp_path / "dense"))
     assert common.declares_experts("tiny-moe") and not common.declares_experts("tiny")
     assert not common.declares_experts("Qwen/Qwen3-0.6B")  # a hub id: only the loaded model can tell (is_moe)
+
+
+def test_which_models_the_hand_written_decoder_takes_is_read_from_the_config():
+    take = common._StaticKVDecoder.supports_config
+    assert take({"model_type": "qwen3"}) and take({"model_type": "llama", "layer_types": ["full_attention"] * 2})
+    assert not take({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]})
+    assert not take({"model_type": "qwen3_moe"}) and not take({})
+    assert not take(common.local_config("tiny-moe")) and take(common.local_config("tiny"))
