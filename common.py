@@ -55,6 +55,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+STARTED = time.perf_counter()  # the script's start (its import of this file): summary.json's wall_time_s counts from it
+
 # ---------------------------------------------------------------------------------------------
 # 1. Command line: flags from a dataclass, checks with one-line errors (exit status 2), main()
 # ---------------------------------------------------------------------------------------------
@@ -496,6 +498,7 @@ def setup(args, needs_group: bool = True) -> Setup:
         )
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
     needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
+    quiet_transformers()  # before the first model loads (the reward model's, the policy's)
     tok = load_tokenizer(args.model)  # the data's characters are checked against it as it loads
     check = functools.partial(check_characters, tok, args.model)
     train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer, check=check)
@@ -714,6 +717,19 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tok
+
+
+def quiet_transformers():
+    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards"): the run's bar
+    and its closing line say what is happening. The hub's download bars stay as they were (a real model's
+    first download is worth watching), and our own tqdm bar is not transformers' and is not affected."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging
+
+    downloads_shown = not are_progress_bars_disabled()
+    logging.disable_progress_bar()  # (it turns the hub's off too)
+    if downloads_shown:
+        enable_progress_bars()
 
 
 def is_moe(model) -> bool:
@@ -1816,7 +1832,6 @@ class Run:
         self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
         self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
         self.clip_key = "clip_frac"  # clip_frac_seqs where the clip counts sequences (GSPO), not tokens
-        t_start = time.perf_counter()
         self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
@@ -1826,7 +1841,7 @@ class Run:
             self.progress.last_eval = self.progress.eval_before
             if env.rank == 0:  # (under torchrun the evaluation is all ranks')
                 tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
-        self.t_start = t_start - self.progress.wall_time_s
+        self.t_start = STARTED - self.progress.wall_time_s  # from the script's start; a resumed run adds its own
         self.logger = RunLogger(
             args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
         )
@@ -2014,8 +2029,9 @@ class Run:
         if self.trace is not None:
             self.logger.log_traces(self.trace.records())
         self.show(samples)
-        last = self.progress.last_eval
-        self.bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{last.get('accuracy', last.get('reward')):.3f}")
+        last = self.progress.last_eval  # the bar: this step's training reward, the last evaluation's held-out number
+        held_out = {"eval_acc": last["accuracy"]} if "accuracy" in last else {"eval_reward": last["reward"]}
+        self.bar.set_postfix(reward=f"{row['reward']:.3f}", **{k: f"{v:.3f}" for k, v in held_out.items()})
         self.progress.step, self.progress.wall_time_s = step, time.perf_counter() - self.t_start
 
     def watch_signal(self, step: int, no_signal: bool, grouped: bool):
@@ -2062,7 +2078,8 @@ class Run:
             if args.merge_lora and self.logger.enabled:
                 extra("lora", "--merge-lora").save_merged(self.model, self.tok, self.logger.out / "final" / "merged")
         before, after = progress.eval_before, progress.last_eval
-        self.logger.summary(
+        wall_time_s = time.perf_counter() - self.t_start
+        measured = rounded(
             {
                 "algo": self.algo,
                 "model": args.model,
@@ -2078,18 +2095,20 @@ class Run:
                 "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
                 "eval_size": len(self.env.eval_set),
                 "eval_overlap": self.env.eval_overlap,  # evaluation prompts also in the training data
-                "wall_time_s": time.perf_counter() - self.t_start,
+                "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
                 "peak_mem_mb": peak_memory_mb(self.env.device),
                 f"mean_{self.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
                 # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
                 "no_signal": progress.no_signal,
                 "no_signal_steps": progress.no_signal_steps,
-                "args": dataclasses.asdict(args),
             }
         )
+        self.logger.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
         self.logger.close()
         if interrupted:
             raise Interrupted(progress.step, self.logger.out)
+        if self.logger.enabled:
+            print(closing_line(self.algo, before, after, wall_time_s, self.logger.out), flush=True)
         return progress.last_eval
 
 
@@ -2101,6 +2120,43 @@ def all_equal(x: torch.Tensor) -> bool:
     """Whether every element of `x` on every rank is the same value."""
     extremes = all_reduce_sum(torch.stack([x.float().max(), -x.float().min()]), op="MAX")
     return bool(extremes[0] == -extremes[1])
+
+
+def rounded(value, decimals: int = 6):
+    """`value` with each float in it (in dicts and lists too) rounded to `decimals` decimals, as metrics.jsonl
+    rounds: a number summary.json copies from an evaluation equals the logged one."""
+    if isinstance(value, float):
+        return round(value, decimals)
+    if isinstance(value, dict):
+        return {k: rounded(v, decimals) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, decimals) for v in value]
+    return value
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '2 min 17 s', '1 h 3 min'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+# What a run may write into --out, in the order the closing line names them
+OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "final", "checkpoint", "tensorboard")
+
+
+def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
+    """The run's last line: "gspo: held-out accuracy 0.222 -> 0.640 in 2 min 17 s; wrote runs/gspo
+    (summary.json, metrics.jsonl, final/)" (the held-out reward where the task has no accuracy), naming
+    what the run left in `out` (an empty traces.jsonl left out)."""
+    key = "accuracy" if "accuracy" in after else "reward"
+    paths = [out / name for name in OUTPUTS]
+    written = [p.name + "/" * p.is_dir() for p in paths if p.is_dir() or (p.is_file() and p.stat().st_size)]
+    return (f"{algo}: held-out {key} {before[key]:.3f} -> {after[key]:.3f} in {duration(seconds)}; "
+            f"wrote {out} ({', '.join(written)})")  # fmt: skip
 
 
 def describe_eval(metrics: dict) -> str:
@@ -2167,7 +2223,7 @@ class RunLogger:
             )
 
     def log(self, metrics: dict):
-        clean = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
+        clean = rounded(metrics)
         self.metrics_file.write(json.dumps(clean) + "\n")
         self.metrics_file.flush()
         if self.tensorboard is not None:  # the very values metrics.jsonl holds

@@ -180,6 +180,91 @@ def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path
 
 
 # ---------------------------------------------------------------------------------------------
+# The end of a run: the closing line, transformers' bars, the progress bar's field, summary.json
+# ---------------------------------------------------------------------------------------------
+
+
+def floats_in(value):
+    """Every float inside `value` (dicts and lists too)."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in floats_in(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in floats_in(v)]
+    return []
+
+
+def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
+    """A script run as a user runs it: its last stdout line says held-out before -> after, the time and
+    what is in --out (checked against summary.json, metrics.jsonl and the directory); transformers'
+    "Loading weights" / "Writing model shards" bars are gone; the bar's held-out field is named eval_acc
+    and shows the last evaluation; summary.json's numbers are rounded as metrics.jsonl's are, the flags
+    exact, and its wall_time_s covers more than the steps (model loading, evaluations) within the
+    process's own lifetime."""
+    import os
+    import re
+    import subprocess
+
+    out, lr = tmp_path / "run", 1.234567891e-4  # more digits than a rounding to 6 decimals keeps
+    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", "2", "--eval-every", "1", "--lr", repr(lr), "--out", str(out)]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RLREF_THREADS": "1"})  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, metrics = json.loads((out / "summary.json").read_text()), rows(out / "metrics.jsonl")
+    before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
+    assert after == metrics[-1]["eval_accuracy"]  # bit for bit: both rounded alike
+
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"gspo: held-out accuracy (\S+) -> (\S+) in (\d+) s; wrote (.+) \((.+)\)", last)
+    assert m, last
+    assert m.group(1, 2) == (f"{before:.3f}", f"{after:.3f}")
+    assert int(m.group(3)) == round(summary["wall_time_s"])
+    assert m.group(4) == str(out)
+    assert m.group(5).split(", ") == ["summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "final/"]
+    assert {p.name for p in out.iterdir()} == {"summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl",
+                                               "final"}  # fmt: skip
+
+    both = proc.stdout + proc.stderr
+    assert "Loading weights" not in both and "Writing model shards" not in both
+    assert " acc=" not in both and re.findall(r"eval_acc=([\d.]+)", proc.stderr)[-1] == f"{after:.3f}"
+
+    measured = {k: v for k, v in summary.items() if k != "args"}
+    assert all(round(x, 6) == x for x in floats_in(measured)), measured
+    assert summary["args"]["lr"] == lr  # the flags as given, not rounded
+    steps_s = sum(r["step_time_s"] for r in metrics)
+    assert steps_s < summary["wall_time_s"] <= elapsed
+
+
+def test_wall_time_counts_from_the_scripts_start(tmp_path, monkeypatch):
+    """summary.json's wall_time_s is measured from common.STARTED (set when the script imports common),
+    not from the Run's creation after the model loaded: a start 1000 s back shows in it."""
+    monkeypatch.setattr(common, "STARTED", time.perf_counter() - 1000.0)
+    began = time.perf_counter()
+    train_in_process(gspo, "--steps", "1", "--out", tmp_path / "run")
+    took = time.perf_counter() - began
+    wall = json.loads((tmp_path / "run" / "summary.json").read_text())["wall_time_s"]
+    assert 1000.0 < wall <= 1000.0 + took + 1e-3
+
+
+def test_the_closing_lines_pieces():
+    assert [common.duration(s) for s in (0.4, 44.6, 59.4, 137.2, 3599.4, 3780.0)] == [
+        "0 s", "45 s", "59 s", "2 min 17 s", "59 min 59 s", "1 h 3 min"]  # fmt: skip
+    assert common.rounded({"a": 0.22200000286102295, "b": [1.0000004, 3], "c": "x", "d": None, "e": 7}) == {
+        "a": 0.222, "b": [1.0, 3], "c": "x", "d": None, "e": 7}  # fmt: skip
+
+
+def test_the_closing_line_says_reward_where_the_task_has_no_accuracy(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "traces.jsonl").write_text("")  # empty: not named
+    (tmp_path / "checkpoint").mkdir()
+    line = common.closing_line("ppo", {"reward": 0.25}, {"reward": 0.5}, 75.0, tmp_path)
+    assert line == f"ppo: held-out reward 0.250 -> 0.500 in 1 min 15 s; wrote {tmp_path} (summary.json, checkpoint/)"
+
+
+# ---------------------------------------------------------------------------------------------
 # TensorBoard
 # ---------------------------------------------------------------------------------------------
 
