@@ -62,10 +62,12 @@ STARTED = time.perf_counter()  # the script's start (its import of this file): s
 # ---------------------------------------------------------------------------------------------
 
 
-def arg(default, help: str, choices: tuple | None = None):
+def arg(default, help: str, choices: tuple | None = None, shown: str | None = None):
     """A dataclass field that carries its --help text and, for a flag with a fixed set of values, its
-    `choices`: any other value (given, resumed or passed to Args directly) is a one-line error."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    `choices`: any other value (given, resumed or passed to Args directly) is a one-line error. --help
+    appends "(default: VALUE)"; `shown` replaces VALUE where the value alone would not say what happens
+    (a None or [] that the run fills in), so that the help text itself never states a default."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "shown": shown}
     if isinstance(default, (list, dict)):  # a fresh copy per instance: never one shared list, nor LORA_TARGETS itself
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -168,20 +170,23 @@ class SharedArgs:
     )
     task: str = arg(
         None,
-        "arith (default), sums (long; sets --model, --max-new-tokens), gsm8k, jsonl (implied by --data alone)",
+        "arith, sums (long; sets --model, --max-new-tokens), gsm8k or jsonl",
         choices=TASKS,
+        shown="arith; jsonl with --data alone",
     )
     data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
     eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
     system_prompt: str = arg(
-        None, "instruction a chat template puts before each prompt (default: asks for the answer as --reward reads it)"
+        None,
+        "instruction a chat template puts before each prompt ('': none)",
+        shown="one asking for the answer as --reward reads it",
     )
     reward: list[str] = arg(
         [],
-        "exact, boxed, format, module:function or file.py:function; several add up ([]: exact, or none "
-        "with --reward-model)",
+        "exact, boxed, format, module:function or file.py:function; several add up",
+        shown="exact; none with --reward-model",
     )
-    reward_weights: list[float] = arg([], "one weight per --reward (default: 1 each)")
+    reward_weights: list[float] = arg([], "one weight per --reward", shown="1 each")
     reward_model: str = arg(
         None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
     )
@@ -210,14 +215,16 @@ class SharedArgs:
         "none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)", choices=REPORT_TO
     )
     trace_every: int | None = arg(
-        None, "write per-token traces to OUT/traces.jsonl every N steps (none: at each evaluation; 0: off)"
+        None, "write per-token traces to OUT/traces.jsonl every N steps (0: off)", shown="none, at each evaluation"
     )
     trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
-    out: str = arg(None, "output directory (none: runs/SCRIPT, the script's name)")
+    out: str = arg(None, "output directory (named for the script, so that a fork writes its own)")
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
-        None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
+        None,
+        "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow",
+        shown="none, a new run",
     )
     max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
     device: str = arg("auto", "auto, cpu or cuda")
@@ -225,7 +232,9 @@ class SharedArgs:
         False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
     )
     lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
-    lora_alpha: float | None = arg(None, "LoRA: the adapters' update is scaled by alpha / r (none: 2 x --lora-rank)")
+    lora_alpha: float | None = arg(
+        None, "LoRA: the adapters' update is scaled by alpha / r", shown="none, 2 x --lora-rank"
+    )
     lora_targets: list[str] = arg(LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
     merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
     rollout_dtype: str = arg(
@@ -275,19 +284,21 @@ def parse_args(args_cls, argv=None):
     command line; see `resumed_args`."""
 
     # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
+    algo, defaults = script_name(args_cls), args_cls()
     parser = ArgumentParser(
+        usage=f"{algo}.py [flags]   (python {algo}.py --help lists them, grouped)",
         description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0],
         epilog="With --resume, every flag not marked 'may change on --resume' keeps the checkpoint's value.",
         argument_default=argparse.SUPPRESS,
     )
     shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
-    algo, defaults = script_name(args_cls), args_cls()
     own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
     groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
         group = groups[shared[f.name]] if f.name in shared else own
         resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
-        help_text = (f.metadata.get("help", "") + f" (default: {getattr(defaults, f.name)}{resume})").replace("%", "%%")
+        shown = f.metadata.get("shown") or shown_default(getattr(defaults, f.name))
+        help_text = f"{f.metadata.get('help', '')} (default: {shown}{resume})".replace("%", "%%")
         choices = f.metadata.get("choices")
         metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
         if f.type in (bool, "bool"):
@@ -313,6 +324,15 @@ def parse_args(args_cls, argv=None):
     args = args_cls(**given)
     check_choices(args)
     return args
+
+
+def shown_default(value) -> str:
+    """A default as --help states it, as one would type it: on / off, a list's items, none."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
 
 
 def check_common_args(args, needs_group: bool):

@@ -83,3 +83,61 @@ def test_help_shows_titled_groups_in_the_same_order_each_flag_once():
                                                 for names in common.HELP_GROUPS.values()]  # fmt: skip
         seen[name] = groups[2:]
     assert all(groups == seen[SCRIPTS[0]] for groups in seen.values())
+
+
+def help_of_each_flag(script: str) -> tuple[list[str], dict[str, str]]:
+    """(the lines of `python script --help` at a width where nothing wraps, {flag: its help text})."""
+    import os
+
+    wide = {**os.environ, "COLUMNS": "1000"}  # argparse wraps at the terminal's width
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=common.SHIPPED_CHECKPOINTS.parent,
+                          capture_output=True, text=True, timeout=120, env=wide)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines, helps, flag = proc.stdout.splitlines(), {}, None
+    for line in lines:  # "  --flag METAVAR  help", or the help alone on the next line, indented
+        if m := re.match(r"  (--[a-z][a-z0-9-]*|-h)\b.*?(?:\s{2,}(.*))?$", line):
+            flag = m.group(1)
+            helps[flag] = m.group(2) or ""
+        elif flag and line.startswith("   "):  # a help text on the line below a long flag
+            helps[flag] = (helps[flag] + " " + line.strip()).strip()
+        else:
+            flag = None
+    return lines, helps
+
+
+def stated_default(value) -> str:
+    """How a default reads as typed on the command line (written here, not taken from common)."""
+    if value is True or value is False:
+        return {True: "on", False: "off"}[value]
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_states_each_default_once_and_truly_after_a_one_line_usage(name):
+    """--help opens with a one-line usage, then the description; every flag's help says "default" once, as
+    "(default: X)" at its end, and X is the default the flag really has: the value of the script's Args
+    (on / off for a switch, a list as its items) or, where that value is None or [] and the run fills it in,
+    what the field declares it means."""
+    lines, helps = help_of_each_flag(f"{name}.py")
+    assert lines[0] == f"usage: {name}.py [flags]   (python {name}.py --help lists them, grouped)"
+    assert lines[1] == "" and lines[2] and not lines[2].startswith(" ")  # the description comes next
+    fields = {common._flag(f.name): f for f in dataclasses.fields(MODULES[name].Args)}
+    assert set(helps) == {"-h", *fields}
+    defaults = MODULES[name].Args()
+    for flag, f in fields.items():
+        text = helps[flag]
+        assert text.lower().count("default") == 1, (flag, text)
+        m = re.search(r"\(default: (.*?)(; may change on --resume)?\)$", text)
+        assert m, (flag, text)
+        value = getattr(defaults, f.name)
+        if value is None or value == []:
+            assert m.group(1) == f.metadata["shown"] or (f.metadata["shown"] is None and m.group(1) == "none"), flag
+        elif isinstance(value, float):
+            assert float(m.group(1)) == value, (flag, text)
+        else:
+            assert m.group(1) == stated_default(value), (flag, text)
+        assert bool(m.group(2)) == (f.name in common.RESUME_MAY_CHANGE), flag
+    assert re.search(r"\(default: arith; jsonl with --data alone\)$", helps["--task"])
+    assert helps["--out"].endswith(f"(default: runs/{name}; may change on --resume)")
