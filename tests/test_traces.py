@@ -288,6 +288,92 @@ def test_the_page_in_a_real_browser(page):
         driver.quit()
 
 
+# ---------------------------------------------------------------------------------------------
+# show_traces.py's command line
+# ---------------------------------------------------------------------------------------------
+
+
+def show_traces_cli(*argv):
+    """(exit status, stdout, stderr) of `python tools/show_traces.py ARGV`, as a user runs it."""
+    proc = subprocess.run([sys.executable, "tools/show_traces.py", *map(str, argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def page_data(html: Path) -> dict:
+    """The inline JSON a page renders from (the page escapes "<" and "/" inside its script)."""
+    text = html.read_text()
+    inline = re.search(r'<script type="application/json" id="traces">(.*?)</script>', text, re.S).group(1)
+    return json.loads(inline)
+
+
+def test_show_traces_help_is_the_whole_docstring():
+    status, out, err = show_traces_cli("--help")
+    assert status == 0, err
+    words = " ".join(out.split())
+    assert " ".join(show_traces.__doc__.split()) in words  # every line of it, not the first alone
+    for flag in ("--out", "--step", "--quantity", "--screenshot", "--height"):
+        assert flag in words
+
+
+def test_show_traces_quantities_are_the_pages_own():
+    """--quantity's choices are exactly the keys of the page script's QUANTITIES, in its order."""
+    block = re.search(r"const QUANTITIES = \{(.*?)\};", show_traces.SCRIPT, re.S).group(1)
+    assert tuple(re.findall(r"^\s*(\w+):", block, re.M)) == show_traces.QUANTITIES
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--quantity", "foo"], r"error: argument --quantity: invalid choice: 'foo' \(choose from .*'ratio'.*\)"),
+        (["--step", "7"], r"error: --step 7: no run has a trace at that step \(traced steps: 1, 2\)"),
+        (["--height", "0"], r"error: --height must be >= 1, got 0"),
+        (["--stp", "1"], r"error: unrecognized argument --stp \(did you mean --step\?\)"),
+    ],
+)
+def test_show_traces_bad_input_is_one_line_exit_2(runs, tmp_path, argv, expected):
+    html = tmp_path / "page.html"
+    status, out, err = show_traces_cli(runs["gspo"]["full"], *argv, "--out", html)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(expected, err.strip()), err
+    assert not html.exists()  # nothing written
+
+
+def test_show_traces_without_traces_is_one_line_exit_2(tmp_path):
+    status, _, err = show_traces_cli(tmp_path)
+    assert status == 2 and err.strip() == f"error: {tmp_path / 'traces.jsonl'} does not exist (run the script " \
+        "with --trace-every, or its default)"  # fmt: skip
+
+
+def test_show_traces_opens_on_the_ratio_at_the_chosen_step(runs, tmp_path):
+    """By default the page opens on the ratio (the README's picture) at its first step; --step and
+    --quantity choose others; the page's script selects DATA.quantity once its options exist."""
+    html = tmp_path / "page.html"
+    assert show_traces_cli(runs["gspo"]["full"], "--out", html)[0] == 0
+    data = page_data(html)
+    assert (data["quantity"], data["step"]) == ("ratio", None)
+    assert [r["step"] for r in data["runs"][0]["records"]] == [r["step"] for r in traces(runs["gspo"]["full"])]
+    assert show_traces_cli(runs["gspo"]["full"], "--out", html, "--step", 2, "--quantity", "entropy")[0] == 0
+    assert (page_data(html)["quantity"], page_data(html)["step"]) == ("entropy", 2)
+    script = show_traces.SCRIPT
+    assert script.index("$('quantity').value = DATA.quantity") > script.index("$('quantity').add(")
+
+
+def test_the_page_opens_on_the_ratio_in_a_real_browser(runs, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    html = tmp_path / "page.html"
+    show_traces.main([str(runs["gspo"]["full"]), "--out", str(html)])
+    driver = browser()
+    try:
+        driver.get(html.as_uri())
+        assert Select(driver.find_element(By.ID, "quantity")).first_selected_option.get_attribute("value") == "ratio"
+        assert "ratio" in driver.find_element(By.ID, "legend").text
+    finally:
+        driver.quit()
+
+
 def test_run_all_writes_the_page_beside_its_report(runs, tmp_path):
     out = tmp_path / "compare"
     for name in SCRIPTS:

@@ -6,9 +6,11 @@
 
 Each completion is a row of tokens, coloured by the quantity chosen at the top (advantage, ratio,
 clipped, entropy, KL to the reference, the token's own log-ratio); hovering a token shows its
-numbers; the step selector moves through training. Prompt tokens are grey and outlined, padding
-dotted, the EOS token marked. The page holds its data and its one small script inline: no network,
-no external file. --screenshot needs selenium and Debian's chromium and chromium-driver.
+numbers; the step selector moves through training. The page opens on the ratio (as the README's
+picture shows it) at the first traced step: --quantity and --step choose others. Prompt tokens
+are grey and outlined, padding dotted, the EOS token marked. The page holds its data and its one
+small script inline: no network, no external file. --screenshot needs selenium and Debian's
+chromium and chromium-driver.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
+from common import ArgumentParser, die  # noqa: E402  (one-line errors, exit status 2)
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium, chromium-driver
 
 
@@ -25,7 +30,7 @@ def load_run(directory: Path) -> dict:
     """A run's traces and the few settings the page prints beside them."""
     path = directory / "traces.jsonl"
     if not path.is_file():
-        raise SystemExit(f"show_traces.py: {path} does not exist (run the script with --trace-every, or its default)")
+        die(f"{path} does not exist (run the script with --trace-every, or its default)")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     summary_path = directory / "summary.json"
     args = json.loads(summary_path.read_text()).get("args", {}) if summary_path.is_file() else {}
@@ -54,6 +59,9 @@ header label { margin-right: 14px; }
 #tip { position: fixed; display: none; background: #fffff0; border: 1px solid #999; padding: 6px 8px;
        font: 12px ui-monospace, monospace; white-space: pre; z-index: 3; pointer-events: none; }
 """
+
+# What a token can be coloured by: the page's QUANTITIES, in its order (--quantity)
+QUANTITIES = ("advantage", "ratio", "clipped", "entropy", "kl", "log_ratio")
 
 # The page's one script: renders the chosen step of every run from the inline JSON.
 SCRIPT = r"""
@@ -165,15 +173,16 @@ function render() {
 const steps = [...new Set(DATA.runs.flatMap((r) => r.records.map((x) => x.step)))].sort((a, b) => a - b);
 for (const s of steps) $('step').add(new Option(String(s), String(s)));
 for (const [k, v] of Object.entries(QUANTITIES)) $('quantity').add(new Option(k, k));
+$('quantity').value = DATA.quantity;
 if (DATA.step !== null && steps.includes(DATA.step)) $('step').value = String(DATA.step);
 for (const id of ['step', 'quantity', 'update']) $(id).addEventListener('change', render);
 render();
 """
 
 
-def page(runs: list[dict], step: int | None = None) -> str:
-    """The HTML page; `step`: the one it opens at (default: the first)."""
-    data = json.dumps({"runs": runs, "step": step})
+def page(runs: list[dict], step: int | None = None, quantity: str = "ratio") -> str:
+    """The HTML page; `step`: the one it opens at (default: the first); `quantity`: the colour it opens on."""
+    data = json.dumps({"runs": runs, "step": step, "quantity": quantity})
     # inside <script>: no "</script>" can end it early, and no "http://" appears even in a token's text
     data = data.replace("<", "\\u003c").replace("/", "\\/")
     return f"""<!doctype html>
@@ -227,16 +236,25 @@ def screenshot(html_path: Path, png: Path, quantity: str = "ratio", height: int 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python tools/show_traces.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a traces.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="the page (default: FIRST_RUN/traces.html)")
-    parser.add_argument("--step", type=int, default=None, help="the step the page opens at (default: the first)")
+    parser.add_argument("--step", type=int, default=None, help="the traced step the page opens at (default: the first)")
+    parser.add_argument("--quantity", default="ratio", choices=QUANTITIES,
+                        help="the colour the page opens on and the screenshot shows (default: ratio)")  # fmt: skip
     parser.add_argument("--screenshot", type=Path, default=None, help="also save a PNG of the page (selenium)")
-    parser.add_argument("--quantity", default="ratio", help="the colour of the screenshot (default: ratio)")
-    parser.add_argument("--height", type=int, default=1300, help="the screenshot's height in pixels")
+    parser.add_argument("--height", type=int, default=1300, help="the screenshot's height in pixels (default: 1300)")
     args = parser.parse_args(argv)
+    if args.height < 1:
+        parser.error(f"--height must be >= 1, got {args.height}")
+    runs = [load_run(d) for d in args.runs]
+    steps = sorted({r["step"] for run in runs for r in run["records"]})
+    if args.step is not None and args.step not in steps:
+        parser.error(f"--step {args.step}: no run has a trace at that step (traced steps: "
+                     f"{', '.join(map(str, steps)) or 'none'})")  # fmt: skip
     out = args.out or args.runs[0] / "traces.html"
-    out.write_text(page([load_run(d) for d in args.runs], args.step))
+    out.write_text(page(runs, args.step, args.quantity))
     print(f"show_traces.py: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
     if args.screenshot:
         screenshot(out, args.screenshot, args.quantity, args.height)
