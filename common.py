@@ -19,7 +19,8 @@ when asked for, so that a default run reads and runs this file alone: fsdp (--fs
 moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
 reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
 functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
-(torchrun's process group), hf_decoder (sampling a model outside the Llama family). Each is reached
+(torchrun's process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer
+(--model tiny-qwen3: Qwen3's real tokenizer, vendored in checkpoints/qwen3-tokenizer/). Each is reached
 through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
@@ -162,7 +163,9 @@ class SharedArgs:
     (PPO's --minibatches 4, say). `check()` is where a script checks its own flags' ranges."""
 
     model: str = arg(
-        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+        "tiny",
+        "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin), 'tiny-qwen3' (random weights, "
+        "Qwen3's real tokenizer) or a local dir / hub id",
     )
     task: str = arg(
         None,
@@ -415,7 +418,7 @@ def _describe(e: Exception, first_sentence: bool = True) -> str:
 
 def check_model_name(model: str):
     """'tiny', an existing Hugging Face checkpoint directory, or something shaped like a hub id."""
-    if model in TINY_MODELS:
+    if model in TINY_MODELS or model == TINY_QWEN3:
         return
     expected = "expected 'tiny', a checkpoint directory or a hub id like Qwen/Qwen2.5-0.5B"
     path = Path(model).expanduser()
@@ -718,7 +721,10 @@ def is_moe(model) -> bool:
 
 
 def model_path(name: str) -> str:
-    """Where --model `name` loads from: an embedded checkpoint's directory, or `name` itself."""
+    """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
+    use, extras/qwen3_tokenizer.py), or `name` itself."""
+    if name == TINY_QWEN3:
+        return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
     return tiny_checkpoint(name) if name in TINY_MODELS else name
 
 
@@ -732,8 +738,9 @@ def load_tokenizer(name: str):
     """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
+    path = model_path(name)  # (tiny-qwen3: built on first use)
     try:
-        tok = AutoTokenizer.from_pretrained(model_path(name))
+        tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         if name in TINY_MODELS:
             raise
@@ -797,6 +804,7 @@ TINY_KEYS = {
     "tiny-sums": "tiny-qwen3-sums-be8fdd9ce3ea",
     "tiny-rm": "tiny-rm-24a0eee23632",
 }
+TINY_QWEN3 = "tiny-qwen3"  # random weights, Qwen3's real tokenizer and generation config: built, not shipped
 TINY_RM = "tiny-rm"  # the tiny policy's trunk plus a scalar head (--reward-model tiny-rm; tools/train_reward_model.py)
 
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
