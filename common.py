@@ -1183,8 +1183,10 @@ def _attention(q, k, v, bias, scale: float):
 
 
 def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
-    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
-    return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
+    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens). Only real tokens
+    count: the pad id may itself be an EOS id (Qwen3's <|endoftext|>), and padding is not an ending."""
+    eos = torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device))
+    return (eos & roll.completion_mask.bool()).any(1)
 
 
 # ---------------------------------------------------------------------------------------------
