@@ -81,15 +81,51 @@ GENERATION_PROMPT = [IM_START, ASSISTANT, NEWLINE]  # <|im_start|>assistant\n
 SYSTEM_TURN = [IM_START, 8948, NEWLINE, 3430, 9814, 13, IM_END, NEWLINE]  # <|im_start|>system\nBe brief.<|im_end|>\n
 
 
-def test_generation_prompt_ids_without_a_system_prompt(tok):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system_prompt="")
-    assert prompt == USER_TURN + GENERATION_PROMPT
+EMPTY_THINK = [151667, 271, 151668, 271]  # <think>\n\n</think>\n\n ("\n\n" is one token, 271)
+AFTER = {"on": [], "off": EMPTY_THINK}  # --thinking off: the template closes an empty think block itself
 
 
-def test_generation_prompt_ids_with_a_system_prompt(tok):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system_prompt="Be brief.")
-    assert prompt == SYSTEM_TURN + USER_TURN + GENERATION_PROMPT
+@pytest.mark.parametrize("thinking", ["on", "off"])
+def test_generation_prompt_ids_without_a_system_prompt(tok, thinking):
+    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system_prompt="", thinking=thinking)
+    assert prompt == USER_TURN + GENERATION_PROMPT + AFTER[thinking]
+
+
+@pytest.mark.parametrize("thinking", ["on", "off"])
+def test_generation_prompt_ids_with_a_system_prompt(tok, thinking):
+    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], "Be brief.", thinking)
+    assert prompt == SYSTEM_TURN + USER_TURN + GENERATION_PROMPT + AFTER[thinking]
     assert tok.decode(prompt[:3]) == "<|im_start|>system\n"
+
+
+def test_thinking_reaches_only_templates_that_take_it(tok, char_tok):
+    """Qwen3's template reads enable_thinking; a two-line template without it (and the tiny model's plain
+    prompts) get the same ids whatever --thinking says, and no keyword they do not know."""
+    assert common.thinking_kwargs(tok, "on") == {"enable_thinking": True}
+    assert common.thinking_kwargs(tok, "off") == {"enable_thinking": False}
+    assert tok.decode(common.encode_prompts(tok, [{"prompt": "Hi"}], "", "off")[0]).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # fmt: skip
+    two_line = copy.deepcopy(char_tok)
+    two_line.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+    assert common.thinking_kwargs(two_line, "on") == {}
+    on, off = (common.encode_prompts(two_line, [{"prompt": "1+1="}], "S", t) for t in ("on", "off"))
+    assert on == off == [ids(char_tok, "system: S\nuser: 1+1=\nassistant: ")]
+    plain = [common.encode_prompts(char_tok, [{"prompt": "1+1="}], "S", t) for t in ("on", "off")]
+    assert plain == [[ids(char_tok, "1+1=")]] * 2
+
+
+def test_reward_model_text_follows_the_completions_thinking(tok):
+    """What --reward-model reads, in Qwen3's template: the assistant turn always carries a think block,
+    empty under --thinking off (the text the policy's prompt ended with), the completion's own
+    reasoning under --thinking on."""
+    from extras.reward_model import reward_model_text
+
+    turn = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert reward_model_text(tok, "What is 2+3?", "5", "off") == turn + "<think>\n\n</think>\n\n5<|im_end|>\n"
+    reasoned = "<think>\n2+3 is 5\n</think>\n\n5"
+    assert reward_model_text(tok, "What is 2+3?", reasoned, "on") == turn + reasoned + "<|im_end|>\n"
+    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], "", "off")
+    assert reward_model_text(tok, "What is 2+3?", "5", "off").startswith(tok.decode(prompt))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,15 +230,18 @@ def test_chunked_logprobs_equal_the_plain_ones_at_the_real_vocabulary(model, tok
 REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-def test_one_gspo_step_at_the_real_vocabulary(tmp_path):
-    """gspo.py, one step at 151,936 words: 16 completions of 16 tokens, a reward that differs between them
-    (so most rows carry an advantage and are forwarded: more tokens than one log-prob chunk holds)."""
+@pytest.mark.parametrize("thinking", ["off", "on"])
+def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
+    """gspo.py, one step at 151,936 words, thinking off and on: 16 completions of 16 tokens, a reward that
+    differs between them (so most rows carry an advantage and are forwarded: more tokens than one
+    log-prob chunk holds)."""
     (tmp_path / "reward.py").write_text(REWARD)
     out, rows, tokens = tmp_path / "run", 16, 16
     assert rows * tokens > 2 * (common.LOGITS_CHUNK_ELEMENTS // 151_936), "the step must span several chunks"
     cmd = [sys.executable, "gspo.py", "--model", common.TINY_QWEN3, "--steps", "1", "--prompts-per-step", "4",
            "--group-size", "4", "--minibatches", "1", "--max-new-tokens", str(tokens), "--eval-every", "0",
-           "--eval-size", "4", "--reward", f"{tmp_path / 'reward.py'}:length_mod_3", "--out", str(out)]  # fmt: skip
+           "--eval-size", "4", "--thinking", thinking, "--reward", f"{tmp_path / 'reward.py'}:length_mod_3",
+           "--out", str(out)]  # fmt: skip
     env = {**os.environ, "RLREF_THREADS": os.environ.get("RLREF_THREADS", "1")}
     proc = subprocess.run(cmd, cwd=common.SHIPPED_CHECKPOINTS.parent, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
