@@ -19,7 +19,8 @@ when asked for, so that a default run reads and runs this file alone: fsdp (--fs
 moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
 reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
 functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
-(torchrun's process group), hf_decoder (sampling a model outside the Llama family). Each is reached
+(torchrun's process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer
+(--model tiny-qwen3: Qwen3's real tokenizer, vendored in checkpoints/qwen3-tokenizer/). Each is reached
 through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
@@ -148,6 +149,7 @@ class ArgumentParser(argparse.ArgumentParser):
 # The values of the flags with a fixed set of them (--task, --report-to, the rollout's), and LoRA's default targets
 TASKS = ("arith", "sums", "gsm8k", "jsonl")
 REPORT_TO = ("none", "tensorboard")
+THINKING = ("off", "on")
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OLD_LOGP = ("recompute", "rollout")
 IS_CORRECTIONS = ("none", "tis", "mask")
@@ -166,7 +168,9 @@ class SharedArgs:
     (PPO's --minibatches 4, say). `check()` is where a script checks its own flags' ranges."""
 
     model: str = arg(
-        "tiny", "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin) or a local dir / hub id"
+        "tiny",
+        "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin), 'tiny-qwen3' (random weights, "
+        "Qwen3's real tokenizer) or a local dir / hub id",
     )
     task: str = arg(
         None,
@@ -180,6 +184,12 @@ class SharedArgs:
         None,
         "instruction a chat template puts before each prompt ('': none)",
         shown="one asking for the answer as --reward reads it",
+    )
+    thinking: str = arg(
+        "off",
+        "a chat template with Qwen3's enable_thinking: on lets the model reason in <think>...</think> first "
+        "(the answer is read after </think>); off closes an empty think block in the prompt",
+        choices=THINKING,
     )
     reward: list[str] = arg(
         [],
@@ -263,7 +273,7 @@ class SharedArgs:
 
 # The --help group of each shared flag, in SharedArgs' order; a script's own flags come first, in a group of their own.
 HELP_GROUPS = {
-    "model and data": "model task data eval_data system_prompt",
+    "model and data": "model task data eval_data system_prompt thinking",
     "reward": "reward reward_weights reward_model reward_model_weight reward_model_norm",
     "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
     "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
@@ -437,7 +447,7 @@ def _describe(e: Exception, first_sentence: bool = True) -> str:
 
 def check_model_name(model: str):
     """'tiny', an existing Hugging Face checkpoint directory, or something shaped like a hub id."""
-    if model in TINY_MODELS:
+    if model in TINY_MODELS or model == TINY_QWEN3:
         return
     expected = "expected 'tiny', a checkpoint directory or a hub id like Qwen/Qwen2.5-0.5B"
     path = Path(model).expanduser()
@@ -528,7 +538,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     if args.reward_model:  # checked (one line, exit 2) before anything is written
         learned = extra("reward_model", "--reward-model")
         learned.check(args.reward_model)
-        reward_model = learned.RewardModel(args.reward_model, device, args.reward_model_norm)
+        reward_model = learned.RewardModel(args.reward_model, device, args.reward_model_norm, thinking=args.thinking)
     reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
     if args.eval_samples and not reward_fn.scores_answers:
         raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
@@ -682,9 +692,16 @@ SYSTEM_PROMPTS = {
 }
 
 
-def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT) -> list[list[int]]:
-    """Token ids per prompt: through the chat template (after `system_prompt`, unless it is '') when
-    the tokenizer has one, as plain text otherwise (the tiny model and base checkpoints)."""
+def thinking_kwargs(tok, thinking: str = "off") -> dict:
+    """apply_chat_template's enable_thinking for --thinking, where the template reads it (Qwen3's: off
+    ends the generation prompt with an empty <think>\n\n</think>\n\n); {} for any other template."""
+    return {"enable_thinking": thinking == "on"} if "enable_thinking" in (tok.chat_template or "") else {}
+
+
+def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off") -> list[list[int]]:
+    """Token ids per prompt: through the chat template (after `system_prompt`, unless it is '', with
+    --thinking where the template takes it) when the tokenizer has one, as plain text otherwise (the
+    tiny model and base checkpoints)."""
     if getattr(tok, "chat_template", None):
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return [
@@ -693,16 +710,17 @@ def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT) -> list[li
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
+                **thinking_kwargs(tok, thinking),
             )
             for ex in examples
         ]
     return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
 
 
-def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYSTEM_PROMPT):
+def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off"):
     """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
     `group_size` consecutive rows), and every row's record (what the reward functions read)."""
-    prompts = [ids for ids in encode_prompts(tok, examples, system_prompt) for _ in range(group_size)]
+    prompts = [ids for ids in encode_prompts(tok, examples, system_prompt, thinking) for _ in range(group_size)]
     return prompts, [ex for ex in examples for _ in range(group_size)]
 
 
@@ -770,7 +788,10 @@ def declares_experts(name: str) -> bool:
 
 
 def model_path(name: str) -> str:
-    """Where --model `name` loads from: an embedded checkpoint's directory, or `name` itself."""
+    """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
+    use, extras/qwen3_tokenizer.py), or `name` itself."""
+    if name == TINY_QWEN3:
+        return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
     return tiny_checkpoint(name) if name in TINY_MODELS else name
 
 
@@ -784,8 +805,9 @@ def load_tokenizer(name: str):
     """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
+    path = model_path(name)  # (tiny-qwen3: built on first use)
     try:
-        tok = AutoTokenizer.from_pretrained(model_path(name))
+        tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         if name in TINY_MODELS:
             raise
@@ -849,6 +871,7 @@ TINY_KEYS = {
     "tiny-sums": "tiny-qwen3-sums-be8fdd9ce3ea",
     "tiny-rm": "tiny-rm-24a0eee23632",
 }
+TINY_QWEN3 = "tiny-qwen3"  # random weights, Qwen3's real tokenizer and generation config: built, not shipped
 TINY_RM = "tiny-rm"  # the tiny policy's trunk plus a scalar head (--reward-model tiny-rm; tools/train_reward_model.py)
 
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
@@ -1229,8 +1252,10 @@ def _attention(q, k, v, bias, scale: float):
 
 
 def completion_ends(roll: Rollout, eos_ids: list[int]) -> torch.Tensor:
-    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens)."""
-    return torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device)).any(1)
+    """[B] bool: the completion ended with an EOS token (False: cut at --max-new-tokens). Only real tokens
+    count: the pad id may itself be an EOS id (Qwen3's <|endoftext|>), and padding is not an ending."""
+    eos = torch.isin(roll.completion_ids, torch.tensor(eos_ids, device=roll.completion_ids.device))
+    return (eos & roll.completion_mask.bool()).any(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1270,11 +1295,25 @@ def extract_boxed(completion: str) -> str | None:
     return None
 
 
+def after_thinking(completion: str) -> str | None:
+    """The part of a completion that states its answer: the text after the last </think> when it
+    reasons first (--thinking on), the whole completion otherwise; None when it opens <think> and
+    never closes it (its answer, if any, is still inside its reasoning)."""
+    if "</think>" in completion:
+        return completion.rsplit("</think>", 1)[1]
+    return None if "<think>" in completion else completion
+
+
 def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, float]:
     """(reward, format_ok): reward 1.0 iff the final answer that `parser` reads equals the gold
-    answer; format_ok 1.0 iff it reads one. parser "exact": the text after the last '####' (or the
-    whole completion); "boxed": the content of the last \\boxed{}. A numeric gold answer needs exactly
-    one number there, compared normalised ('1,234' = '1234.0'); any other gold, the stripped text."""
+    answer; format_ok 1.0 iff it reads one. Both read only the text after </think> (`after_thinking`):
+    a completion whose <think> never closes has no answer, (0, 0). parser "exact": the text after the
+    last '####' (or the whole text); "boxed": the content of the last \\boxed{}. A numeric gold answer
+    needs exactly one number there, compared normalised ('1,234' = '1234.0'); any other gold, the
+    stripped text."""
+    completion = after_thinking(completion)
+    if completion is None:
+        return 0.0, 0.0
     text = extract_boxed(completion) if parser == "boxed" else completion.rsplit("####", 1)[-1]
     gold = normalize_number(answer)
     if gold is None:  # non-numeric gold answers: exact string match after stripping
@@ -1433,6 +1472,7 @@ def evaluate(
     generator=None,
     show: int = 0,
     batch_size: int = 256,
+    thinking: str = "off",
 ) -> dict:
     """What evaluation reports, on greedy completions of `examples`:
       reward        the training reward (`reward_fn`, default exact: every component, weighted)
@@ -1461,7 +1501,7 @@ def evaluate(
         with gathered(model):  # --fsdp: whole weights, gathered once, however many batches this rank has
             for s in range(0, len(examples), per_batch):
                 batch = examples[s : s + per_batch]
-                prompts = encode_prompts(tok, batch, system_prompt)
+                prompts = encode_prompts(tok, batch, system_prompt, thinking)
                 roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
                 rewards, parts = reward_fn.score(tok, roll, batch)
                 for k, v in {"reward": rewards, **parts}.items():
@@ -1873,7 +1913,8 @@ class Run:
         args, env = self.args, self.env
         generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
         metrics = evaluate(self.model, self.tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
-                           args.eval_samples, args.temperature, args.top_p, generator, self.SAMPLES_SHOWN)  # fmt: skip
+                           args.eval_samples, args.temperature, args.top_p, generator, self.SAMPLES_SHOWN,
+                           thinking=args.thinking)  # fmt: skip
         samples = [{"step": step, **s} for s in metrics.pop("samples")]
         return metrics, samples
 
@@ -1896,7 +1937,7 @@ class Run:
                 if not examples:  # a rank without evaluation prompts still joins the reward's check on every rank
                     raise_on_every_rank(None)
                     continue
-                prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt)
+                prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt, args.thinking)
                 roll = sample(self.model, prompts, args.max_new_tokens, eos, self.tok.pad_token_id, greedy=True)
                 rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
                 env.reward_fn(self.tok, roll[rows], [r for r in records for _ in range(copies)])
@@ -1909,6 +1950,7 @@ class Run:
             parts = ", ".join(f"{k} {v:g}" for k, v in s["rewards"].items())
             answer = f"  answer {_clip(s['answer'], 24)}" if s["answer"] is not None else ""
             cut = "  (truncated)" if s["truncated"] else ""
+            cut += "  (<think> never closed: no answer)" if after_thinking(s["completion"]) is None else ""
             tqdm.write(
                 f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
             )

@@ -212,7 +212,9 @@ def train(args: Args):
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)  # G rows each
+        prompts, records = common.prompts_and_records(  # G rows each
+            tok, examples, args.group_size, env.system_prompt, args.thinking
+        )
         roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 

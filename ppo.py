@@ -239,7 +239,7 @@ def train(args: Args):
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
         examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt)
+        prompts, records = common.prompts_and_records(tok, examples, args.group_size, env.system_prompt, args.thinking)
         roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 

@@ -5,6 +5,7 @@ scripts' normal command lines, float32 on the CPU. Not a test: it takes minutes 
 
     python benchmarks/real_size.py                       # both configs, all three scripts
     python benchmarks/real_size.py --configs qwen2.5-0.5b --scripts grpo gspo --extra=--grad-checkpointing
+    python benchmarks/real_size.py --configs qwen3-0.6b --tokenizer qwen3 --steps 1   # Qwen3's real tokenizer
 
 Per run it prints seconds per step, the peak RSS (the process's ru_maxrss), the planner's figure for
 the same run (`plan_memory.plan_memory`, device "cpu", plus the measured import baseline) and the losses
@@ -12,6 +13,10 @@ and gradient norms, which must be finite and non-zero. A random model never writ
 so the exact-match reward would give every advantage 0 (GRPO and GSPO skip every row, PPO's whitened
 advantages vanish) and prove nothing about the backward pass: the reward here is the completion's
 length in characters / 100 (`completion_length`, through --reward), which varies between samples.
+
+--tokenizer filler (the default) gives the model a tokenizer of the real vocabulary's size built from the
+character tokenizer (prompts without a chat template); --tokenizer qwen3 gives it Qwen3's real tokenizer
+(vendored, extras/qwen3_tokenizer.py), its chat template and its generation config (EOS 151645 and 151643).
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ def completion_length(prompts, completions, **fields):
     return [len(c) / 100 for c in completions]
 
 
-def build_checkpoint(fields: dict, path: Path):
+def build_checkpoint(fields: dict, path: Path, tokenizer: str = "filler"):
     """A random model with the config `fields` (model_type and sizes: a QWEN_CONFIGS entry) and a
     tokenizer whose vocabulary has the real size (the char tokenizer's entries, then filler tokens up
-    to vocab_size, so that every id the model samples decodes to text), saved at `path`."""
+    to vocab_size, so that every id the model samples decodes to text), saved at `path`; tokenizer
+    "qwen3": Qwen3's own tokenizer and generation config instead."""
+    if tokenizer == "qwen3":
+        return build_qwen3_checkpoint(fields, path)
     sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
     import recipes
     import torch
@@ -67,9 +75,42 @@ def build_checkpoint(fields: dict, path: Path):
     os.rename(tmp, path)
 
 
-def command(script: str, model: Path, out: Path, extra: list[str]) -> list[str]:
+def build_qwen3_checkpoint(fields: dict, path: Path):
+    """A random model with the config `fields` and Qwen3's vendored tokenizer and generation config."""
+    sys.path[:0] = [str(ROOT)]
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from extras import qwen3_tokenizer
+
+    fields = dict(fields)
+    ids = dict(pad_token_id=qwen3_tokenizer.ENDOFTEXT, eos_token_id=qwen3_tokenizer.IM_END,
+               bos_token_id=qwen3_tokenizer.ENDOFTEXT)  # fmt: skip
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, **ids)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(**qwen3_tokenizer.GENERATION_CONFIG)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent))
+    model.save_pretrained(tmp)
+    for name in qwen3_tokenizer.FILES:
+        shutil.copyfile(qwen3_tokenizer.tokenizer_dir() / name, tmp / name)
+    os.rename(tmp, path)
+
+
+def prompt_tokens(path: Path, tokenizer: str) -> int:
+    """The longest arith prompt in tokens, as the scripts encode it (Qwen3's: through its chat template,
+    after the default system prompt, --thinking off)."""
+    if tokenizer == "filler":
+        return PROMPT_TOKENS
+    import common
+
+    train, held = common.arith_split()
+    return max(map(len, common.encode_prompts(common.load_tokenizer(str(path)), train + held)))
+
+
+def command(script: str, model: Path, out: Path, extra: list[str], steps: int = 2) -> list[str]:
     prompts, group = (8, 1) if script == "ppo" else (4, 2)  # 8 completions per step either way
-    return [sys.executable, str(ROOT / f"{script}.py"), "--model", str(model), "--steps", "2",
+    return [sys.executable, str(ROOT / f"{script}.py"), "--model", str(model), "--steps", str(steps),
             "--prompts-per-step", str(prompts), "--group-size", str(group), "--max-new-tokens", "32",
             "--minibatches", "2", "--eval-every", "0", "--eval-size", "4", "--seed", "0", "--out", str(out),
             "--reward", f"{Path(__file__).resolve()}:completion_length", *extra]  # fmt: skip
@@ -115,30 +156,34 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["qwen2.5-0.5b", "qwen3-0.6b"])
     parser.add_argument("--scripts", nargs="+", default=["grpo", "gspo", "ppo"])
     parser.add_argument("--extra", default="", help="more flags for every script, e.g. --grad-checkpointing")
+    parser.add_argument("--tokenizer", choices=["filler", "qwen3"], default="filler",
+                        help="a filler tokenizer of the vocabulary's size, or Qwen3's real one (vendored)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=2, help="steps per script (CPU s needs 2: step 2's)")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/rl-reference/real-size"))
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
     import plan_memory
 
     extra = args.extra.split()
-    print(f"2 steps, 8 completions x 32 new tokens per step, 2 minibatches, float32 on CPU "
-          f"({os.cpu_count()} cores){', ' + args.extra if extra else ''}")  # fmt: skip
+    print(f"{args.steps} steps, 8 completions x 32 new tokens per step, 2 minibatches, float32 on CPU "
+          f"({os.cpu_count()} cores), {args.tokenizer} tokenizer{', ' + args.extra if extra else ''}")  # fmt: skip
     header = (
         f"{'config':14}{'script':7}{'s/step':>8}{'CPU s':>7}{'peak GB':>9}{'planned':>9}  loss, grad norm (steps 1, 2)"
     )
     print(header)
     results = []
     for name in args.configs:
-        path = Path(args.cache) / name
+        path = Path(args.cache) / (name if args.tokenizer == "filler" else f"{name}-{args.tokenizer}")
         if not (path / "config.json").is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            build_checkpoint(plan_memory.QWEN_CONFIGS[name], path)
+            build_checkpoint(plan_memory.QWEN_CONFIGS[name], path, args.tokenizer)
             print(f"(built {path} in {time.perf_counter() - t0:.0f} s)")
+        longest = prompt_tokens(path, args.tokenizer)
         for script in args.scripts:
             out = Path(tempfile.mkdtemp(prefix=f"dryrun-{script}-"))
             try:
-                r = run(command(script, path, out, extra), out)
+                r = run(command(script, path, out, extra, args.steps), out)
             finally:
                 shutil.rmtree(out, ignore_errors=True)
             rows = r["rows"]
@@ -146,14 +191,15 @@ def main():
             norms = [row[k] for row in rows for k in ("grad_norm", "critic_grad_norm") if k in row]
             ok = all(v == v and abs(v) not in (0.0, float("inf")) for v in losses + norms)
             lora_rank = int(extra[extra.index("--lora-rank") + 1]) if "--lora-rank" in extra else 0
-            plan = plan_memory.plan_memory(plan_memory.QWEN_CONFIGS[name], script, 8, PROMPT_TOKENS, 32, 2,
+            plan = plan_memory.plan_memory(plan_memory.QWEN_CONFIGS[name], script, 8, longest, 32, 2,
                                       "--grad-checkpointing" in extra, lora_rank, device="cpu")  # fmt: skip
             planned = (plan["peak"] + BASELINE_BYTES) / 2**30
             step_s = sum(row["step_time_s"] for row in rows) / len(rows)
             shown = "; ".join(f"{row['loss']:.4g}, {row['grad_norm']:.3g}" for row in rows)
             print(f"{name:14}{script:7}{step_s:8.1f}{r['cpu_s']:7.1f}{r['peak_gb']:9.2f}{planned:9.2f}  {shown}"
                   f"{'' if ok else '  <- NOT finite and non-zero'}", flush=True)  # fmt: skip
-            results.append({"config": name, "script": script, "step_s": step_s, "cpu_s": r["cpu_s"],
+            results.append({"config": name, "script": script, "tokenizer": args.tokenizer, "prompt_tokens": longest,
+                            "step_s": step_s, "cpu_s": r["cpu_s"],
                             "peak_gb": r["peak_gb"], "planned_gb": planned, "losses": losses, "grad_norms": norms,
                             "ok": ok})  # fmt: skip
     print(json.dumps(results))

@@ -10,25 +10,38 @@ from pathlib import Path
 
 import torch
 
-from common import TINY_RM, Rollout, UsageError, _describe, completion_logprobs, global_mean, tiny_checkpoint
+from common import (
+    TINY_RM,
+    Rollout,
+    UsageError,
+    _describe,
+    completion_logprobs,
+    global_mean,
+    thinking_kwargs,
+    tiny_checkpoint,
+)
 
 
-def reward_model_text(tok, prompt: str, completion: str) -> str:
+def reward_model_text(tok, prompt: str, completion: str, thinking: str = "off") -> str:
     """What a reward model reads: the prompt and the completion in the reward model's own chat
-    template when its tokenizer has one (a user turn, then an assistant turn), else concatenated."""
+    template when its tokenizer has one (a user turn, then an assistant turn; --thinking passed where
+    the template takes it), else concatenated. Qwen3's template writes the assistant turn with a think
+    block whatever --thinking says: the completion's own <think>...</think> reasoning (--thinking on),
+    or an empty one, '<think>\n\n</think>\n\n' before the answer, the same text that --thinking off
+    put at the end of the policy's prompt."""
     if getattr(tok, "chat_template", None):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return tok.apply_chat_template(messages, tokenize=False)
+        return tok.apply_chat_template(messages, tokenize=False, **thinking_kwargs(tok, thinking))
     return prompt + completion
 
 
-def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64) -> torch.Tensor:
+def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64, thinking: str = "off") -> torch.Tensor:
     """[N] float32: the scalar head of a sequence classifier on each (prompt, completion), re-tokenised
     with the reward model's tokenizer. Right padding, whatever the tokenizer's padding side: every
     real token keeps the position it has alone, so a score does not depend on the rest of the batch.
     Gradients flow when called with them (training); scoring wraps it in no_grad."""
     device = next(model.parameters()).device
-    texts = [reward_model_text(tok, p, c) for p, c in zip(prompts, completions)]
+    texts = [reward_model_text(tok, p, c, thinking) for p, c in zip(prompts, completions)]
     special = not getattr(tok, "chat_template", None)  # a chat template writes its own special tokens
     scores = []
     for s in range(0, len(texts), batch_size):
@@ -95,13 +108,14 @@ class RewardModel:
     model's own tokenizer and chat template; with whiten=True, (score - mean) / std over the batch
     (one rank's rollout, or one evaluation batch)."""
 
-    def __init__(self, spec: str, device: torch.device, whiten: bool = False, batch_size: int = 64):
+    def __init__(self, spec: str, device: torch.device, whiten: bool = False, batch_size: int = 64, thinking="off"):
         self.model, self.tok = load_reward_model(spec, device)
-        self.whiten, self.batch_size = whiten, batch_size
+        self.whiten, self.batch_size, self.thinking = whiten, batch_size, thinking
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **fields) -> list[float]:
-        scores = reward_model_scores(self.model, self.tok, prompts, completions, self.batch_size).double()
+        scores = reward_model_scores(self.model, self.tok, prompts, completions, self.batch_size, self.thinking)
+        scores = scores.double()
         if self.whiten and len(scores) > 1:
             scores = (scores - scores.mean()) / (scores.std() + 1e-8)
         return scores.tolist()

@@ -337,6 +337,7 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
 
 SHARED_SETS = {  # common.SharedArgs' fixed-set flags, in every script (rollout precision: docs/rollout_mismatch.md)
     "task": common.TASKS,
+    "thinking": ("off", "on"),
     "report_to": ("none", "tensorboard"),
     "rollout_dtype": ("float32", "bfloat16"),
     "old_logp": ("recompute", "rollout"),

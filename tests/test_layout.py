@@ -119,6 +119,7 @@ CAPABILITIES = {
     ("--is-correction", "tis"): "rollout_precision",
     ("--fsdp",): "fsdp",
     ("--model", "tiny-moe"): "moe",
+    ("--model", "tiny-qwen3"): "qwen3_tokenizer",
     ("--reward-model", "tiny-rm"): "reward_model",
     ("--trace-every", "1"): "traces",
     ("--task", "sums"): "sums_task",

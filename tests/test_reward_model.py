@@ -157,7 +157,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
     completion, in its own ids; the reward is its score."""
     rm_tok = other_tokenizer()
     rm = object.__new__(reward_model_extra.RewardModel)
-    rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), rm_tok, False, 64
+    rm.model, rm.tok, rm.whiten, rm.batch_size, rm.thinking = SpyScorer(), rm_tok, False, 64, "off"
     records = [{"prompt": p, "answer": "7"} for p in PROMPTS]
     eos = char_tok.eos_token_id
     completions = [char_tok(c)["input_ids"] + [eos] for c in COMPLETIONS]
@@ -176,7 +176,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
 
 def test_reward_model_is_one_weighted_component(char_tok):
     rm = object.__new__(reward_model_extra.RewardModel)
-    rm.model, rm.tok, rm.whiten, rm.batch_size = SpyScorer(), other_tokenizer(), True, 64
+    rm.model, rm.tok, rm.whiten, rm.batch_size, rm.thinking = SpyScorer(), other_tokenizer(), True, 64, "off"
     records = [{"prompt": p, "answer": c} for p, c in zip(PROMPTS, ["7", "1", "2", "0", "22"])]
     completions = [char_tok(c)["input_ids"] for c in COMPLETIONS]
     roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)

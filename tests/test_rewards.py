@@ -357,3 +357,41 @@ def test_boxed_hand_cases():
     assert common.score("\\boxed{}", "4", "boxed") == (0.0, 0.0)
     assert common.score("\\boxed{ Paris }", "Paris", "boxed") == (1.0, 1.0)
     assert common.score("#### 4", "4", "boxed") == (0.0, 0.0)
+
+
+# --thinking on: Qwen3 writes <think>reasoning</think> before its answer; the parsers read only what follows
+THINK_CASES = [
+    # (completion, parser, gold, (reward, format_ok))
+    ("<think>\n2+3 is 5\n</think>\n\n5", "exact", "5", (1.0, 1.0)),  # the issue's case: it scored 0
+    ("<think>\nthe answer is 5\n</think>\n\n6", "exact", "5", (0.0, 1.0)),  # the reasoning's number is not read
+    ("<think>\n2+3 is 5\n</think>\n\n#### 5", "exact", "5", (1.0, 1.0)),
+    ("<think>\n2+3 is 5\n</think>\n\n", "exact", "5", (0.0, 0.0)),  # reasoning only: no answer
+    ("<think>\n2+3 is 5", "exact", "5", (0.0, 0.0)),  # never closed (cut at --max-new-tokens): no answer
+    ("<think>\n#### 5\n", "exact", "5", (0.0, 0.0)),  # an answer inside unclosed reasoning is not one
+    ("<think>\nmaybe \\boxed{4}\n</think>\nso \\boxed{5}", "boxed", "5", (1.0, 1.0)),
+    ("<think>\n\\boxed{5}\n</think>\nfive", "boxed", "5", (0.0, 0.0)),
+    ("<think>a</think>4<think>b</think>5", "exact", "5", (1.0, 1.0)),  # the text after the last </think>
+    ("2+3 is 5\n</think>\n\n5", "exact", "5", (1.0, 1.0)),  # a template that opened <think> in the prompt
+    ("5", "exact", "5", (1.0, 1.0)),  # no thinking: the whole completion, as before
+]
+
+
+@pytest.mark.parametrize("completion, parser, gold, expected", THINK_CASES)
+def test_answers_are_read_after_thinking(completion, parser, gold, expected):
+    assert common.score(completion, gold, parser) == expected
+
+
+def test_an_unclosed_think_is_no_answer_in_the_batch_and_on_screen(char_tok, capsys):
+    """Through Rewards (exact, format) and the samples a run prints: format 0, and the line says why."""
+    records = [{"prompt": "1+1=", "answer": "2"}] * 2
+    roll = rollout(char_tok, ["<think>1+1 is 2</think>2", "<think>1+1 is 2"])
+    rewards, parts = common.Rewards(["exact", "format"], records=records)(char_tok, roll, records)
+    assert rewards.tolist() == [2.0, 0.0] and parts["format_rate"].tolist() == [1.0, 0.0]
+    samples = common._described(char_tok, roll, records, rewards, parts, [char_tok.eos_token_id])
+
+    class Quiet:  # Run.show without a Run: rank 0 and a logger that keeps nothing
+        env, logger = type("E", (), {"rank": 0}), type("L", (), {"log_samples": lambda self, s: None})()
+
+    common.Run.show(Quiet(), samples)
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert "never closed" not in first and "(<think> never closed: no answer)" in second
