@@ -213,6 +213,9 @@ class SharedArgs:
     trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg(None, "output directory (none: runs/SCRIPT, the script's name)")
+    overwrite: bool = arg(
+        False, "replace the run --out holds even if another script wrote it (a non-run directory is never deleted)"
+    )
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None, "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"
@@ -257,7 +260,7 @@ HELP_GROUPS = {
     "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
     "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
     "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
-    "run: seed, output, checkpoints, device": "seed out save_every resume max_consecutive_skips device fsdp",
+    "run: seed, output, checkpoints, device": "seed out overwrite save_every resume max_consecutive_skips device fsdp",
     "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
     "rollout precision (docs/rollout_mismatch.md)": "rollout_dtype old_logp is_correction is_cap",
 }
@@ -478,6 +481,7 @@ class Setup:
     system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
     eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
     needs_group: bool  # the advantage compares each prompt's completions (GRPO, GSPO), or not (PPO)
+    replaces: str | None = None  # the earlier run in --out that this one replaces whole (check_out), or None
 
 
 def setup(args, needs_group: bool = True) -> Setup:
@@ -515,6 +519,7 @@ def setup(args, needs_group: bool = True) -> Setup:
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
     resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
+    replaces = check_out(args, resume_from)
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
@@ -527,7 +532,64 @@ def setup(args, needs_group: bool = True) -> Setup:
     if bad:  # (without a chat template the system prompt is not used)
         raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
     seed_everything(args.seed)
-    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group)
+    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group,
+                 replaces)  # fmt: skip
+
+
+RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
+
+
+def run_scripts(out: Path) -> set:
+    """The scripts that summary.json and the checkpoint in `out` name (empty: none names one)."""
+    found = set()
+    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
+        try:
+            algo = json.loads((out / name).read_text()).get("algo")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
+            continue
+        if isinstance(algo, str):
+            found.add(algo)
+    return found
+
+
+def check_out(args, resume_from: Path | None) -> str | None:
+    """--out before anything is written: the earlier run that this run will replace whole (Run does it,
+    on rank 0), or None when there is nothing to replace (no directory, an empty one, or the run that
+    --resume continues in place). UsageError, and nothing touched, when --out holds another script's
+    run (or one no file names) without --overwrite, or is a non-empty directory that holds no run,
+    which is never deleted: two runs' files are never left mixed in one directory."""
+    out = Path(args.out)
+    if resume_from is not None and out.resolve() == resume_from.resolve().parent:
+        return None  # --resume continues the run in its own directory
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
+        raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
+    if not any((out / name).exists() for name in RUN_MARKS):
+        raise UsageError(
+            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
+            "so it is not replaced; choose another --out, or empty it"
+        )
+    scripts = run_scripts(out)
+    others = sorted(scripts - {args.algo})
+    if others and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} holds a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's; "
+            "add --overwrite to replace it, or choose another --out"
+        )
+    if not scripts and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} holds a run that no summary.json or checkpoint names (a crashed run?); "
+            "add --overwrite to replace it, or choose another --out"
+        )
+    return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
+
+
+def replace_out(out: str, replaces: str):
+    """Delete the run in `out` that check_out found, saying so in one line (rank 0 only calls it)."""
+    shutil.rmtree(out)
+    print(f"--out {out}: replacing the earlier {replaces} there whole (--resume continues a run instead)",
+          file=sys.stderr)  # fmt: skip
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -1827,6 +1889,8 @@ class Run:
             if env.rank == 0:  # (under torchrun the evaluation is all ranks')
                 tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
         self.t_start = t_start - self.progress.wall_time_s
+        if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
+            replace_out(args.out, env.replaces)
         self.logger = RunLogger(
             args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
         )
@@ -2226,8 +2290,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora",
-    "trace_every", "trace_groups",
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "overwrite", "resume", "report_to",
+    "merge_lora", "trace_every", "trace_groups",
 )  # fmt: skip
 
 
