@@ -2067,13 +2067,17 @@ class Run:
         self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
         self.watch_signal(step, no_signal, grouped=self.env.needs_group)
         samples = []
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+        evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
+        if evaluated:
             last, samples = self.evaluate(step)
             self.progress.last_eval = last
             row.update({f"eval_{k}": v for k, v in last.items()})
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in (*self.SHOWN, *shown) if k in row)
             if self.env.rank == 0:
                 tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
+        # the share of all-equal groups (PPO, whose baseline is no group: whether the step had no signal)
+        flat = row["zero_std_frac"] if self.env.needs_group else float(no_signal)
+        self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
         self.logger.log(row)
         if self.trace is not None:
             self.logger.log_traces(self.trace.records())
@@ -2100,6 +2104,37 @@ class Run:
                     "(the run goes on)",
                     file=sys.stderr,
                 )
+
+    def watch_collapse(self, step: int, flat: float, accuracy: float | None):
+        """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
+        least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
+        FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal (PPO: of its steps without signal).
+        `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
+        progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
+        progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
+        if accuracy is not None and before is not None:
+            progress.eval_accuracies.append([step, accuracy])
+            fell = progress.eval_accuracies[-COLLAPSE_EVALS:]
+            if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in progress.eval_accuracies]):
+                progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
+                at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
+                self.warn(f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
+                          f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
+        if progress.flat_groups is None and mostly_flat(progress.flat_window):
+            first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
+            progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
+            what = "groups had all-equal rewards" if self.env.needs_group else "steps had no learning signal"
+            self.warn(f"{share:.0%} of the last {FLAT_WINDOW} steps' {what} (steps {first}-{step})")
+
+    def warn(self, what: str):
+        """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
+        if self.env.rank == 0:
+            tqdm.write(
+                f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
+                "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
+                "with the ratio clip), or the reward (the run goes on)",
+                file=sys.stderr,
+            )
 
     def save_checkpoint_if_due(self, step: int):
         """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
@@ -2148,6 +2183,9 @@ class Run:
                 # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
                 "no_signal": progress.no_signal,
                 "no_signal_steps": progress.no_signal_steps,
+                # the collapse warnings (Run.watch_collapse): where each was given (null: not given)
+                "accuracy_drop": progress.accuracy_drop,
+                "flat_groups": progress.flat_groups,
                 "args": dataclasses.asdict(args),
             }
         )
@@ -2159,6 +2197,23 @@ class Run:
 
 NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
 NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
+COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
+FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all-equal: the run warns (once)
+
+
+def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
+    """Whether the last `evals` of the held-out `accuracies` (the evaluations after step 0, in order) are
+    each at least `drop` below `before`, step 0's. An accuracy is a count over the evaluation set: the
+    1e-9 keeps a drop of exactly `drop` (0.3 to 0.2, which floats make 0.0999...) a drop."""
+    recent = accuracies[-evals:]
+    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
+
+
+def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
+    """Whether more than `share` of the last `window` steps' groups were all-equal: `flat` holds each
+    step's share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
+    exactly `share` (45 of 50) below, where float sums of shares such as 1/3 land a little above it."""
+    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def all_equal(x: torch.Tensor) -> bool:
@@ -2185,6 +2240,10 @@ class Progress:
     no_signal_streak: int = 0  # steps in a row without a learning signal (Run.watch_signal)
     no_signal_steps: int = 0
     no_signal: dict | None = None  # where the warning was given
+    flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' shares of all-equal groups
+    eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of each evaluation after step 0
+    accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
+    flat_groups: dict | None = None
 
     def state_dict(self):
         return dataclasses.asdict(self)
