@@ -1815,6 +1815,13 @@ def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(1).values == r.min(1).values
 
 
+def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tensor:
+    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on
+    every rank): groups in which every completion failed, as a collapsing run has them. A run that is
+    learning has many constant groups too, but at the top (every completion right), which these leave out."""
+    return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
+
+
 def mean_over_updates(updates: list[dict], planned: int) -> dict:
     """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
     how many of the `planned` updates the non-finite guard skipped."""
@@ -2047,6 +2054,9 @@ class Run:
         }
         if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
             metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
+            # and of those whose rewards all equal the batch's lowest (every completion failed: the collapse watch)
+            lowest = -all_reduce_sum(-self.rewards.float().min(), op="MAX")
+            metrics["zero_std_low_frac"] = global_mean(lowest_groups(self.rewards, args.group_size, lowest).float())
         if self.reference is not None:
             learned = extra("reward_model", "--reward-model")
             metrics.update(learned.kl_to_init(self.reference, roll, self.old_logp, args.temperature))
@@ -2075,8 +2085,9 @@ class Run:
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in (*self.SHOWN, *shown) if k in row)
             if self.env.rank == 0:
                 tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
-        # the share of all-equal groups (PPO, whose baseline is no group: whether the step had no signal)
-        flat = row["zero_std_frac"] if self.env.needs_group else float(no_signal)
+        # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether
+        # the step had no signal)
+        flat = row["zero_std_low_frac"] if self.env.needs_group else float(no_signal)
         self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
         self.logger.log(row)
         if self.trace is not None:
@@ -2108,7 +2119,10 @@ class Run:
     def watch_collapse(self, step: int, flat: float, accuracy: float | None):
         """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
         least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
-        FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal (PPO: of its steps without signal).
+        FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
+        completion failed; all-equal at any value would count a learning run's solved prompts: on the
+        default gspo.py run 0.97 of 50 steps' groups were all-equal at 0.6 accuracy) (PPO: of its steps
+        without signal).
         `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
         progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
         progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
@@ -2123,8 +2137,9 @@ class Run:
         if progress.flat_groups is None and mostly_flat(progress.flat_window):
             first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
             progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
-            what = "groups had all-equal rewards" if self.env.needs_group else "steps had no learning signal"
-            self.warn(f"{share:.0%} of the last {FLAT_WINDOW} steps' {what} (steps {first}-{step})")
+            what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if self.env.needs_group
+                    else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
+            self.warn(f"{share:.0%} of the {what} (steps {first}-{step})")
 
     def warn(self, what: str):
         """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
@@ -2198,7 +2213,7 @@ class Run:
 NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
 NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
 COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
-FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all-equal: the run warns (once)
+FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
 
 
 def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
@@ -2210,8 +2225,8 @@ def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_D
 
 
 def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
-    """Whether more than `share` of the last `window` steps' groups were all-equal: `flat` holds each
-    step's share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
+    """Whether more than `share` of the last `window` steps' groups were flat: `flat` holds each step's
+    share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
     exactly `share` (45 of 50) below, where float sums of shares such as 1/3 land a little above it."""
     return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
@@ -2240,7 +2255,7 @@ class Progress:
     no_signal_streak: int = 0  # steps in a row without a learning signal (Run.watch_signal)
     no_signal_steps: int = 0
     no_signal: dict | None = None  # where the warning was given
-    flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' shares of all-equal groups
+    flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of each evaluation after step 0
     accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
     flat_groups: dict | None = None

@@ -96,6 +96,32 @@ def test_exactly_ninety_percent_of_shares_stays_below_whatever_the_order():
     assert not any(common.mostly_flat(flat) for flat in orders)
 
 
+@pytest.mark.parametrize(
+    "rewards, group_size, expected",
+    [
+        ([0, 0, 1, 1, 0, 1], 2, [True, False, False]),  # all failed; all right (a learning run's); mixed
+        ([1, 1, 1, 1, 0, 1], 2, [False, False, False]),  # solved prompts are not a collapse
+        ([1, 1, 1, 1], 2, [True, True]),  # every reward equal: the lowest is that value
+        ([-1.0, -1.0, 0.5, 0.5, -1.0, 0.5], 2, [True, False, False]),
+        ([0.2, 0.2, 0.2, 0.0, 0.0, 0.0], 3, [False, True]),
+    ],
+)
+def test_lowest_groups_hand_worked(rewards, group_size, expected):
+    """The groups whose completions all scored the batch's lowest reward, checked against a plain loop too."""
+    r = torch.tensor(rewards, dtype=torch.float32)
+    low = min(rewards)
+    loop = [all(x == low for x in rewards[i : i + group_size]) for i in range(0, len(rewards), group_size)]
+    assert common.lowest_groups(r, group_size, r.min()).tolist() == expected == loop
+
+
+def test_the_default_runs_flat_groups_are_at_the_top():
+    """zero_std_frac counts solved prompts: 0.96 of a learning run's groups can be all-equal (gspo.py's
+    defaults, late in the run) while the all-failed share stays far from 0.9."""
+    rewards = torch.tensor([1.0] * 4 * 33 + [0.0] * 4 * 29 + [1.0, 0.0, 0.0, 0.0] * 2)  # 64 groups of 4
+    assert common.constant_groups(rewards, 4).float().mean().item() == 62 / 64
+    assert common.lowest_groups(rewards, 4, rewards.min()).float().mean().item() == 29 / 64
+
+
 # ---------------------------------------------------------------------------------------------
 # Run.watch_collapse, step by step
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +153,8 @@ def test_each_warning_comes_once_where_its_rule_holds():
     assert run.progress.flat_groups is None
     drive(run, range(80, 81), lambda step: 1.0, {})  # steps 31-80: 46 of 50
     assert len(run.warned) == 2
-    assert "92% of the last 50 steps' groups had all-equal rewards (steps 31-80)" in run.warned[1]
+    assert "92% of the groups of the last 50 steps had all-equal rewards, the batch's lowest" in run.warned[1]
+    assert "(steps 31-80)" in run.warned[1]
     assert run.progress.flat_groups == {"share": 0.92, "from_step": 31, "warned_at_step": 80}
     drive(run, range(82, 200), lambda step: 1.0, {s: 0.0 for s in range(90, 200, 10)})
     assert len(run.warned) == 2  # once each per run
@@ -136,7 +163,7 @@ def test_each_warning_comes_once_where_its_rule_holds():
 def test_ppo_counts_steps_without_signal():
     run = watcher(needs_group=False)
     drive(run, range(1, WINDOW + 1), lambda step: float(step > 3), {})  # 47 of 50 steps without signal
-    assert run.warned == ["94% of the last 50 steps' steps had no learning signal (steps 1-50)"]
+    assert run.warned == ["94% of the last 50 steps had no learning signal (steps 1-50)"]
 
 
 def test_no_accuracy_no_accuracy_warning():
@@ -218,7 +245,7 @@ def expected_warnings(rows, before):
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
     fell = lambda a: before - a >= 0.1 - 1e-9  # noqa: E731
     drop = next((s for (_, a), (s, b) in zip(evals, evals[1:]) if fell(a) and fell(b)), None)
-    flat = [r["zero_std_frac"] for r in rows]
+    flat = [r["zero_std_low_frac"] for r in rows]
     window = next((i + 1 for i in range(WINDOW - 1, len(flat)) if sum(flat[i - WINDOW + 1 : i + 1]) > 45 + 1e-6), None)
     return drop, window
 
@@ -242,7 +269,7 @@ def test_a_fork_without_a_clip_collapses_and_is_warned(noclip, tmp_path, capsys)
     lines = warning_lines(err)
     assert len(lines) == 2, err
     assert "held-out accuracy fell 0.1 or more" in lines[0] and f"step {drop} " in lines[0]
-    assert f"groups had all-equal rewards (steps {window - 49}-{window})" in lines[1]
+    assert f"had all-equal rewards, the batch's lowest (steps {window - 49}-{window})" in lines[1]
     # resumed from a checkpoint before the second warning: that one comes at the same step, the first not again
     again = tmp_path / "again"
     assert run_fork(noclip, [*FORK_RUN, "--steps", "30", "--save-every", "30", "--out", again], capsys)[0] == 0
