@@ -254,6 +254,7 @@ def warning_lines(err):
     return [line for line in err.splitlines() if "may be collapsing" in line]
 
 
+@pytest.mark.slow
 def test_a_fork_without_a_clip_collapses_and_is_warned(noclip, tmp_path, capsys):
     out = tmp_path / "out"
     status, err = run_fork(noclip, [*FORK_RUN, "--steps", "55", "--out", out], capsys)
