@@ -230,6 +230,9 @@ class SharedArgs:
     trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg(None, "output directory (named for the script, so that a fork writes its own)")
+    overwrite: bool = arg(
+        False, "replace the run --out holds even if another script wrote it (a non-run directory is never deleted)"
+    )
     save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
     resume: str = arg(
         None,
@@ -278,7 +281,7 @@ HELP_GROUPS = {
     "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
     "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
     "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
-    "run: seed, output, checkpoints, device": "seed out save_every resume max_consecutive_skips device fsdp",
+    "run: seed, output, checkpoints, device": "seed out overwrite save_every resume max_consecutive_skips device fsdp",
     "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
     "rollout precision (docs/rollout_mismatch.md)": "rollout_dtype old_logp is_correction is_cap",
 }
@@ -510,6 +513,7 @@ class Setup:
     system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
     eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
     needs_group: bool  # the advantage compares each prompt's completions (GRPO, GSPO), or not (PPO)
+    replaces: str | None = None  # the earlier run in --out that this one replaces whole (check_out), or None
 
 
 def setup(args, needs_group: bool = True) -> Setup:
@@ -548,6 +552,7 @@ def setup(args, needs_group: bool = True) -> Setup:
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
     resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
+    replaces = check_out(args, resume_from)
     if args.model in TINY_MODELS:
         tiny_checkpoint(args.model)
     if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
@@ -560,7 +565,64 @@ def setup(args, needs_group: bool = True) -> Setup:
     if bad:  # (without a chat template the system prompt is not used)
         raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
     seed_everything(args.seed)
-    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group)
+    return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group,
+                 replaces)  # fmt: skip
+
+
+RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
+
+
+def run_scripts(out: Path) -> set:
+    """The scripts that summary.json and the checkpoint in `out` name (empty: none names one)."""
+    found = set()
+    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
+        try:
+            algo = json.loads((out / name).read_text()).get("algo")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
+            continue
+        if isinstance(algo, str):
+            found.add(algo)
+    return found
+
+
+def check_out(args, resume_from: Path | None) -> str | None:
+    """--out before anything is written: the earlier run that this run will replace whole (Run does it,
+    on rank 0), or None when there is nothing to replace (no directory, an empty one, or the run that
+    --resume continues in place). UsageError, and nothing touched, when --out holds another script's
+    run (or one no file names) without --overwrite, or is a non-empty directory that holds no run,
+    which is never deleted: two runs' files are never left mixed in one directory."""
+    out = Path(args.out)
+    if resume_from is not None and out.resolve() == resume_from.resolve().parent:
+        return None  # --resume continues the run in its own directory
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
+        raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
+    if not any((out / name).exists() for name in RUN_MARKS):
+        raise UsageError(
+            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
+            "so it is not replaced; choose another --out, or empty it"
+        )
+    scripts = run_scripts(out)
+    others = sorted(scripts - {args.algo})
+    if others and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} holds a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's; "
+            "add --overwrite to replace it, or choose another --out"
+        )
+    if not scripts and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} holds a run that no summary.json or checkpoint names (a crashed run?); "
+            "add --overwrite to replace it, or choose another --out"
+        )
+    return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
+
+
+def replace_out(out: str, replaces: str):
+    """Delete the run in `out` that check_out found, saying so in one line (rank 0 only calls it)."""
+    shutil.rmtree(out)
+    print(f"--out {out}: replacing the earlier {replaces} there whole (--resume continues a run instead)",
+          file=sys.stderr)  # fmt: skip
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -1829,6 +1891,13 @@ def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(1).values == r.min(1).values
 
 
+def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tensor:
+    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on
+    every rank): groups in which every completion failed, as a collapsing run has them. A run that is
+    learning has many constant groups too, but at the top (every completion right), which these leave out."""
+    return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
+
+
 def mean_over_updates(updates: list[dict], planned: int) -> dict:
     """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
     how many of the `planned` updates the non-finite guard skipped."""
@@ -1902,6 +1971,8 @@ class Run:
             if env.rank == 0:  # (under torchrun the evaluation is all ranks')
                 tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
         self.t_start = STARTED - self.progress.wall_time_s  # from the script's start; a resumed run adds its own
+        if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
+            replace_out(args.out, env.replaces)
         self.logger = RunLogger(
             args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
         )
@@ -2060,6 +2131,9 @@ class Run:
         }
         if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
             metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
+            # and of those whose rewards all equal the batch's lowest (every completion failed: the collapse watch)
+            lowest = -all_reduce_sum(-self.rewards.float().min(), op="MAX")
+            metrics["zero_std_low_frac"] = global_mean(lowest_groups(self.rewards, args.group_size, lowest).float())
         if self.reference is not None:
             learned = extra("reward_model", "--reward-model")
             metrics.update(learned.kl_to_init(self.reference, roll, self.old_logp, args.temperature))
@@ -2080,13 +2154,18 @@ class Run:
         self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
         self.watch_signal(step, no_signal, grouped=self.env.needs_group)
         samples = []
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+        evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
+        if evaluated:
             last, samples = self.evaluate(step)
             self.progress.last_eval = last
             row.update({f"eval_{k}": v for k, v in last.items()})
             shown = "  ".join(f"{k} {row[k]:.3f}" for k in (*self.SHOWN, *shown) if k in row)
             if self.env.rank == 0:
                 tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
+        # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether
+        # the step had no signal)
+        flat = row["zero_std_low_frac"] if self.env.needs_group else float(no_signal)
+        self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
         self.logger.log(row)
         if self.trace is not None:
             self.logger.log_traces(self.trace.records())
@@ -2114,6 +2193,41 @@ class Run:
                     "(the run goes on)",
                     file=sys.stderr,
                 )
+
+    def watch_collapse(self, step: int, flat: float, accuracy: float | None):
+        """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
+        least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
+        FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
+        completion failed; all-equal at any value would count a learning run's solved prompts: on the
+        default gspo.py run 0.97 of 50 steps' groups were all-equal at 0.6 accuracy) (PPO: of its steps
+        without signal).
+        `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
+        progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
+        progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
+        if accuracy is not None and before is not None:
+            progress.eval_accuracies.append([step, accuracy])
+            fell = progress.eval_accuracies[-COLLAPSE_EVALS:]
+            if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in progress.eval_accuracies]):
+                progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
+                at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
+                self.warn(f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
+                          f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
+        if progress.flat_groups is None and mostly_flat(progress.flat_window):
+            first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
+            progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
+            what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if self.env.needs_group
+                    else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
+            self.warn(f"{share:.0%} of the {what} (steps {first}-{step})")
+
+    def warn(self, what: str):
+        """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
+        if self.env.rank == 0:
+            tqdm.write(
+                f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
+                "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
+                "with the ratio clip), or the reward (the run goes on)",
+                file=sys.stderr,
+            )
 
     def save_checkpoint_if_due(self, step: int):
         """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
@@ -2163,6 +2277,9 @@ class Run:
                 # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
                 "no_signal": progress.no_signal,
                 "no_signal_steps": progress.no_signal_steps,
+                # the collapse warnings (Run.watch_collapse): where each was given (null: not given)
+                "accuracy_drop": progress.accuracy_drop,
+                "flat_groups": progress.flat_groups,
             }
         )
         self.logger.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
@@ -2176,6 +2293,23 @@ class Run:
 
 NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
 NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
+COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
+FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
+
+
+def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
+    """Whether the last `evals` of the held-out `accuracies` (the evaluations after step 0, in order) are
+    each at least `drop` below `before`, step 0's. An accuracy is a count over the evaluation set: the
+    1e-9 keeps a drop of exactly `drop` (0.3 to 0.2, which floats make 0.0999...) a drop."""
+    recent = accuracies[-evals:]
+    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
+
+
+def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
+    """Whether more than `share` of the last `window` steps' groups were flat: `flat` holds each step's
+    share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
+    exactly `share` (45 of 50) below, where float sums of shares such as 1/3 land a little above it."""
+    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def all_equal(x: torch.Tensor) -> bool:
@@ -2239,6 +2373,10 @@ class Progress:
     no_signal_streak: int = 0  # steps in a row without a learning signal (Run.watch_signal)
     no_signal_steps: int = 0
     no_signal: dict | None = None  # where the warning was given
+    flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
+    eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of each evaluation after step 0
+    accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
+    flat_groups: dict | None = None
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -2344,8 +2482,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # flags a resumed run may change: none of them alters the training trajectory
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "resume", "report_to", "merge_lora",
-    "trace_every", "trace_groups",
+    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "overwrite", "resume", "report_to",
+    "merge_lora", "trace_every", "trace_groups",
 )  # fmt: skip
 
 

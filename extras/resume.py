@@ -68,6 +68,7 @@ def resumed_args(given: dict, algo: str, fields: set) -> dict:
     found, meta = find_checkpoint(given["resume"], algo)
     saved = {k: v for k, v in meta["args"].items() if k in fields}
     saved["out"] = str(found.parent)
+    saved.pop("overwrite", None)  # this command's choice (check_out), never the checkpoint's
     for name, value in given.items():
         if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
             raise UsageError(

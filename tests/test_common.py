@@ -197,6 +197,7 @@ def test_the_shipped_keys_are_the_recipes_keys():
         assert recipes.checkpoint_key(name) == key, name
 
 
+@pytest.mark.slow
 def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
     """The recipe that made the shipped checkpoint, run again: a checkpoint whose held-out accuracy
     lies in the band that leaves room for RL (10-35%; it stops at the first probe of training
@@ -226,6 +227,7 @@ def fast_recipe(monkeypatch):
     return common.TINY_KEYS["tiny"]
 
 
+@pytest.mark.slow
 def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_state_alone(tmp_path, monkeypatch):
     """A recipe of 3 SFT steps (its own key) in an empty cache: tiny_checkpoint refuses it with one
     line naming the command that builds it; tools/build_checkpoints.py then builds it into the cache
@@ -251,6 +253,7 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_s
     assert [p.name for p in tmp_path.iterdir()] == [key]  # and nothing half-built left beside it
 
 
+@pytest.mark.slow
 def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
     """tools/build_checkpoints.py --force: a build that fails half-way leaves the old checkpoint as it
     was; one that succeeds replaces it, leaving nothing else beside it."""
@@ -276,6 +279,7 @@ def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete
     assert [p.name for p in tmp_path.iterdir()] == [key]
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_line(tmp_path, monkeypatch):
     """`python gspo.py` with a changed recipe on an empty cache: exit status 2, one line on stderr that
     names the build command, nothing written to --out, no checkpoint built."""
@@ -530,6 +534,7 @@ def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
     assert roll.completion_lists() == [free.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("greedy", [True, False])
 def test_rows_finishing_early_do_not_disturb_the_others(rand_model, char_tok, greedy):
     """Most rows stop within three steps while three run to the end: the survivors' tokens must equal
@@ -1079,6 +1084,7 @@ def test_sampling_distribution_respects_temperature_and_top_p(rand_model, temper
     np.testing.assert_allclose(freq, want, atol=0.03)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproducible(rand_model, prompts, char_tok):
     pad, eos = char_tok.pad_token_id, [char_tok.eos_token_id]
 

@@ -31,6 +31,8 @@ import gspo  # noqa: E402
 import ppo  # noqa: E402
 from common import masked_mean  # noqa: E402
 
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
+
 WORLD = 2
 CASES = ["grpo-token-mean", "grpo-seq-mean-token-mean", "gspo", "ppo"]
 CASES += [f"{case}+entropy" for case in CASES]  # --entropy-coef: the bonus, aggregated as each script does

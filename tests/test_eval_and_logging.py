@@ -152,6 +152,7 @@ def test_eval_data_errors_name_the_flag(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -295,6 +296,7 @@ def assert_tensorboard_equals_metrics(out):
             assert value == want32 or (math.isnan(value) and math.isnan(want32)), (tag, value, want)
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_path):
     out = tmp_path / "run"
     train_in_process(gspo, "--steps", "3", "--save-every", "3", "--eval-every", "2", "--report-to", "tensorboard",
@@ -361,6 +363,7 @@ def test_mask_truncated_gspo_hand_case():
     assert loss.item() == pytest.approx(0.25, abs=1e-15)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [gspo, grpo])
 def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(module, tmp_path, monkeypatch, tiny_path):
     """Rewards alternate by row (every advantage nonzero) and every completion is marked truncated:

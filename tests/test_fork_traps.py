@@ -72,6 +72,7 @@ def test_the_tiny_tokenizer_drops_what_it_cannot_represent():
     assert common.unknown_characters(tok, "tab\there") == {"\t"}  # printable ASCII and newline only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--data", "--eval-data"])
 def test_unknown_characters_stop_the_run_before_anything_is_written(tmp_path, capsys, flag):
     ascii_rows = [{"prompt": f"Reverse: {w}\n", "answer": w[::-1]} for w in ["abc", "hello", "xyz"] * 4]
@@ -111,6 +112,7 @@ SPREAD = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, name):
     (tmp_path / "rewards.py").write_text(CONSTANT)
@@ -127,6 +129,7 @@ def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, cap
     assert summary["no_signal_steps"] == 25 and summary["step"] == 25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, name):
     (tmp_path / "rewards.py").write_text(SPREAD)  # a hash of the text: different completions, different rewards
@@ -138,6 +141,7 @@ def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, n
     assert summary["no_signal"] is None and summary["no_signal_steps"] < 20
 
 
+@pytest.mark.slow
 def test_the_no_signal_streak_survives_resume(tmp_path, capsys):
     """A streak cut by a checkpoint continues after --resume: the warning comes at the same step."""
     (tmp_path / "rewards.py").write_text(CONSTANT)
@@ -240,6 +244,7 @@ def final_weights(out: Path, name: str = "final") -> dict:
     return load_file(out / name / "model.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GROUP_SCRIPTS)
 def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
     """With a constant reward every advantage is 0: without the bonus no row is worth forwarding
@@ -257,6 +262,7 @@ def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
     assert any(not torch.equal(weights[0.1][k], start[k]) for k in start)
 
 
+@pytest.mark.slow
 def test_ppo_with_the_bonus_moves_the_weights_differently(tmp_path, capsys):
     runs = {}
     for coef in (0.0, 0.5):
@@ -266,6 +272,7 @@ def test_ppo_with_the_bonus_moves_the_weights_differently(tmp_path, capsys):
     assert any(not torch.equal(runs[0.0][k], runs[0.5][k]) for k in runs[0.0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["-0.1", "inf", "nan"])
 def test_a_bad_entropy_coef_is_one_line(tmp_path, capsys, value):
     status, _, err = run_main("grpo", ["--entropy-coef", value, "--out", tmp_path / "out"], capsys)
@@ -280,6 +287,7 @@ def test_a_bad_entropy_coef_is_one_line(tmp_path, capsys, value):
 PER_PROMPT = "def per_prompt(prompts, completions, **kw):\n    return [1.0 for _ in dict.fromkeys(prompts)]\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_reward_of_the_wrong_length_stops_before_out_is_written(tmp_path, capsys, name):
     """One value per distinct prompt fits the step-0 evaluation (one greedy completion per prompt);
@@ -292,6 +300,7 @@ def test_a_reward_of_the_wrong_length_stops_before_out_is_written(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_reward_check_moves_no_random_stream(tmp_path, capsys, monkeypatch):
     """A run with the check and one without it end with the same weights and metrics."""
     outs = {}
@@ -310,6 +319,7 @@ def test_the_reward_check_moves_no_random_stream(tmp_path, capsys, monkeypatch):
     assert metrics(outs[True]) == metrics(outs[False])
 
 
+@pytest.mark.slow
 def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
     """On --resume no step-0 evaluation runs first: the check scores an evaluation batch too. A
     reward that fails on any batch but the training one (4 prompts x 2 = 8 rows; the evaluation
@@ -365,6 +375,7 @@ def test_every_fixed_set_flag_declares_its_choices(name):
     assert declared_choices(MODULES[name].Args) == SHARED_SETS | OWN_SETS.get(name, {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, argv, expected",
     [
@@ -414,6 +425,7 @@ def test_a_forks_own_string_flag_gets_the_same_check(capsys):
     assert common.parse_args(ForkArgs, ["--advantage", "rloo"]).advantage == "rloo"
 
 
+@pytest.mark.slow
 def test_the_tools_parsers_refuse_abbreviations_too():
     proc = subprocess.run([sys.executable, "tools/plan_memory.py", "--alg", "grpo"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
@@ -421,6 +433,7 @@ def test_the_tools_parsers_refuse_abbreviations_too():
     assert proc.stderr.strip() == "error: unrecognized argument --alg (did you mean --algo?)"
 
 
+@pytest.mark.slow
 def test_help_marks_what_may_change_on_resume():
     proc = subprocess.run([sys.executable, "gspo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     text = " ".join(proc.stdout.split())

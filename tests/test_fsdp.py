@@ -33,6 +33,8 @@ import common  # noqa: E402
 import ppo  # noqa: E402
 from extras import fsdp as fsdp_extra  # noqa: E402
 
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
+
 CPU = torch.device("cpu")
 TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
 needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")

@@ -9,7 +9,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
+
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
 OK_ROWS = [
     ("a", "gspo.py --model tiny"),

@@ -451,6 +451,7 @@ def patched_script(path, patch: str):
     return path
 
 
+@pytest.mark.slow
 def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     """train() forwards only the rows with a non-zero advantage when there is no KL term, and every
     row when there is one. The precondition is built, not hoped for: the reward is patched to depend
@@ -671,6 +672,7 @@ def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_smoke_run_with_reference(tmp_path):
     rows, summary = run_smoke("grpo.py", tmp_path / "run", ["--kl-coef", "0.05"])
     assert summary["algo"] == "grpo" and summary["args"]["kl_coef"] == 0.05
@@ -679,6 +681,7 @@ def test_smoke_run_with_reference(tmp_path):
         assert r["clip_frac"] == pytest.approx(r["clip_frac_low"] + r["clip_frac_high"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_smoke_run_token_mean_no_scaling(tmp_path):
     rows, summary = run_smoke("grpo.py", tmp_path / "run", ["--loss-agg", "token-mean", "--scale-rewards", "none"])
     assert summary["algo"] == "grpo"
@@ -686,6 +689,7 @@ def test_smoke_run_token_mean_no_scaling(tmp_path):
     assert all(r["kl"] == 0.0 for r in rows)  # no reference model without --kl-coef
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("minibatches, lr", [(1, 3e-4), (4, 1e-12)])
 def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr):
     """pi_old's log-probs come from one no-grad pass before the updates. One minibatch, or four with

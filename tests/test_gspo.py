@@ -595,6 +595,7 @@ def run_smoke(script, out, extra=()):
     return rows, summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_smoke_run(tmp_path, variant):
     rows, summary = run_smoke("gspo.py", tmp_path / "run", ["--variant", variant])
@@ -603,6 +604,7 @@ def test_smoke_run(tmp_path, variant):
     assert summary["args"]["minibatches"] == 2 and summary["args"]["group_size"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("minibatches, lr", [(1, 3e-4), (4, 1e-12)])
 def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr):
     """pi_old's log-probs come from one no-grad pass before the updates. One minibatch, or four with
@@ -636,6 +638,7 @@ def patched_script(path, patch: str):
     return path
 
 
+@pytest.mark.slow
 def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     """train() forwards only the rows with a non-zero advantage. The precondition is built, not
     hoped for: the reward is patched to depend on the row alone ([1, 0, 0, 0] in even groups,

@@ -141,6 +141,7 @@ def test_every_extras_module_has_a_refusal_case():
     assert modules == covered, f"extras/ without a case: {sorted(modules - covered)}; gone: {sorted(covered - modules)}"
 
 
+@pytest.mark.slow
 def test_without_extras_the_default_run_trains(bare):
     out = bare / "runs" / "gspo"
     ok(run(bare, "gspo", *DEFAULT_RUN))
@@ -163,6 +164,7 @@ def refusals(bare):
         yield cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag",
     list(CAPABILITIES),
@@ -177,6 +179,7 @@ def test_without_extras_each_capability_is_refused_in_one_line(refusals, flag):
     assert not out.exists(), "a refused run left an output directory"
 
 
+@pytest.mark.slow
 def test_a_model_outside_the_llama_family_without_hf_decoder_is_refused_before_loading(tmp_path):
     """tiny-moe (qwen3_moe) samples through extras/hf_decoder.py: a copy that has extras/moe.py but not
     it stops in one line before any weights load (its config.json tells), not at the first rollout."""
@@ -247,6 +250,7 @@ def runs(tree):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_fork_is_named_by_its_file(runs):
     out, _ = runs("rloo")
     assert out.name == "rloo" and out.parent.name == "runs"  # --out's default, in the cwd
@@ -255,6 +259,7 @@ def test_a_fork_is_named_by_its_file(runs):
     assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_fork_refuses_the_checkpoint_of_the_script_it_came_from(tree, runs):
     source, _ = runs("gspo")
     assert (source / "checkpoint").is_dir(), "the gspo run saved no checkpoint to resume"
@@ -262,6 +267,7 @@ def test_a_fork_refuses_the_checkpoint_of_the_script_it_came_from(tree, runs):
     one_line_refusal(proc, "gspo.py", "rloo.py")
 
 
+@pytest.mark.slow
 def test_a_fork_without_the_clip_flags_runs(runs):
     out, _ = runs("noclip")
     summary = json.loads((out / "summary.json").read_text())
@@ -290,6 +296,7 @@ def test_every_script_at_the_root_is_in_SCRIPTS():
     assert all((ROOT / f"{s}.py").is_file() for s in SCRIPTS), f"SCRIPTS names a file that is gone: {SCRIPTS}"
 
 
+@pytest.mark.slow
 def test_the_scan_sees_an_unregistered_fork(tree):
     """The test above fails for a fork that is not in SCRIPTS (the tree holds rloo.py and noclip.py)."""
     assert scripts_at_root(tree) - set(SCRIPTS) == {"rloo", "noclip"}
@@ -300,6 +307,7 @@ def test_the_scan_sees_an_unregistered_fork(tree):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo-moe", "gspo-moe"])
 def test_moe_with_rollout_old_logp_runs(runs, name):
     """tiny-moe and --old-logp rollout (no pi_old forward to record routes from) used to stack Nones."""
@@ -309,6 +317,7 @@ def test_moe_with_rollout_old_logp_runs(runs, name):
     assert all(math.isfinite(r["loss"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_routing_replay_refuses_rollout_old_logp(tree):
     proc = run(tree, "grpo", *SMALL, "--steps", "2", "--routing-replay", "--old-logp", "rollout",
                "--model", "tiny-moe", "--out", tree / "runs" / "refused", timeout=120)  # fmt: skip
@@ -316,6 +325,7 @@ def test_routing_replay_refuses_rollout_old_logp(tree):
     assert not (tree / "runs" / "refused").exists()
 
 
+@pytest.mark.slow
 def test_gspo_sequence_counts_clipped_sequences_by_that_name(runs):
     out, _ = runs("gspo")
     rows = jsonl(out / "metrics.jsonl")
@@ -325,6 +335,7 @@ def test_gspo_sequence_counts_clipped_sequences_by_that_name(runs):
     assert math.isclose(summary["mean_clip_frac_seqs"], sum(r["clip_frac_seqs"] for r in rows) / 2, abs_tol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gspo-token", "grpo"])
 def test_token_level_losses_log_clip_frac(runs, name):
     out, _ = runs(name)

@@ -110,6 +110,7 @@ def test_the_task_brings_its_defaults_and_explicit_flags_win():
         common.load_task("sums", "x.jsonl")
 
 
+@pytest.mark.slow
 def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(tmp_path, monkeypatch):
     """A 3-step recipe (its own cache key) built twice by tools/build_checkpoints.py in empty caches
     gives the same weights, and the caller's random streams continue as if nothing had run (the
@@ -221,6 +222,7 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, extra", [("ppo.py", []), ("grpo.py", []), ("gspo.py", ["--variant", "token"])])
 def test_smoke_run_on_the_task(tmp_path, script, extra):
     out = tmp_path / "run"

@@ -39,6 +39,8 @@ from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run 
 
 import common  # noqa: E402
 
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
+
 pytest.importorskip("peft")
 
 CPU = torch.device("cpu")

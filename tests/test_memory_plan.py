@@ -136,6 +136,7 @@ def test_lora_trains_only_the_adapters():
     assert plan["critic"] == 4 * 494_032_768 + 16 * (lora + 896 + 1)  # frozen trunk; adapters + head trained
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
     cmd = [sys.executable, "tools/plan_memory.py"]
     ok = subprocess.run(cmd + ["--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo"], cwd=ROOT,
@@ -271,6 +272,7 @@ def test_parallel_plans_reject_what_torchrun_would_not_run():
             plan_memory.plan_memory(c, "grpo", 8, 6, 32, **bad)
 
 
+@pytest.mark.slow
 def test_cli_per_gpu_plans_and_the_comparison_table():
     cmd = [sys.executable, "tools/plan_memory.py", "--model", "qwen2.5-0.5b", "qwen2.5-7b", "--grad-checkpointing"]
     run = lambda *args: subprocess.run(cmd + list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)  # noqa: E731

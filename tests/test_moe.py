@@ -180,6 +180,7 @@ SMOKE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script,extra",
     [("grpo.py", []), ("grpo.py", ["--routing-replay"]), ("gspo.py", [])],
@@ -198,6 +199,7 @@ def test_smoke_run_moe(tmp_path, moe, script, extra):
     assert summary["args"].get("routing_replay", False) == ("--routing-replay" in extra)  # gspo.py has no such flag
 
 
+@pytest.mark.slow
 def test_routing_replay_on_a_dense_model_is_a_usage_error(tmp_path):
     cmd = [sys.executable, "grpo.py", "--routing-replay", "--steps", "1", "--out", str(tmp_path / "run")]
     proc = subprocess.run(

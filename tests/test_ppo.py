@@ -885,6 +885,7 @@ def check_outputs(out, rows, summary):
     assert "head.weight" in state and "head.bias" in state
 
 
+@pytest.mark.slow
 def test_smoke_run(tmp_path):
     out = tmp_path / "run"
     rows, summary = run_script(out, ["--prompts-per-step", "16", "--group-size", "1"])
@@ -902,6 +903,7 @@ def test_dual_clip_none_parses():
     assert common.parse_args(ppo.Args, ["--dual-clip", "2.5"]).dual_clip == 2.5
 
 
+@pytest.mark.slow
 def test_smoke_run_group2_eos_penalty_dual_clip_none(tmp_path):
     out = tmp_path / "run"
     rows, summary = run_script(out, [*SECOND_RUN, "--dual-clip", "none"])

@@ -38,6 +38,8 @@ from helpers import SCRIPTS  # noqa: E402
 
 import common  # noqa: E402
 
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
+
 SMALL = [
     "--prompts-per-step",
     "4",

@@ -233,6 +233,7 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
     )
 
 
+@pytest.mark.slow
 def test_train_reward_model_command_line(tmp_path, char_tok):
     base = save_causal_lm(tmp_path / "lm", char_tok)
     write_pairs(tmp_path / "pairs.jsonl")
@@ -247,6 +248,7 @@ def test_train_reward_model_command_line(tmp_path, char_tok):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --data") and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "causal-lm", "two-labels", "not-a-checkpoint"])
 def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
     path = {
@@ -349,6 +351,7 @@ def test_preference_pairs_cover_the_failure_shapes():
     assert all(not common.score(r, "125")[0] for r in rejected)  # every rejected answer is wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
 def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
     rm = save_classifier(tmp_path / "rm", char_tok)
@@ -368,6 +371,7 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
     assert rows[0]["kl_to_init"] == pytest.approx(0, abs=1e-4)  # step 1 samples from the initial policy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
 def test_help_lists_the_reward_model_flags(script):
     proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -244,6 +244,7 @@ def test_weights_must_match_and_be_finite():
         common.Rewards(["exact", "exact"])
 
 
+@pytest.mark.slow
 def test_not_importable_exits_2_before_writing_anything(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -292,6 +293,7 @@ def flaky(prompts, completions, **kwargs):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, expected",
     [

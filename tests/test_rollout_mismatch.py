@@ -286,6 +286,7 @@ def test_with_float32_rollouts_the_correction_changes_nothing(tiny, case, mode):
         torch.testing.assert_close(g1, g0, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_old_logp_rollout_with_float32_gives_ratio_one_on_the_first_update(tmp_path, capsys, name):
     argv = ["--steps", 1, "--old-logp", "rollout", "--out", tmp_path / "out", *TINY_RUN]
@@ -296,6 +297,7 @@ def test_old_logp_rollout_with_float32_gives_ratio_one_on_the_first_update(tmp_p
     assert abs(row["mismatch_log_ratio_mean"]) < 1e-5 and row["mismatch_log_ratio_std"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_bf16_rollouts_log_the_mismatch_and_the_correction(tmp_path, capsys, name):
     argv = ["--steps", 2, "--rollout-dtype", "bfloat16", "--is-correction", "tis", "--out", tmp_path / "out", *TINY_RUN]
@@ -307,6 +309,7 @@ def test_bf16_rollouts_log_the_mismatch_and_the_correction(tmp_path, capsys, nam
         assert ("clip_frac_seqs" if name == "gspo" else "clip_frac") in r  # GSPO's sequence variant: of sequences
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_bf16_rollouts(tmp_path, capsys):
     base = ["--rollout-dtype", "bfloat16", "--is-correction", "mask", "--no-anneal-lr", *TINY_RUN]
     assert run_main("gspo", [*base, "--steps", 4, "--out", tmp_path / "straight"], capsys)[0] == 0
@@ -324,6 +327,7 @@ def test_resume_is_exact_with_bf16_rollouts(tmp_path, capsys):
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "cut")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, argv, expected",
     [
@@ -339,6 +343,7 @@ def test_bad_rollout_flags_are_one_line(tmp_path, capsys, name, argv, expected):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_bf16_traced_run_keeps_mu_beside_pi_old(tmp_path, capsys):
     """traces.jsonl's `mu` is the sampler's log-prob when one is recorded: per token, near the
     trainer's pi_old (bf16 against float32) but not equal; without recording it is null."""

@@ -347,6 +347,7 @@ def moe_env(tmp_path, fake_env):
     return {**env, "MPLBACKEND": "Agg", **fake_env, "OUT": str(tmp_path / "moe")}
 
 
+@pytest.mark.slow
 def test_moe_runs_three_configs_with_its_defaults_and_builds_its_report(tmp_path, fake_python):
     env, calls = fake_python
     res = subprocess.run(
@@ -385,6 +386,7 @@ def test_moe_runs_three_configs_with_its_defaults_and_builds_its_report(tmp_path
     assert not (out / "results.md").exists()
 
 
+@pytest.mark.slow
 def test_moe_report_only_refuses_a_short_run(tmp_path, fake_python):
     env, _ = fake_python
     env = {**moe_env(tmp_path, env), "STEPS": str(STEPS)}
@@ -420,6 +422,7 @@ def test_mean_std_is_the_sample_std_of_the_finite_values():
     assert compare_report.mean_std([None, float("inf")]) == {"mean": None, "std": None, "n": 0}
 
 
+@pytest.mark.slow
 def test_per_seed_values_and_aggregate_hand_worked():
     # 12 steps, reward = step / 10: the last 10 steps are 3..12, mean 7.5 / 10
     def run(seed):
@@ -484,6 +487,7 @@ def test_read_run_refuses_incomplete_runs(tmp_path, damage, message):
     assert message in str(e.value)
 
 
+@pytest.mark.slow
 def test_load_runs_names_every_missing_run_and_main_refuses(tmp_path, capsys):
     for algo in ALGOS:
         fabricate(tmp_path, algo, 0)
@@ -539,6 +543,7 @@ def test_reward_model_runs_six_configs_and_builds_its_report(tmp_path, fake_pyth
     assert res.returncode == 2 and "separate experiments" in res.stderr
 
 
+@pytest.mark.slow
 def test_rm_table_hand_worked(tmp_path):
     out = tmp_path / "rm"
     for name in ("grpo", "grpo-rm"):
@@ -632,6 +637,7 @@ def test_staleness_sweep_resumes_skipping_finished_runs(tmp_path, fake_python):
     assert res.returncode == 1 and "gspo seed 0" in res.stderr and not (out / "staleness_results.md").exists()
 
 
+@pytest.mark.slow
 def test_mismatch_plan_lists_the_grid_and_refuses_other_modes():
     """bash run_all.sh --mismatch --plan: the whole grid (2 tasks x 3 algos x 5 conditions x 3 seeds)
     and its planned time, nothing run; --mismatch with another mode is one line, exit 2."""

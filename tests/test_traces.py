@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 
 import common
 
+pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
+
 SCRIPTS = {name: importlib.import_module(name) for name in helpers.SCRIPTS}  # a fork: add its name to helpers
 gspo = SCRIPTS.get("gspo") or importlib.import_module("gspo")
 # two epochs of two minibatches: every row is in two updates, the second of them off-policy; narrow

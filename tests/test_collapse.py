@@ -1,0 +1,281 @@
+"""The collapse warnings (issue 42, part 3): a forked RLOO went from 0.222 to 0.046 held-out accuracy
+with no word, its all-equal steps scattered so that the no-signal streak never reached 20.
+
+  - the rules, on hand-worked sequences: accuracy at least COLLAPSE_DROP below step 0's at two
+    evaluations in a row (`accuracy_collapsed`), more than FLAT_SHARE of the last FLAT_WINDOW steps'
+    groups all-equal (`mostly_flat`), each at its boundary;
+  - Run.watch_collapse driven step by step: each warning once, where the rule says, recorded, and
+    carried through Progress' state dict as a checkpoint saves it;
+  - a fork of gspo.py without a clip, at --minibatches 2 and a high --lr, collapses on the tiny model and
+    is warned, at the steps that its own metrics.jsonl says (in this process, about 20 s on one core)."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import random
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+
+WINDOW, SHARE = common.FLAT_WINDOW, common.FLAT_SHARE
+
+
+def first_warning(before, accuracies):
+    """The index of the evaluation at which accuracy_collapsed first holds, fed one evaluation at a time."""
+    return next((i for i in range(len(accuracies)) if common.accuracy_collapsed(before, accuracies[: i + 1])), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rules
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_constants_are_the_issues():
+    assert (common.COLLAPSE_DROP, common.COLLAPSE_EVALS, WINDOW, SHARE) == (0.1, 2, 50, 0.9)
+
+
+@pytest.mark.parametrize(
+    "before, accuracies, expected",
+    [
+        (0.3, [0.2], None),  # one evaluation is not two in a row
+        (0.3, [0.2, 0.2], 1),  # exactly 0.1 below, twice: 0.3 - 0.2 is 0.0999... in floats, still a drop of 0.1
+        (0.3, [0.21, 0.2], None),  # 0.09 below, then 0.1: not two
+        (0.3, [0.21, 0.2, 0.19], 2),
+        (0.3, [0.1, 0.3, 0.1, 0.25, 0.05], None),  # drops at 0, 2 and 4, never consecutive
+        (0.3, [0.1, 0.3, 0.1, 0.15], 3),
+        (0.222, [0.234, 0.1, 0.046, 0.0], 2),  # the issue's fork, roughly
+        (0.05, [0.0, 0.0, 0.0], None),  # a start below 0.1 cannot fall 0.1
+        (0.5, [0.6, 0.7, 0.8], None),  # learning
+    ],
+)
+def test_accuracy_collapsed_on_hand_worked_sequences(before, accuracies, expected):
+    assert first_warning(before, accuracies) == expected
+
+
+def test_the_exact_boundary_needs_the_tolerance():
+    assert 0.3 - 0.2 < 0.1  # why accuracy_collapsed allows 1e-9: without it the case above would not warn
+    assert common.accuracy_collapsed(0.3, [0.2, 0.2])
+    assert not common.accuracy_collapsed(0.3, [0.2, 0.2 + 1e-6])
+
+
+@pytest.mark.parametrize(
+    "flat, expected",
+    [
+        ([1.0] * (WINDOW - 1), False),  # not a whole window yet
+        ([1.0] * WINDOW, True),
+        ([1.0] * 45 + [0.0] * 5, False),  # exactly 90%: not past it
+        ([1.0] * 46 + [0.0] * 4, True),
+        ([0.0] * 10 + [1.0] * WINDOW, True),  # only the last 50 steps count
+        ([1.0] * WINDOW + [0.0] * 5, False),  # 45 of the last 50
+        ([0.95] * WINDOW, True),  # shares, not counts: 95% of every step's groups
+        ([1.0, 0.0] * WINDOW, False),  # scattered all-equal steps: half of them
+        ([0.875] * WINDOW, False),  # 7 of 8 groups at every step
+    ],
+)
+def test_mostly_flat_on_hand_worked_windows(flat, expected):
+    assert common.mostly_flat(flat) == expected
+
+
+def test_exactly_ninety_percent_of_shares_stays_below_whatever_the_order():
+    """Steps whose shares average exactly 90% (25 at 0.8 and 25 at 1.0, or 0.6, 1, 1, 1, 0.9 ten times)
+    are not past it, though some orders sum a little above it in floats."""
+    orders = [[0.8] * 25 + [1.0] * 25]
+    for seed in range(50):
+        flat = [0.6, 1.0, 1.0, 1.0, 0.9] * 10
+        random.Random(seed).shuffle(flat)
+        orders.append(flat)
+    assert sum(orders[0]) / WINDOW > SHARE  # the float trap is real
+    assert sum(sum(flat) / WINDOW > SHARE for flat in orders) > 1
+    assert not any(common.mostly_flat(flat) for flat in orders)
+
+
+@pytest.mark.parametrize(
+    "rewards, group_size, expected",
+    [
+        ([0, 0, 1, 1, 0, 1], 2, [True, False, False]),  # all failed; all right (a learning run's); mixed
+        ([1, 1, 1, 1, 0, 1], 2, [False, False, False]),  # solved prompts are not a collapse
+        ([1, 1, 1, 1], 2, [True, True]),  # every reward equal: the lowest is that value
+        ([-1.0, -1.0, 0.5, 0.5, -1.0, 0.5], 2, [True, False, False]),
+        ([0.2, 0.2, 0.2, 0.0, 0.0, 0.0], 3, [False, True]),
+    ],
+)
+def test_lowest_groups_hand_worked(rewards, group_size, expected):
+    """The groups whose completions all scored the batch's lowest reward, checked against a plain loop too."""
+    r = torch.tensor(rewards, dtype=torch.float32)
+    low = min(rewards)
+    loop = [all(x == low for x in rewards[i : i + group_size]) for i in range(0, len(rewards), group_size)]
+    assert common.lowest_groups(r, group_size, r.min()).tolist() == expected == loop
+
+
+def test_the_default_runs_flat_groups_are_at_the_top():
+    """zero_std_frac counts solved prompts: 0.96 of a learning run's groups can be all-equal (gspo.py's
+    defaults, late in the run) while the all-failed share stays far from 0.9."""
+    rewards = torch.tensor([1.0] * 4 * 33 + [0.0] * 4 * 29 + [1.0, 0.0, 0.0, 0.0] * 2)  # 64 groups of 4
+    assert common.constant_groups(rewards, 4).float().mean().item() == 62 / 64
+    assert common.lowest_groups(rewards, 4, rewards.min()).float().mean().item() == 29 / 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Run.watch_collapse, step by step
+# ---------------------------------------------------------------------------------------------
+
+
+def watcher(before=0.3, needs_group=True, progress=None):
+    """What Run.watch_collapse reads of a Run, with the warnings collected instead of printed."""
+    progress = progress or common.Progress(eval_before={"accuracy": before})
+    run = SimpleNamespace(progress=progress, env=SimpleNamespace(rank=0, needs_group=needs_group), warned=[])
+    run.warn = run.warned.append
+    return run
+
+
+def drive(run, steps, flat, evals):
+    """Steps `steps` with each step's share of all-equal groups `flat(step)` and accuracy `evals.get(step)`."""
+    for step in steps:
+        common.Run.watch_collapse(run, step, flat(step), evals.get(step))
+
+
+def test_each_warning_comes_once_where_its_rule_holds():
+    run = watcher(before=0.3)
+    evals = {10: 0.25, 20: 0.15, 30: 0.3, 40: 0.2, 50: 0.1, 60: 0.0, 70: 0.0}  # drops at 20, 40, 50, 60, 70
+    flat = lambda step: 1.0 if step % 10 else 0.0  # noqa: E731  (90% of every window of 50: never past it)
+    drive(run, range(1, 71), flat, evals)
+    assert len(run.warned) == 1 and "at 2 evaluations in a row (step 40 0.200, step 50 0.100)" in run.warned[0]
+    assert run.progress.accuracy_drop == {"before": 0.3, "evals": [[40, 0.2], [50, 0.1]], "warned_at_step": 50}
+    assert run.progress.flat_groups is None and len(run.progress.flat_window) == WINDOW
+    drive(run, range(71, 80), lambda step: 1.0, {})  # up to steps 30-79: zeros at 30, 40, 50, 60, 70, 45 of 50
+    assert run.progress.flat_groups is None
+    drive(run, range(80, 81), lambda step: 1.0, {})  # steps 31-80: 46 of 50
+    assert len(run.warned) == 2
+    assert "92% of the groups of the last 50 steps had all-equal rewards, the batch's lowest" in run.warned[1]
+    assert "(steps 31-80)" in run.warned[1]
+    assert run.progress.flat_groups == {"share": 0.92, "from_step": 31, "warned_at_step": 80}
+    drive(run, range(82, 200), lambda step: 1.0, {s: 0.0 for s in range(90, 200, 10)})
+    assert len(run.warned) == 2  # once each per run
+
+
+def test_ppo_counts_steps_without_signal():
+    run = watcher(needs_group=False)
+    drive(run, range(1, WINDOW + 1), lambda step: float(step > 3), {})  # 47 of 50 steps without signal
+    assert run.warned == ["94% of the last 50 steps had no learning signal (steps 1-50)"]
+
+
+def test_no_accuracy_no_accuracy_warning():
+    """A reward without answers (--reward-model alone) has no held-out accuracy: nothing to compare."""
+    run = watcher()
+    run.progress.eval_before = {"reward": 0.3}
+    drive(run, range(1, 31), lambda step: 0.0, {10: 0.0, 20: 0.0, 30: 0.0})
+    assert run.warned == [] and run.progress.eval_accuracies == []
+
+
+def test_the_watch_survives_a_checkpoint(tmp_path):
+    """Progress' state dict, saved and loaded as save_checkpoint / load_checkpoint do (torch.save,
+    weights_only=True), carries the window and the evaluations: a resumed run warns at the same steps."""
+    evals = {10: 0.3, 20: 0.15, 30: 0.1}
+    whole = watcher()
+    drive(whole, range(1, 61), lambda step: 1.0, evals)
+    first = watcher()
+    drive(first, range(1, 26), lambda step: 1.0, evals)
+    torch.save({"progress": first.progress.state_dict()}, tmp_path / "trainer.pt")
+    resumed = watcher(progress=common.Progress())
+    resumed.progress.load_state_dict(torch.load(tmp_path / "trainer.pt", weights_only=True)["progress"])
+    drive(resumed, range(26, 61), lambda step: 1.0, evals)
+    assert resumed.warned == whole.warned and len(whole.warned) == 2
+    assert resumed.progress.accuracy_drop == whole.progress.accuracy_drop == {
+        "before": 0.3, "evals": [[20, 0.15], [30, 0.1]], "warned_at_step": 30}  # fmt: skip
+    assert resumed.progress.flat_groups == whole.progress.flat_groups == {
+        "share": 1.0, "from_step": 1, "warned_at_step": 50}  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_warning_is_one_line_naming_the_causes_on_rank_0_only(monkeypatch, rank):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    common.Run.warn(SimpleNamespace(env=SimpleNamespace(rank=rank)), "something fell")
+    if rank:
+        assert err.getvalue() == ""
+        return
+    line = err.getvalue()
+    assert line.count("\n") == 1 and line.startswith("warning: something fell: the policy may be collapsing")
+    for cause in ("--lr", "--minibatches", "--epochs", "clip", "reward"):
+        assert cause in line
+
+
+# ---------------------------------------------------------------------------------------------
+# a fork without a clip
+# ---------------------------------------------------------------------------------------------
+
+FORK_RUN = ["--lr", "3e-3", "--no-anneal-lr", "--minibatches", "2", "--prompts-per-step", "8", "--group-size", "4",
+            "--eval-size", "50", "--eval-every", "5", "--seed", "0"]  # fmt: skip
+
+
+@pytest.fixture
+def noclip(tmp_path, monkeypatch):
+    """gspo.py forked to noclip.py with its clip removed: the clip flags gone and the loss given the
+    range [0, inf], so the ratio of the second, off-policy minibatch is never clipped."""
+    from test_layout import without_clip_flags  # the fork a user writes who drops --eps-low / --eps-high
+
+    source = without_clip_flags((common.SHIPPED_CHECKPOINTS.parent / "gspo.py").read_text())
+    source, n = re.subn(r"3e-4, 4e-4,", '1.0, float("inf"),', source)
+    assert n == 1
+    (tmp_path / "noclip.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "noclip", raising=False)
+    yield importlib.import_module("noclip")
+    sys.modules.pop("noclip", None)
+
+
+def run_fork(module, argv, capsys):
+    try:
+        common.main(module.train, module.Args, argv=[str(a) for a in argv])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def expected_warnings(rows, before):
+    """The steps at which each rule holds first, computed from metrics.jsonl's rows, not from the Run."""
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    fell = lambda a: before - a >= 0.1 - 1e-9  # noqa: E731
+    drop = next((s for (_, a), (s, b) in zip(evals, evals[1:]) if fell(a) and fell(b)), None)
+    flat = [r["zero_std_low_frac"] for r in rows]
+    window = next((i + 1 for i in range(WINDOW - 1, len(flat)) if sum(flat[i - WINDOW + 1 : i + 1]) > 45 + 1e-6), None)
+    return drop, window
+
+
+def warning_lines(err):
+    return [line for line in err.splitlines() if "may be collapsing" in line]
+
+
+@pytest.mark.slow
+def test_a_fork_without_a_clip_collapses_and_is_warned(noclip, tmp_path, capsys):
+    out = tmp_path / "out"
+    status, err = run_fork(noclip, [*FORK_RUN, "--steps", "55", "--out", out], capsys)
+    assert status == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before = summary["eval_accuracy_before"]
+    assert before >= 0.1 and summary["eval_accuracy_after"] <= before - 0.1  # it did collapse
+    drop, window = expected_warnings(rows, before)
+    assert drop is not None and window is not None
+    assert summary["accuracy_drop"]["warned_at_step"] == drop
+    assert summary["flat_groups"]["warned_at_step"] == window and summary["flat_groups"]["from_step"] == window - 49
+    lines = warning_lines(err)
+    assert len(lines) == 2, err
+    assert "held-out accuracy fell 0.1 or more" in lines[0] and f"step {drop} " in lines[0]
+    assert f"had all-equal rewards, the batch's lowest (steps {window - 49}-{window})" in lines[1]
+    # resumed from a checkpoint before the second warning: that one comes at the same step, the first not again
+    again = tmp_path / "again"
+    assert run_fork(noclip, [*FORK_RUN, "--steps", "30", "--save-every", "30", "--out", again], capsys)[0] == 0
+    status, err = run_fork(noclip, ["--resume", again, "--steps", "55"], capsys)
+    assert status == 0, err
+    resumed = json.loads((again / "summary.json").read_text())
+    assert resumed["accuracy_drop"] == summary["accuracy_drop"] and resumed["flat_groups"] == summary["flat_groups"]
+    assert len(warning_lines(err)) == (1 if drop <= 30 else 2)

@@ -1,0 +1,183 @@
+"""--out (issue 42, part 4): a directory holding another script's run is refused before anything is
+written, --overwrite replaces it whole, a same-script rerun (no --resume) replaces the earlier run whole
+and says so in one line, and a non-empty directory that holds no run is never deleted.
+
+The runs are in this process (common.main, as tests/test_fork_traps.py does) and tiny: 4 prompts x 2
+samples, 4 new tokens, 8 evaluation prompts, 1 step; check_out's decisions are also tested directly,
+on hand-made directories, without a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import common
+import grpo
+import gspo
+
+TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
+            "--eval-size", "8", "--eval-every", "0", "--steps", "1"]  # fmt: skip
+MODULES = {"gspo": gspo, "grpo": grpo}
+
+
+def run_main(name, argv, capsys):
+    """common.main of script `name` in this process: (exit status, stderr)."""
+    module = MODULES[name]
+    try:
+        common.main(module.train, module.Args, argv=[str(a) for a in argv])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file under `directory` (relative path -> bytes): what 'untouched' compares."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def replacing_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "replacing the earlier" in line]
+
+
+# ---------------------------------------------------------------------------------------------
+# check_out's decisions, on hand-made directories
+# ---------------------------------------------------------------------------------------------
+
+
+def args_for(out: Path, **kw) -> gspo.Args:
+    return gspo.Args(out=str(out), **kw)
+
+
+def make_run(out: Path, summary_algo=None, checkpoint_algo=None, metrics=True) -> Path:
+    out.mkdir(parents=True)
+    if metrics:
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    if summary_algo is not None:
+        (out / "summary.json").write_text(json.dumps({"algo": summary_algo}))
+    if checkpoint_algo is not None:
+        (out / "checkpoint").mkdir()
+        (out / "checkpoint" / "meta.json").write_text(json.dumps({"algo": checkpoint_algo}))
+    return out
+
+
+def test_nothing_to_replace_in_a_new_or_empty_directory(tmp_path):
+    assert common.check_out(args_for(tmp_path / "new"), None) is None
+    (tmp_path / "empty").mkdir()
+    assert common.check_out(args_for(tmp_path / "empty"), None) is None
+
+
+@pytest.mark.parametrize(
+    "where", [dict(summary_algo="grpo"), dict(checkpoint_algo="grpo", metrics=False), dict(checkpoint_algo="grpo")]
+)
+def test_another_scripts_run_is_refused_naming_both_unless_overwrite(tmp_path, where):
+    out = make_run(tmp_path / "out", **where)
+    with pytest.raises(common.UsageError) as e:
+        common.check_out(args_for(out), None)
+    message = str(e.value)
+    assert "grpo.py run, not gspo.py's" in message and "--overwrite" in message and "another --out" in message
+    assert "\n" not in message
+    assert common.check_out(args_for(out, overwrite=True), None) == "grpo.py run"
+
+
+def test_summary_and_checkpoint_are_both_read(tmp_path):
+    """A gspo summary beside a grpo checkpoint is still another script's run (the files are mixed)."""
+    out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="grpo")
+    with pytest.raises(common.UsageError, match="grpo.py run, not gspo.py's"):
+        common.check_out(args_for(out), None)
+    assert common.check_out(args_for(out, overwrite=True), None) == "grpo.py and gspo.py run"
+
+
+def test_the_same_scripts_run_is_to_be_replaced(tmp_path):
+    out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="gspo")
+    assert common.check_out(args_for(out), None) == "gspo.py run"
+
+
+def test_a_run_no_file_names_needs_overwrite(tmp_path):
+    out = make_run(tmp_path / "out")  # metrics.jsonl alone: a run that crashed before any checkpoint or summary
+    (out / "summary.json").write_text("not json")
+    with pytest.raises(common.UsageError, match="no summary.json or checkpoint names"):
+        common.check_out(args_for(out), None)
+    assert common.check_out(args_for(out, overwrite=True), None).startswith("run")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_directory_that_holds_no_run_is_never_replaced(tmp_path, overwrite):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(common.UsageError, match="holds no run") as e:
+        common.check_out(args_for(tmp_path, overwrite=overwrite), None)
+    assert "\n" not in str(e.value)
+
+
+def test_resume_in_place_replaces_nothing(tmp_path):
+    out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="gspo")
+    assert common.check_out(args_for(out, overwrite=True), out / "checkpoint") is None
+    with pytest.raises(common.UsageError, match="holds the checkpoint --resume reads"):
+        common.check_out(args_for(tmp_path), out / "checkpoint")  # replacing tmp_path would delete it
+
+
+def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
+    """A run started with --overwrite and resumed into another --out does not inherit it."""
+    resume = pytest.importorskip("extras.resume")
+    out = make_run(tmp_path / "out", summary_algo="gspo")
+    meta = {"algo": "gspo", "step": 1, "model": "tiny", "config": {}, "args": {"overwrite": True, "lr": 0.1}}
+    (out / "checkpoint").mkdir()
+    (out / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    for name in ("policy", "trainer.pt", "metrics.jsonl"):
+        (out / "checkpoint" / name).touch()
+    fields = {"overwrite", "lr", "out", "resume"}
+    assert resume.resumed_args({"resume": str(out)}, "gspo", fields) == {"lr": 0.1, "out": str(out), "resume": str(out)}
+
+
+# ---------------------------------------------------------------------------------------------
+# whole runs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_another_scripts_out_is_refused_untouched_and_overwrite_replaces_it(tmp_path, capsys):
+    out = tmp_path / "out"
+    status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
+    assert status == 0, err
+    assert (out / "checkpoint" / "meta.json").is_file() and replacing_lines(err) == []
+    before = snapshot(out)
+    status, err = run_main("grpo", [*TINY_RUN, "--out", out], capsys)
+    assert status == 2
+    line = error_line(err)
+    assert "gspo.py run, not grpo.py's" in line and "--overwrite" in line
+    assert snapshot(out) == before  # not a byte written
+    status, err = run_main("grpo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
+    assert status == 0, err
+    assert replacing_lines(err) == [f"--out {out}: replacing the earlier gspo.py run there whole "
+                                    "(--resume continues a run instead)"]  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["algo"] == "grpo"
+    assert not (out / "checkpoint").exists()  # gspo's checkpoint did not stay beside grpo's metrics
+
+
+def test_a_same_script_rerun_replaces_the_earlier_run_whole(tmp_path, capsys):
+    out = tmp_path / "out"
+    status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
+    assert status == 0, err
+    (out / "traces.jsonl").write_text('{"step": 1, "earlier_run": true}\n')  # an earlier run's extra file
+    (out / "leftover.txt").write_text("old")
+    status, err = run_main("gspo", [*TINY_RUN, "--out", out], capsys)
+    assert status == 0, err
+    assert len(replacing_lines(err)) == 1 and "earlier gspo.py run" in replacing_lines(err)[0]
+    assert not (out / "leftover.txt").exists() and not (out / "checkpoint").exists()
+    assert "earlier_run" not in (out / "traces.jsonl").read_text()
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert json.loads((out / "summary.json").read_text())["args"]["save_every"] == 0  # the new run's
+
+
+def test_a_non_run_directory_is_refused_and_kept(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    status, err = run_main("gspo", [*TINY_RUN, "--overwrite", "--out", tmp_path], capsys)
+    assert status == 2 and "holds no run" in error_line(err)
+    assert snapshot(tmp_path) == {"notes.txt": b"mine"}

@@ -1,0 +1,46 @@
+"""A 2-step run of each script in tests/helpers.py's SCRIPTS, in this process (common.main, no torch
+import per run: about 3 s each on one core), for the quick tier (`pytest -m "not slow"`). The
+subprocess smoke runs in test_ppo.py, test_grpo.py and test_gspo.py check the same and more, from the
+command line, and are in the slow tier."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+import torch
+from helpers import SCRIPTS, SMOKE_ARGS
+from safetensors.torch import load_file
+
+import common
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_two_steps_train_log_and_save(name, tmp_path, capsys):
+    module = importlib.import_module(name)
+    out = tmp_path / "out"
+    common.main(module.train, module.Args, argv=[*SMOKE_ARGS, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "error" not in err.lower(), err
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("reward", "accuracy", "loss", "entropy", "response_len", "grad_norm", "eval_accuracy"):
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r[key])
+        assert 0 <= r["reward"] <= 1 and 0 <= r["accuracy"] <= 1 and 0 <= r["eval_accuracy"] <= 1
+        assert r["skipped_updates"] == 0 and r["entropy"] >= 0 and r["response_len"] >= 1
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algo"] == name and summary["step"] == summary["steps"] == 2 and not summary["interrupted"]
+    assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
+    assert {"accuracy_drop", "flat_groups", "no_signal"} <= summary.keys()
+
+    # the updates moved the weights away from the shipped checkpoint's, and final/ holds them
+    start = load_file(f"{common.tiny_checkpoint('tiny')}/model.safetensors")
+    final = load_file(out / "final" / "model.safetensors")
+    assert start.keys() == final.keys()
+    assert all(torch.isfinite(w).all() for w in final.values())
+    assert any(not torch.equal(start[k], final[k]) for k in start)
