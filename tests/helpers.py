@@ -168,6 +168,19 @@ def group_mean_std(adv, group_size):
     return out
 
 
+def main_in_process(module, argv, capsys) -> tuple:
+    """common.main of a script module in this process: (exit status, stdout, stderr)."""
+    import common
+
+    try:
+        common.main(module.train, module.Args, argv=[str(a) for a in argv])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
 # ----------------------------------------------------------------------------------------------
 # Subprocess smoke runs
 # ----------------------------------------------------------------------------------------------

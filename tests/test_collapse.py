@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import main_in_process
 
 import common
 
@@ -232,12 +233,8 @@ def noclip(tmp_path, monkeypatch):
 
 
 def run_fork(module, argv, capsys):
-    try:
-        common.main(module.train, module.Args, argv=[str(a) for a in argv])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err
+    status, _, err = main_in_process(module, argv, capsys)
+    return status, err
 
 
 def expected_warnings(rows, before):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS
+from helpers import ROOT, SCRIPTS, main_in_process
 
 import common
 import grpo
@@ -34,14 +34,7 @@ TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1"
 
 def run_main(name, argv, capsys):
     """common.main of script `name` in this process: (exit status, stdout, stderr)."""
-    module = MODULES[name]
-    try:
-        common.main(module.train, module.Args, argv=[str(a) for a in argv])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    return main_in_process(MODULES[name], argv, capsys)
 
 
 def one_line_error(err: str) -> str:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import main_in_process
 
 import common
 import grpo
@@ -24,13 +25,8 @@ MODULES = {"gspo": gspo, "grpo": grpo}
 
 def run_main(name, argv, capsys):
     """common.main of script `name` in this process: (exit status, stderr)."""
-    module = MODULES[name]
-    try:
-        common.main(module.train, module.Args, argv=[str(a) for a in argv])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err
+    status, _, err = main_in_process(MODULES[name], argv, capsys)
+    return status, err
 
 
 def snapshot(directory: Path) -> dict:
