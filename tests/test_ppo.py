@@ -484,6 +484,15 @@ def test_policy_loss_on_policy_gradient_is_reinforce_token_mean(batch, mask_dtyp
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-12)
 
 
+def random_policy_case(seed, B, T):
+    """(old, logp, adv) [B][T] as lists: seeded log-probs, logp within about 0.6 of old, advantages."""
+    g = torch.Generator().manual_seed(seed)
+    old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
+    logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    return old, logp, adv
+
+
 @SETTINGS
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -496,10 +505,7 @@ def test_policy_loss_on_policy_gradient_is_reinforce_token_mean(batch, mask_dtyp
 )
 def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high, dual_clip):
     lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    g = torch.Generator().manual_seed(seed)
-    old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
-    logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
-    adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    old, logp, adv = random_policy_case(seed, B, T)
     loss, grad, _ = run_policy_loss(
         logp, old, adv, as_mask(lengths, T), eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
     )
@@ -523,10 +529,7 @@ def test_policy_loss_info_holds_each_tokens_ratio_and_clip_decision(seed, B, T, 
     # clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low; the dual clip is counted
     # apart), False on padding; both detached
     lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    g = torch.Generator().manual_seed(seed)
-    old = (torch.randn(B, T, generator=g, dtype=F64) - 2).tolist()
-    logp = (torch.tensor(old, dtype=F64) + 0.6 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
-    adv = (1.5 * torch.randn(B, T, generator=g, dtype=F64)).tolist()
+    old, logp, adv = random_policy_case(seed, B, T)
     _, _, info = run_policy_loss(
         logp, old, adv, as_mask(lengths, T), eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
     )
