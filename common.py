@@ -2132,7 +2132,7 @@ class Run:
         if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
             metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
             # and of those whose rewards all equal the batch's lowest (every completion failed: the collapse watch)
-            lowest = -all_reduce_sum(-self.rewards.float().min(), op="MAX")
+            lowest = all_reduce_sum(self.rewards.float().min(), op="MIN")
             metrics["zero_std_low_frac"] = global_mean(lowest_groups(self.rewards, args.group_size, lowest).float())
         if self.reference is not None:
             learned = extra("reward_model", "--reward-model")
@@ -2205,9 +2205,9 @@ class Run:
         progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
         progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
         if accuracy is not None and before is not None:
-            progress.eval_accuracies.append([step, accuracy])
-            fell = progress.eval_accuracies[-COLLAPSE_EVALS:]
-            if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in progress.eval_accuracies]):
+            progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
+            fell = progress.eval_accuracies
+            if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in fell]):
                 progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
                 at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
                 self.warn(f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
@@ -2374,7 +2374,7 @@ class Progress:
     no_signal_steps: int = 0
     no_signal: dict | None = None  # where the warning was given
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
-    eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of each evaluation after step 0
+    eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
     accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
     flat_groups: dict | None = None
 
@@ -2673,8 +2673,8 @@ def on_any_rank(flag: bool) -> bool:
 
 
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
-    """Sum (op="MAX": elementwise maximum) of `x` over all ranks (a new tensor); `x` itself without a
-    process group."""
+    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks (a new tensor); `x`
+    itself without a process group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
