@@ -615,3 +615,28 @@ def test_controls_that_change_nothing_are_hidden(default_runs, runs, tmp_path):
             assert [q for q in show_traces.QUANTITIES if q != "kl" or shown] == options
     finally:
         driver.quit()
+
+
+def test_the_page_says_when_no_group_had_signal(runs, tmp_path):
+    """A step whose groups all had equal rewards (here: the GSPO run's records with every group marked
+    so) is summarised as such, each group labelled, instead of a grey page with no word."""
+    from selenium.webdriver.common.by import By
+
+    flat = tmp_path / "flat"
+    shutil.copytree(runs["gspo"]["full"], flat)
+    records = traces(flat)
+    for r in records:
+        r["signal"], r["groups_with_signal"] = False, 0
+    (flat / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html = tmp_path / "page.html"
+    show_traces.main([str(flat), "--out", str(html)])
+    driver = browser_at(1400, 1000, phone=False)
+    try:
+        driver.get(html.as_uri())
+        text = driver.find_element(By.CSS_SELECTOR, "#runs > .run .summary").text
+        traced = sum(r["step"] == 1 for r in records)
+        assert f"0 of {traced} traced groups have signal" in text and "nothing to learn from at this step" in text
+        labels = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".group .note")]
+        assert sum(label == "no signal: rewards all equal" for label in labels) == traced
+    finally:
+        driver.quit()

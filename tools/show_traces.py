@@ -75,7 +75,7 @@ header label { margin-right: 14px; white-space: nowrap; }
   margin: 0 1px; border-radius: 2px; }
 .prompt { color: #777; background: #f3f3f3; outline: 1px solid #ddd; }
 .pad { color: #bbb; border: 1px dotted #bbb; }
-.tok { cursor: pointer; }
+.tok { cursor: pointer; outline: 1px solid #e4e4e4; }
 .tok.eos { font-weight: bold; border-bottom: 2px solid #333; }
 .tok.null { background: repeating-linear-gradient(45deg, #eee, #eee 3px, #fff 3px, #fff 6px); color: #888; }
 .tok.chosen { outline: 2px solid #000; }
@@ -141,9 +141,10 @@ function valueOf(c, t, q, which) {
 }
 function colour(v, q, scale) {
   if (q === 'clipped') return v ? 'rgb(255,140,0)' : 'rgb(225,240,225)';
+  // the colour's strength is |v| / scale alone: white is 0 (a ratio of 1), full colour the scale's end
   const x = Math.max(-1, Math.min(1, v / (scale || 1)));
-  if (q === 'entropy') return `rgba(120,60,200,${(0.08 + 0.8 * Math.abs(x)).toFixed(3)})`;
-  return x >= 0 ? `rgba(220,50,40,${(0.06 + 0.8 * x).toFixed(3)})` : `rgba(40,90,220,${(0.06 - 0.8 * x).toFixed(3)})`;
+  if (q === 'entropy') return `rgba(120,60,200,${(0.85 * Math.abs(x)).toFixed(3)})`;
+  return x >= 0 ? `rgba(220,50,40,${(0.85 * x).toFixed(3)})` : `rgba(40,90,220,${(-0.85 * x).toFixed(3)})`;
 }
 // the largest |value| over `records`: the colour scale's end
 function scaleOf(records, q, which) {
