@@ -116,6 +116,7 @@ const HAS_REFERENCE = ALL.some((c) => c.ref_logp);
 const SEVERAL_UPDATES = ALL.some((c) => c.updates && c.updates.length > 1);
 // rounded for reading: 4 significant digits (a ratio 6, so that GSPO's 1 + 3e-4 stays visible), no trailing zeros
 function num(v, digits = 4) {
+  if (v === null || v === undefined) return 'none';
   if (typeof v === 'boolean') return v ? 'yes' : 'no';
   return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(digits)));
 }
