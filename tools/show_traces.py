@@ -305,8 +305,11 @@ function render() {
         if (!c.updates) notes.push('not forwarded: no update');
         line.appendChild(span(notes.join('  '), 'note'));
         const u = entryOf(c, which);
-        if (u && u.update === 0 && q !== 'advantage' && q !== 'entropy' && q !== 'kl')
-          line.appendChild(span('on-policy (update 0: ratio 1)', 'note on-policy'));
+        if (u && u.update === 0 && q !== 'advantage' && q !== 'entropy' && q !== 'kl') {
+          // --old-logp rollout: pi_old is the sampler's log-prob, so even update 0's ratio is not exactly 1
+          const one = u.ratio && u.ratio.every((x) => x === 1);
+          line.appendChild(span(`on-policy (update 0${one ? ': ratio 1' : ''})`, 'note on-policy'));
+        }
         g.appendChild(line);
       }
       col.appendChild(g);
