@@ -56,9 +56,9 @@ def main():
     step_cpu = {}  # step -> CPU seconds of the whole step
     original_log = common.Run.log
 
-    def log(self, row, *a, **k):  # the step's CPU time, records included
+    def log(self, row, *a, **k):  # the step's CPU time, records included (row: the script's own, without step)
         original_log(self, row, *a, **k)
-        step_cpu[row["step"]] = time.process_time() - self.step_cpu_started
+        step_cpu[self.step_now] = time.process_time() - self.step_cpu_started
 
     original_steps = common.Run.steps
 

@@ -27,23 +27,45 @@ def traced_forward(run, roll: Rollout) -> torch.Tensor:
         return completion_logprobs(run.model, roll, run.args.temperature)[0]
 
 
+def groups_with_signal(advantages: torch.Tensor, mask: torch.Tensor, group_size: int) -> list[bool]:
+    """Per group of `group_size` consecutive rows: whether some row has a nonzero advantage on some
+    token, i.e. whether the update's gradient from the group can be nonzero. GRPO, GSPO: the group's
+    rewards are not all equal (group_advantages gives a constant group exactly 0); PPO ([B, T]
+    advantages): the whitened GAE of some completion token is not 0."""
+    nonzero = advantages != 0 if advantages.dim() == 1 else ((advantages != 0) & mask.bool()).any(1)  # [B]
+    return nonzero.view(-1, group_size).any(1).tolist()
+
+
+def traced_groups(signal: list[bool], n: int, seed: int, step: int) -> list[int]:
+    """The n groups a step's trace keeps (in rollout order): drawn in a random order of all groups,
+    the groups with signal first. The order comes from a generator of its own, seeded by --seed and
+    the step (the same draw on --resume), so that training's random streams never move."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + 17)  # CPU, not the global one
+    order = torch.randperm(len(signal), generator=generator).tolist()
+    ranked = sorted(order, key=lambda g: not signal[g])  # stable: those with signal first, in draw order
+    return sorted(ranked[:n])
+
+
 class Trace:
-    """One step's values for the rollout's first --trace-groups groups (rows 0 .. n * G - 1 of
-    this rank's rollout): what sampling, scoring and the no-grad passes computed, given to the
-    constructor, and what each update's loss used (`update`); `records()` makes traces.jsonl's records,
-    one per group.
+    """One step's values for --trace-groups groups of this rank's rollout (`traced_groups`: groups with
+    signal first): what sampling, scoring and the no-grad passes computed, given to the constructor,
+    and what each update's loss used (`update`); `records()` makes traces.jsonl's records, one per group.
     The only computation is a no-grad forward of traced rows that no update forwards (their pi_old
     was never needed); no random stream moves, and the updates see the same tensors as untraced."""
 
     def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, plan, per_token):
         self.run, self.step, self.roll, self.examples = run, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
-        self.rows = list(range(min(len(roll), run.args.trace_groups * run.args.group_size)))  # the traced rows
+        G = run.args.group_size
+        self.signal = groups_with_signal(advantages, roll.completion_mask, G)  # [groups of this rank]
+        self.groups = traced_groups(self.signal, run.args.trace_groups, run.args.seed, step)
+        self.rows = [g * G + i for g in self.groups for i in range(G)]  # the traced rows, in rollout order
         forwarded = set(forwarded_rows(plan, len(roll), roll.completion_ids.device).nonzero().squeeze(1).tolist())
-        self.old_logp = old_logp[: len(self.rows)].detach().clone()  # [n, T]
-        skipped = [r for r in self.rows if r not in forwarded]
+        self.old_logp = old_logp[self.rows].detach().clone()  # [n, T], n = len(self.rows)
+        skipped = [k for k, r in enumerate(self.rows) if r not in forwarded]  # positions in self.rows
         if skipped or sharded(run.model):  # their pi_old: old_logp holds 0 there (--fsdp: a forward on every rank)
-            self.old_logp[skipped] = traced_forward(run, roll[skipped or self.rows[:1]])[: len(skipped)]
+            forward_rows = [self.rows[k] for k in skipped] or self.rows[:1]
+            self.old_logp[skipped] = traced_forward(run, roll[forward_rows])[: len(skipped)]
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
     def update(self, rows, logp, entropy, info: dict):
@@ -73,45 +95,50 @@ class Trace:
         T = roll.completion_ids.shape[1]
         updates = self._update_entries(lengths)
         components = {k.removeprefix("reward/"): v for k, v in self.parts.items() if k.startswith("reward/")}
-        completions = []
-        for r in self.rows:
+        completions = {}
+        for k, r in enumerate(self.rows):
             n, ids = lengths[r], roll.completion_ids[r, : lengths[r]].tolist()
             adv = self.advantages[r]  # [] or, for PPO, [T]
-            completions.append(
-                {
-                    "row": r,
-                    "ids": ids,
-                    "tokens": [tok.decode([i]) for i in ids],
-                    "pad": T - n,  # padding after the completion (its EOS token is in ids)
-                    "text": tok.decode(ids, skip_special_tokens=True),
-                    "eos": bool(ends[r]),
-                    "reward": float(self.rewards[r]),
-                    "rewards": {name: float(v[r]) for name, v in components.items()},
-                    "advantage": _values(adv, n) if adv.dim() else float(adv),
-                    "old_logp": _values(self.old_logp[r], n),
-                    "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
-                    "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
-                    **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},
-                    "updates": updates[r],
-                }
-            )
+            completions[r] = {
+                "row": r,
+                "ids": ids,
+                "tokens": [tok.decode([i]) for i in ids],
+                "pad": T - n,  # padding after the completion (its EOS token is in ids)
+                "text": tok.decode(ids, skip_special_tokens=True),
+                "eos": bool(ends[r]),
+                "reward": float(self.rewards[r]),
+                "rewards": {name: float(v[r]) for name, v in components.items()},
+                "advantage": _values(adv, n) if adv.dim() else float(adv),
+                "old_logp": _values(self.old_logp[k], n),
+                "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
+                "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
+                **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},
+                "updates": updates[r],
+            }
+        eps = [getattr(args, "eps_low", None), getattr(args, "eps_high", None)]
+        clip_range = None if None in eps else [1 - eps[0], 1 + eps[1]]
         out = []
-        for g in range(0, len(self.rows), args.group_size):
-            prompt = roll.prompt_ids[g][roll.prompt_mask[g].bool()].tolist()
+        for g in self.groups:
+            first = g * args.group_size
+            prompt = roll.prompt_ids[first][roll.prompt_mask[first].bool()].tolist()
             out.append(
                 {
                     "step": self.step,
                     "algo": self.run.algo,
-                    "group": g // args.group_size,
+                    "group": g,
+                    "signal": self.signal[g],
+                    "groups_in_step": len(self.signal),  # this rank's groups, and how many had signal
+                    "groups_with_signal": sum(self.signal),
+                    "clip_range": clip_range,  # the ratio's band [1 - eps_low, 1 + eps_high]
                     "prompt": {
-                        "text": self.examples[g]["prompt"],
+                        "text": self.examples[first]["prompt"],
                         "ids": prompt,
                         "tokens": [tok.decode([i]) for i in prompt],
                         "pad": roll.prompt_ids.shape[1] - len(prompt),  # left padding before it
                     },
-                    "answer": self.examples[g].get("answer"),
+                    "answer": self.examples[first].get("answer"),
                     "updates_planned": args.epochs * args.minibatches,
-                    "completions": completions[g : g + args.group_size],
+                    "completions": [completions[first + i] for i in range(args.group_size)],
                 }
             )
         return out

@@ -1,8 +1,11 @@
 """--trace-every and tools/show_traces.py: the trace's numbers against a recomputation from the saved
 rollout (pi_old from the weights at that step, the reference, the ratio and clip rule of each loss);
 GSPO's one ratio per completion; a traced run's weights and metrics equal an untraced run's; traces
-after --resume equal an uninterrupted run's; the page in a real browser (selenium, Debian's
-chromium), offline, with one span per completion token and a hovered token's numbers."""
+after --resume equal an uninterrupted run's; which groups a trace keeps (those with signal first, by a
+seeded draw that moves no training stream), and that a default 20-step run of each script traces some;
+the page in a real browser (selenium, Debian's chromium), offline, with one span per completion token,
+a hovered or tapped token's numbers inside the window, the colour key in ratio values with the clip
+bounds, at a desktop's and a phone's width without sideways scrolling."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -17,10 +21,13 @@ import sys
 from pathlib import Path
 
 import helpers
+import numpy as np
 import pytest
 import show_traces
 import torch
 from helpers import ROOT
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import common
@@ -32,7 +39,7 @@ gspo = SCRIPTS.get("gspo") or importlib.import_module("gspo")
 # two epochs of two minibatches: every row is in two updates, the second of them off-policy; narrow
 # clip ranges and a high learning rate, so that the second update's ratios cross them
 RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2", "--epochs", "2", "--max-new-tokens", "4",
-       "--eval-size", "8", "--eval-every", "0", "--lr", "3e-3", "--trace-groups", "3"]  # fmt: skip
+       "--eval-size", "8", "--eval-every", "0", "--lr", "3e-3", "--trace-groups", "4"]  # fmt: skip
 OWN = {
     "ppo": ["--group-size", "2", "--eps-low", "0.01", "--eps-high", "0.01"],
     "grpo": ["--eps-low", "0.01", "--eps-high", "0.01", "--kl-coef", "0.05"],  # a reference: ref_logp
@@ -85,7 +92,7 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
     records = traces(runs[name]["full"])
     args = common.parse_args(SCRIPTS[name].Args, [*RUN, *OWN.get(name, [])])  # the flags the runs were given
     eps_low, eps_high = args.eps_low, args.eps_high
-    assert [r["step"] for r in records] == [1, 1, 1, 2, 2, 2]  # --trace-groups 3 of the 4 prompts
+    assert [r["step"] for r in records] == [1] * 4 + [2] * 4  # --trace-groups 4: all 4 prompts, groups with A = 0 too
     device = torch.device("cpu")
     initial, tok = common.load_model("tiny", device)
     weights = {1: initial, 2: common.load_model(str(runs[name]["after1"]), device)[0]}  # pi_old of steps 1 and 2
@@ -165,7 +172,7 @@ def test_resume_cuts_traces_back_to_the_checkpoint(tmp_path):
     with open(out / "traces.jsonl", "a") as f:  # what a crash after the checkpoint's step leaves
         f.write(json.dumps({"step": 2, "stale": True}) + "\n")
     common.main(gspo.train, gspo.Args, argv=["--resume", str(out), "--steps", "2", "--trace-every", "0"])
-    assert [r["step"] for r in traces(out)] == [1, 1, 1] and not any("stale" in r for r in traces(out))
+    assert [r["step"] for r in traces(out)] == [1] * 4 and not any("stale" in r for r in traces(out))
 
 
 def test_the_default_traces_at_each_evaluation(tmp_path):
@@ -222,6 +229,15 @@ def test_the_page_is_self_contained(page):
     assert all(c["rewards"]["maybe"] == 0 for c in odd if c["row"] % 2)  # None counts 0
 
 
+def shows_rounded(shown: str, value: float, digits: int) -> bool:
+    """`shown` is `value` rounded to at most `digits` significant digits (and within half a unit of the last)."""
+    mantissa = re.sub(r"e.*$", "", shown.lstrip("-")).replace(".", "").lstrip("0")
+    if value == 0:
+        return float(shown) == 0
+    unit = 10 ** (math.floor(math.log10(abs(value))) - digits + 1)
+    return len(mantissa) <= digits and abs(float(shown) - value) <= 0.5 * unit * (1 + 1e-9)
+
+
 def browser():
     """The headless chromium, or a skip (a failure under .ci/run) when it is missing."""
     missing = [p for p in (show_traces.CHROMIUM, show_traces.CHROMEDRIVER) if not Path(p).exists()]
@@ -273,17 +289,20 @@ def test_the_page_in_a_real_browser(page):
         ActionChains(driver).move_to_element(token).perform()
         tip = driver.find_element(By.ID, "tip")
         assert tip.is_displayed()
+        assert "null" not in tip.text  # GSPO has no mu, ref_logp, value or token_reward: those lines are left out
         lines = dict(line.split(" ", 1) for line in tip.text.splitlines())
-        assert float(lines["old_logp"]) == c["old_logp"][1]
-        assert float(lines["entropy"]) == c["entropy"][1]
+        assert shows_rounded(lines["old_logp"], c["old_logp"][1], 4)
+        assert shows_rounded(lines["entropy"], c["entropy"][1], 4)
+        assert not {"mu", "ref_logp", "value", "token_reward"} & lines.keys()
         update_lines = [line for line in tip.text.splitlines() if line.startswith("update ")]
         assert len(update_lines) == len(c["updates"])
         for line, u in zip(update_lines, c["updates"]):
-            k, logp, ratio, clipped = re.fullmatch(
-                r"update (\d+): logp (\S+)  ratio (\S+)  clipped (\S+)", line
+            k, on_policy, logp, ratio, clipped = re.fullmatch(
+                r"update (\d+)( \(on-policy\))?: logp (\S+)  ratio (\S+)  clipped (yes|no)", line
             ).groups()
-            assert int(k) == u["update"] and float(logp) == u["logp"][1] and float(ratio) == u["ratio"][1]
-            assert clipped == str(u["clipped"][1]).lower()
+            assert int(k) == u["update"] and bool(on_policy) == (u["update"] == 0)
+            assert shows_rounded(logp, u["logp"][1], 4) and shows_rounded(ratio, u["ratio"][1], 6)
+            assert clipped == ("yes" if u["clipped"][1] else "no")
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not severe, severe  # no console error
     finally:
@@ -314,7 +333,7 @@ def test_show_traces_help_is_the_whole_docstring():
     assert status == 0, err
     words = " ".join(out.split())
     assert " ".join(show_traces.__doc__.split()) in words  # every line of it, not the first alone
-    for flag in ("--out", "--step", "--quantity", "--screenshot", "--height"):
+    for flag in ("--out", "--step", "--quantity", "--screenshot", "--width", "--height"):
         assert flag in words
 
 
@@ -330,6 +349,8 @@ def test_show_traces_quantities_are_the_pages_own():
         (["--quantity", "foo"], r"error: argument --quantity: invalid choice: 'foo' \(choose from .*'ratio'.*\)"),
         (["--step", "7"], r"error: --step 7: no run has a trace at that step \(traced steps: 1, 2\)"),
         (["--height", "0"], r"error: --height must be >= 1, got 0"),
+        (["--width", "0"], r"error: --width must be >= 1, got 0"),
+        (["--quantity", "kl"], r"error: --quantity kl: no run has a reference model \(ref_logp; .*\)"),
         (["--stp", "1"], r"error: unrecognized argument --stp \(did you mean --step\?\)"),
     ],
 )
@@ -386,3 +407,236 @@ def test_run_all_writes_the_page_beside_its_report(runs, tmp_path):
     assert (out / "results.md").is_file()
     text = (out / "traces.html").read_text()
     assert all(f"{name}  ({name}-seed0)" in text for name in SCRIPTS)  # the three runs' labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Which groups a trace keeps: those with signal first
+# ---------------------------------------------------------------------------------------------
+
+
+def test_groups_with_signal_against_a_loop():
+    from extras import traces as extra_traces
+
+    grouped = torch.tensor([0.0, 0.0, 1.5, -1.5, 0.0, 0.7, 0.0, 0.0])  # GRPO/GSPO: [B], groups of 2
+    assert extra_traces.groups_with_signal(grouped, torch.ones(8, 3), 2) == [False, True, True, False]
+    # PPO: [B, T] per-token advantages; a nonzero value on padding (mask 0) is no signal
+    per_token = torch.tensor([[0.0, 0.3, 0.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    expected = [any(per_token[r, t] != 0 and mask[r, t] for t in range(3)) for r in range(3)]  # a plain loop
+    assert expected == [True, False, False]
+    assert extra_traces.groups_with_signal(per_token, mask, 1) == expected
+
+
+@given(
+    signal=st.lists(st.booleans(), min_size=1, max_size=40),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 1000),
+    step=st.integers(1, 10_000),
+)
+def test_traced_groups_prefer_signal_and_move_no_random_stream(signal, n, seed, step):
+    from extras import traces as extra_traces
+
+    streams = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    chosen = extra_traces.traced_groups(signal, n, seed, step)
+    assert torch.equal(torch.get_rng_state(), streams[0]) and random.getstate() == streams[1]
+    assert (np.random.get_state()[1] == streams[2]).all()  # training's streams did not move
+    assert chosen == sorted(set(chosen)) and len(chosen) == min(n, len(signal))  # in rollout order, distinct
+    assert all(0 <= g < len(signal) for g in chosen)
+    with_signal = sum(signal[g] for g in chosen)
+    assert with_signal == min(len(chosen), sum(signal))  # a group without signal only once all with signal are in
+    assert extra_traces.traced_groups(signal, n, seed, step) == chosen  # the same draw again (as on --resume)
+
+
+def test_traced_groups_are_drawn_anew_at_each_step():
+    """16 groups, all with signal, 4 traced: over 20 steps the draws differ, and every group is drawn at
+    some step (the first 4 groups every time was the old rule)."""
+    from extras import traces as extra_traces
+
+    draws = [tuple(extra_traces.traced_groups([True] * 16, 4, 0, step)) for step in range(1, 21)]
+    assert len(set(draws)) > 1 and {g for d in draws for g in d} == set(range(16))
+    assert draws != [tuple(extra_traces.traced_groups([True] * 16, 4, 1, step)) for step in range(1, 21)]  # seed
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    """`python <script>.py --steps 20` for each script, as a user runs it (traced at each evaluation:
+    steps 10 and 20)."""
+    root = tmp_path_factory.mktemp("default")
+    for name in SCRIPTS:
+        proc = subprocess.run([sys.executable, f"{name}.py", "--steps", "20", "--out", str(root / name)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: root / name for name in SCRIPTS}
+
+
+def signal_of(completions, name) -> bool:
+    """A group has signal when its rewards are not all equal (PPO: some token's advantage is not 0)."""
+    if name == "ppo":
+        return any(a != 0 for c in completions for a in c["advantage"])
+    return len({c["reward"] for c in completions}) > 1
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_default_run_traces_groups_with_signal(default_runs, name):
+    records = traces(default_runs[name])
+    args = common.parse_args(SCRIPTS[name].Args, [])
+    assert sorted({r["step"] for r in records}) == [10, 20]
+    for step in (10, 20):
+        shown = [r for r in records if r["step"] == step]
+        assert len(shown) == args.trace_groups and len({r["group"] for r in shown}) == len(shown)
+        for r in shown:
+            assert r["signal"] == signal_of(r["completions"], name)
+            rows = [r["group"] * args.group_size + i for i in range(args.group_size)]  # the group's own rows
+            assert [c["row"] for c in r["completions"]] == rows
+        # the trace prefers groups with signal: it keeps one without only when the rollout had too few
+        assert sum(r["signal"] for r in shown) == min(len(shown), shown[0]["groups_with_signal"])
+    assert any(r["signal"] for r in records)
+    bounds = [1 - args.eps_low, 1 + args.eps_high]
+    assert all(r["clip_range"] == pytest.approx(bounds) for r in records)
+
+
+def browser_at(width, height, phone):
+    browser()  # the skip (or failure) when selenium or chromium is missing
+    return show_traces.headless_chromium(width, height, phone=phone)
+
+
+def ratio_scale(records_of_runs) -> float:
+    """The shared colour scale of the ratio: the largest |log ratio| of any traced token's last update."""
+    logs = [abs(math.log(x)) for records in records_of_runs for r in records for c in r["completions"]
+            if c["updates"] for x in c["updates"][-1]["ratio"]]  # fmt: skip
+    return max(logs)
+
+
+@pytest.mark.parametrize("width, height, phone", [(1400, 1000, False), (400, 900, True)])
+def test_the_page_at_a_desktops_and_a_phones_width(default_runs, tmp_path, width, height, phone):
+    """No sideways scrolling, no console error; each run's key names the ratio at both ends of the shared
+    scale (exp(-+ the largest |log ratio| of all runs and steps), recomputed from the traces) and its clip
+    bounds, with a mark on the bar for each; on-policy rows are labelled; below 800 px the columns stack."""
+    from selenium.webdriver.common.by import By
+
+    html = tmp_path / "page.html"
+    show_traces.main([*map(str, default_runs.values()), "--out", str(html)])
+    run_traces = [traces(d) for d in default_runs.values()]
+    scale = ratio_scale(run_traces)
+    driver = browser_at(width, height, phone)
+    try:
+        driver.get(html.as_uri())
+        assert driver.execute_script("return document.documentElement.scrollWidth <= innerWidth")
+        columns = driver.find_elements(By.CSS_SELECTOR, "#runs > .run")
+        lefts = {c.rect["x"] for c in columns}
+        assert len(lefts) == (1 if phone else len(columns))  # stacked on the phone, side by side on the desktop
+        step = int(driver.find_element(By.ID, "step").get_attribute("value"))
+        for column, records, name in zip(columns, run_traces, default_runs):
+            args = common.parse_args(SCRIPTS[name].Args, [])
+            ticks = [float(t.text) for t in column.find_elements(By.CSS_SELECTOR, ".key .ticks span")]
+            assert ticks[0] == pytest.approx(math.exp(-scale), rel=1e-3) and ticks[1] == 1
+            assert ticks[2] == pytest.approx(math.exp(scale), rel=1e-3)
+            clip = column.find_element(By.CSS_SELECTOR, ".key .clip").text
+            low, high = map(float, re.match(r"clip bounds (\S+) and (\S+)", clip).groups())
+            assert (low, high) == pytest.approx((1 - args.eps_low, 1 + args.eps_high), abs=1e-9)
+            marks = column.find_elements(By.CSS_SELECTOR, ".key .bar .mark")
+            bar = column.find_element(By.CSS_SELECTOR, ".key .bar")
+            for mark, bound in zip(marks, (low, high)):  # the mark at the bound's place on the log scale
+                x = max(-1, min(1, math.log(bound) / scale))
+                centre = mark.rect["x"] + mark.rect["width"] / 2 - bar.rect["x"] - 1  # inside the 1 px border
+                assert abs(centre - (bar.rect["width"] - 2) * (1 + x) / 2) < 2
+            assert len(marks) == 2
+            # on-policy rows: those whose (last) update was the step's first
+            shown = [c for r in records if r["step"] == step for c in r["completions"]]
+            lines = [e.text for e in column.find_elements(By.CSS_SELECTOR, ".group .line")]
+            labelled = [text for text in lines if "on-policy (update 0: ratio 1)" in text]
+            assert len(labelled) == sum(bool(c["updates"]) and c["updates"][-1]["update"] == 0 for c in shown)
+        severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not severe, severe
+    finally:
+        driver.quit()
+
+
+def test_a_tapped_token_shows_its_numbers_inside_the_window(default_runs, tmp_path):
+    """On the phone, a tap on a token near the bottom of the screen (no hover there) shows its numbers,
+    rounded, without null fields, in a tooltip inside the viewport; a second tap hides it."""
+    from selenium.webdriver.common.by import By
+
+    html = tmp_path / "page.html"
+    show_traces.main([str(default_runs["grpo"]), "--out", str(html)])
+    records = traces(default_runs["grpo"])
+    driver = browser_at(400, 900, phone=True)
+    try:
+        driver.get(html.as_uri())
+        inside = "const r = arguments[0].getBoundingClientRect(); return r.top >= 0 && r.bottom <= innerHeight"
+        token = [t for t in driver.find_elements(By.CSS_SELECTOR, ".tok") if driver.execute_script(inside, t)][-1]
+        box = token.rect
+        assert box["y"] + box["height"] > 900 - 150  # near the bottom: a tooltip below it would leave the window
+
+        def tap():
+            point = {"x": box["x"] + box["width"] / 2, "y": box["y"] + box["height"] / 2}
+            driver.execute_cdp_cmd("Input.dispatchTouchEvent", {"type": "touchStart", "touchPoints": [point]})
+            driver.execute_cdp_cmd("Input.dispatchTouchEvent", {"type": "touchEnd", "touchPoints": []})
+
+        tap()
+        tip = driver.find_element(By.ID, "tip")
+        assert tip.is_displayed()
+        left, top, right, bottom = driver.execute_script(
+            "const r = document.getElementById('tip').getBoundingClientRect();return [r.left, r.top, r.right, r.bottom]"
+        )
+        assert 0 <= left and right <= 400 and 0 <= top and bottom <= 900
+        step = int(driver.find_element(By.ID, "step").get_attribute("value"))
+        row, t = int(token.get_attribute("data-row")), int(token.get_attribute("data-t"))
+        c = next(c for r in records if r["step"] == step for c in r["completions"] if c["row"] == row)
+        assert "null" not in tip.text
+        lines = dict(line.split(" ", 1) for line in tip.text.splitlines())
+        assert shows_rounded(lines["old_logp"], c["old_logp"][t], 4)
+        assert shows_rounded(lines["advantage"], c["advantage"], 4)
+        assert shows_rounded(lines["entropy"], c["entropy"][t], 4)
+        tap()
+        assert not tip.is_displayed()
+        severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not severe, severe
+    finally:
+        driver.quit()
+
+
+def test_controls_that_change_nothing_are_hidden(default_runs, runs, tmp_path):
+    """GSPO at its defaults (one epoch: each row in one update) without a reference: no update selector,
+    no KL colour. The test runs (two epochs, GRPO with a reference) have both."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    lone, both = tmp_path / "gspo.html", tmp_path / "both.html"
+    show_traces.main([str(default_runs["gspo"]), "--out", str(lone)])
+    show_traces.main([str(runs["grpo"]["full"]), str(runs["gspo"]["full"]), "--out", str(both)])
+    assert all(len(c["updates"] or []) <= 1 for r in traces(default_runs["gspo"]) for c in r["completions"])
+    driver = browser_at(1400, 1000, phone=False)
+    try:
+        for html, shown in ((lone, False), (both, True)):
+            driver.get(html.as_uri())
+            options = [o.get_attribute("value") for o in Select(driver.find_element(By.ID, "quantity")).options]
+            assert ("kl" in options) == shown and driver.find_element(By.ID, "update").is_displayed() == shown
+            assert [q for q in show_traces.QUANTITIES if q != "kl" or shown] == options
+    finally:
+        driver.quit()
+
+
+def test_the_page_says_when_no_group_had_signal(runs, tmp_path):
+    """A step whose groups all had equal rewards (here: the GSPO run's records with every group marked
+    so) is summarised as such, each group labelled, instead of a grey page with no word."""
+    from selenium.webdriver.common.by import By
+
+    flat = tmp_path / "flat"
+    shutil.copytree(runs["gspo"]["full"], flat)
+    records = traces(flat)
+    for r in records:
+        r["signal"], r["groups_with_signal"] = False, 0
+    (flat / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html = tmp_path / "page.html"
+    show_traces.main([str(flat), "--out", str(html)])
+    driver = browser_at(1400, 1000, phone=False)
+    try:
+        driver.get(html.as_uri())
+        text = driver.find_element(By.CSS_SELECTOR, "#runs > .run .summary").text
+        traced = sum(r["step"] == 1 for r in records)
+        assert f"0 of {traced} traced groups have signal" in text and "nothing to learn from at this step" in text
+        labels = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".group .note")]
+        assert sum(label == "no signal: rewards all equal" for label in labels) == traced
+    finally:
+        driver.quit()
