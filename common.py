@@ -227,7 +227,9 @@ class SharedArgs:
     trace_every: int | None = arg(
         None, "write per-token traces to OUT/traces.jsonl every N steps (0: off)", shown="none, at each evaluation"
     )
-    trace_groups: int = arg(4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps")
+    trace_groups: int = arg(
+        4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps, those with signal first"
+    )
     seed: int = arg(0, "random seed (data order, sampling, init)")
     out: str = arg(None, "output directory (named for the script, so that a fork writes its own)")
     overwrite: bool = arg(
