@@ -41,7 +41,6 @@ import math
 import os
 import platform
 import sys
-import textwrap
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -326,7 +325,7 @@ def headline_settings(summary: dict) -> dict:
         "steps": summary.get("steps", a.get("steps")),
         "model": summary.get("model", a.get("model")),
         "task": summary.get("task") or a.get("task") or "arith",
-        "prompts/step x samples": f"{a.get('prompts_per_step', '?')} x {a.get('group_size', '?')}",
+        "prompts/step x samples": (a.get("prompts_per_step", "?"), a.get("group_size", "?")),
         "max new tokens": a.get("max_new_tokens", "?"),
     }
 
@@ -336,14 +335,16 @@ HEADLINE_PHRASES = {
     "steps": "{} steps",
     "model": "model {}",
     "task": "task {}",
-    "prompts/step x samples": "{} prompts/step x samples",
+    "prompts/step x samples": "{} prompts/step x {} samples",
     "max new tokens": "max {} new tokens",
 }
 NOT_SETTINGS = {"seed", "out", "resume", "steps", "model", "task", "prompts_per_step", "group_size", "max_new_tokens"}
 
 
 def setting_text(value) -> str:
-    """A setting as the settings line shows it: 0.0006, true, sequence, ["q_proj"]."""
+    """A setting as the settings line shows it: 0.0006, true, sequence, ["q_proj"], 64 x 4 (a pair)."""
+    if isinstance(value, tuple):
+        return " x ".join(map(setting_text, value))
     if isinstance(value, float):
         return f"{value:g}"
     return value if isinstance(value, str) else json.dumps(value)
@@ -365,7 +366,8 @@ def settings_line(runs: dict, configs: list[str], seeds: list[int]) -> str:
     for label, phrase in HEADLINE_PHRASES.items():
         values = {config: headlines[config][label] for config in configs}
         same = len({json.dumps(v) for v in values.values()}) == 1
-        parts.append(phrase.format(setting_text(values[configs[0]])) if same else f"{label}: {each(values)}")
+        agreed = values[configs[0]] if isinstance(values[configs[0]], tuple) else (values[configs[0]],)
+        parts.append(phrase.format(*map(setting_text, agreed)) if same else f"{label}: {each(values)}")
     shared = set.intersection(*(set(a) for a in args.values())) - NOT_SETTINGS
     differing = [
         f"{key} {each({config: args[config][key] for config in configs})}"
@@ -474,8 +476,13 @@ def plot_title(configs: list[str], seeds: list[int], settings: str, lengths_diff
         reading = f"line: mean over {len(seeds)} seeds; band: min-max over seeds"
     if lengths_differ:
         reading += "; each config to its own last step"
-    head = " vs ".join(config.upper() for config in configs) + ": " + settings
-    return "\n".join([*textwrap.wrap(head, 150), reading])
+    lines = [" vs ".join(config.upper() for config in configs) + ":"]
+    for part in settings.split("; "):  # wrapped between settings, not inside one
+        if len(lines[-1]) + len(part) > 150:
+            lines.append(part + ";")
+        else:
+            lines[-1] += f" {part};"
+    return "\n".join([*lines, reading]).replace(";\n", "\n")
 
 
 def write_comparison_report(

@@ -474,7 +474,7 @@ def test_settings_line_names_each_setting_on_which_the_configs_differ(tmp_path):
     )
     equal = {key: fabricate(tmp_path / "equal", *key) for key in runs}  # one budget, one lr: nothing differs
     assert compare_report.settings_line(equal, list(ALGOS), [0]) == (
-        f"seed 0; {STEPS} steps; model tiny; task arith; 16 x 8 prompts/step x samples; max 8 new tokens"
+        f"seed 0; {STEPS} steps; model tiny; task arith; 16 prompts/step x 8 samples; max 8 new tokens"
     )
 
 
