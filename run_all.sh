@@ -42,7 +42,9 @@ Flags:
                   settings line names where the configs differ. SEEDS and OUT [runs/defaults] as
                   below; STEPS, PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, EVAL_EVERY, TASK and
                   MINIBATCHES are refused (exit 2): pass a flag through *_ARGS instead. The README's
-                  plot: SEEDS="0 1 2" bash run_all.sh --defaults; DEFAULTS_TIME
+                  plot: SEEDS="0 1 2" bash run_all.sh --defaults, 9 runs; run two at a time on a
+                  2-core Intel Xeon shared with other jobs (load average 7-12) they took 369-1406 s
+                  each, 7,255 s in all (2026-12-03, docs/results.md); one at a time not yet timed
   --moe           the MoE experiment (GSPO paper, arXiv 2507.18071, section 5.3) instead: on the
                   embedded tiny Qwen3-MoE (--model tiny-moe: 8 experts, top-2, every layer sparse),
                   configs grpo (grpo.py), grpo-replay (grpo.py --routing-replay) and gspo (gspo.py),
