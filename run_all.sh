@@ -32,7 +32,7 @@ Flags:
   --quick         a first look: SEEDS=0 STEPS=100 EVAL_EVERY=20, OUT=runs/compare-quick (variables
                   set explicitly still win). Measured: 7 min 34 s on a 2-core Intel Xeon shared with
                   other jobs (load average 7-12; the runs 263 + 82 + 102 s; 3 min 13 s of CPU time),
-                  2026-12-03; on a quiet machine expect less
+                  2026-12-03 (docs/results.md)
   --defaults      each script at its own defaults instead of one shared budget: every run is
                   `<algo>.py --seed <k> --out $OUT/<algo>-seed<k>` (with --model $MODEL if MODEL is
                   set, then EXTRA_ARGS and the *_ARGS), so PPO runs 500 steps x 128 prompts x 1
