@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run PPO, GRPO and GSPO on the same model, task, seeds and sample budget, one run at a time,
 # then build one comparison table ($OUT/results.md, $OUT/results.json) and curves ($OUT/curves.png).
+# --defaults: each script at its own settings instead (PPO 500 steps, GRPO and GSPO 1000), the same report.
 # --moe: the MoE experiment instead (GRPO, GRPO with --routing-replay, GSPO on --model tiny-moe).
 # --reward-model: each script with the learned reward tiny-rm against the same script with the rule reward.
 # --staleness: GRPO vs GSPO (and PPO) on the long `sums` task at 1, 4, 8 minibatches per rollout
@@ -14,21 +15,36 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 usage() {
     cat <<'EOF'
-Usage: bash run_all.sh [--quick] [--moe | --reward-model | --staleness [--plan] | --mismatch [--plan]]
+Usage: bash run_all.sh [--quick | --defaults] [--moe | --reward-model | --staleness [--plan] | --mismatch [--plan]]
                        [--report-only] [--help]
 
 Trains ppo.py, grpo.py and gspo.py with identical settings (model, task, seeds, prompts per step,
-samples per prompt, max new tokens, steps), one run after another, then writes
+samples per prompt, max new tokens, steps; --defaults: each its own), one run after another, then writes
   $OUT/<algo>-seed<k>/      each run's metrics.jsonl, summary.json, final/ (deleted before the run)
   $OUT/<algo>-seed<k>.log   each run's stdout + stderr
-  $OUT/results.md           one row per algorithm (mean +- sample std over seeds), command, date, machine
+  $OUT/results.md           one row per algorithm (mean +- sample std over seeds), command, date, machine;
+                            each clip fraction with its unit: (tokens), or (seqs) for GSPO's sequence ratio
   $OUT/results.json         the same numbers plus every seed's values
   $OUT/curves.png           eval accuracy and reward against step and against wall-clock
   $OUT/traces.html          the first seed's runs side by side, token by token (tools/show_traces.py)
 
 Flags:
-  --quick         a first look in about 3 minutes: SEEDS=0 STEPS=100 EVAL_EVERY=20,
-                  OUT=runs/compare-quick (variables set explicitly still win)
+  --quick         a first look: SEEDS=0 STEPS=100 EVAL_EVERY=20, OUT=runs/compare-quick (variables
+                  set explicitly still win). Measured: 7 min 34 s on a 2-core Intel Xeon shared with
+                  other jobs (load average 7-12; the runs 263 + 82 + 102 s; 3 min 13 s of CPU time),
+                  2026-12-03 (docs/results.md)
+  --defaults      each script at its own defaults instead of one shared budget: every run is
+                  `<algo>.py --seed <k> --out $OUT/<algo>-seed<k>` (with --model $MODEL if MODEL is
+                  set, then EXTRA_ARGS and the *_ARGS), so PPO runs 500 steps x 128 prompts x 1
+                  sample, GRPO and GSPO 1000 x 64 x 4, each with its own learning rate and clip.
+                  The report tabulates and plots each config against its own steps and wall-clock,
+                  refuses a run that did not finish the steps its summary.json planned, and its
+                  settings line names where the configs differ. SEEDS and OUT [runs/defaults] as
+                  below; STEPS, PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, EVAL_EVERY, TASK and
+                  MINIBATCHES are refused (exit 2): pass a flag through *_ARGS instead. The README's
+                  plot: SEEDS="0 1 2" bash run_all.sh --defaults, 9 runs; run two at a time on a
+                  2-core Intel Xeon shared with other jobs (load average 7-12) they took 369-1406 s
+                  each, 7,255 s in all (2026-12-03, docs/results.md); one at a time not yet timed
   --moe           the MoE experiment (GSPO paper, arXiv 2507.18071, section 5.3) instead: on the
                   embedded tiny Qwen3-MoE (--model tiny-moe: 8 experts, top-2, every layer sparse),
                   configs grpo (grpo.py), grpo-replay (grpo.py --routing-replay) and gspo (gspo.py),
@@ -69,7 +85,7 @@ Flags:
                   $OUT/mismatch.md and $OUT/mismatch.png [OUT: runs/mismatch]; --plan and
                   --report-only as for --staleness. Settings: experiments/mismatch_sweep.py.
   --report-only   train nothing; rebuild the table and the plot from the run directories in $OUT
-                  (with the STEPS and SEEDS of the runs)
+                  (with the STEPS and SEEDS of the runs; with --defaults, SEEDS only)
   --help          this text
 
 Environment (default in brackets; see --moe for its own):
@@ -83,11 +99,13 @@ Environment (default in brackets; see --moe for its own):
 
 Any failing run stops everything: the script names the run, prints its log's tail, exits non-zero
 and writes no table. The report also refuses to build unless every (config, seed) run has a
-summary.json with the requested number of steps.
+summary.json with the requested number of steps (--defaults: the run's own, the same for every seed
+of a config).
 EOF
 }
 
 QUICK=0
+DEFAULTS=0
 MOE=0
 RM=0
 REPORT_ONLY=0
@@ -97,6 +115,7 @@ PLAN=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=1 ;;
+        --defaults) DEFAULTS=1 ;;
         --moe) MOE=1 ;;
         --reward-model) RM=1 ;;
         --report-only) REPORT_ONLY=1 ;;
@@ -108,8 +127,8 @@ for a in "$@"; do
     esac
 done
 if [[ $MISMATCH == 1 ]]; then  # its own driver and report, in Python
-    if [[ $MOE == 1 || $RM == 1 || $STALENESS == 1 || $QUICK == 1 ]]; then
-        echo "run_all.sh: --mismatch is its own experiment; it does not combine with --quick, --moe, --reward-model or --staleness" >&2
+    if [[ $MOE == 1 || $RM == 1 || $STALENESS == 1 || $QUICK == 1 || $DEFAULTS == 1 ]]; then
+        echo "run_all.sh: --mismatch is its own experiment; it does not combine with --quick, --defaults, --moe, --reward-model or --staleness" >&2
         exit 2
     fi
     sweep=(--out "${OUT:-runs/mismatch}")
@@ -118,8 +137,8 @@ if [[ $MISMATCH == 1 ]]; then  # its own driver and report, in Python
     exec "${PYTHON:-python}" "$ROOT/experiments/mismatch_sweep.py" "${sweep[@]}"
 fi
 if [[ $STALENESS == 1 ]]; then  # its own driver and report, in Python
-    if [[ $MOE == 1 || $RM == 1 ]]; then
-        echo "run_all.sh: --staleness is its own experiment; it does not combine with --moe or --reward-model" >&2
+    if [[ $MOE == 1 || $RM == 1 || $DEFAULTS == 1 ]]; then
+        echo "run_all.sh: --staleness is its own experiment; it does not combine with --defaults, --moe or --reward-model" >&2
         exit 2
     fi
     sweep=()
@@ -135,6 +154,22 @@ fi
 if [[ $QUICK == 1 && $MOE == 1 ]]; then
     echo "run_all.sh: --quick and --moe do not combine; a first look at the MoE experiment: STEPS=20 bash run_all.sh --moe" >&2
     exit 2
+fi
+
+if [[ $DEFAULTS == 1 ]]; then
+    if [[ $QUICK == 1 || $MOE == 1 || $RM == 1 ]]; then
+        echo "run_all.sh: --defaults runs each script at its own settings; it does not combine with --quick, --moe or --reward-model" >&2
+        exit 2
+    fi
+    for v in STEPS PROMPTS_PER_STEP GROUP_SIZE MAX_NEW_TOKENS EVAL_EVERY TASK MINIBATCHES; do
+        if [[ -n "${!v+set}" ]]; then
+            echo "run_all.sh: --defaults keeps each script's own settings, but $v is set; unset it, or pass the flag in PPO_ARGS, GRPO_ARGS or GSPO_ARGS" >&2
+            exit 2
+        fi
+    done
+    MODEL_FLAG=()  # only a MODEL set explicitly is passed: otherwise the script's own default
+    if [[ -n "${MODEL:-}" ]]; then MODEL_FLAG=(--model "$MODEL"); fi
+    : "${OUT:=runs/defaults}"
 fi
 
 if [[ $MOE == 1 && $RM == 1 ]]; then
@@ -195,7 +230,17 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found on PATH"
 MODE_FLAG=""
 [[ $MOE == 1 ]] && MODE_FLAG=" --moe"
 [[ $RM == 1 ]] && MODE_FLAG=" --reward-model"
-if [[ $REPORT_ONLY == 1 ]]; then
+if [[ $DEFAULTS == 1 ]]; then  # SEEDS, OUT, MODEL and the *_ARGS are all it reads
+    CMD="SEEDS=\"$SEEDS\" OUT=$OUT"
+    if [[ ${#MODEL_FLAG[@]} -gt 0 ]]; then CMD+=" MODEL=$MODEL"; fi
+    if [[ $REPORT_ONLY == 0 ]]; then
+        for v in EXTRA_ARGS PPO_ARGS GRPO_ARGS GSPO_ARGS; do
+            [[ -n "${!v}" ]] && CMD+=" $v=\"${!v}\""
+        done
+    fi
+    CMD+=" bash run_all.sh --defaults"
+    [[ $REPORT_ONLY == 1 ]] && CMD+=" --report-only"
+elif [[ $REPORT_ONLY == 1 ]]; then
     CMD="STEPS=$STEPS SEEDS=\"$SEEDS\" OUT=$OUT bash run_all.sh$MODE_FLAG --report-only"
 else
     CMD="STEPS=$STEPS SEEDS=\"$SEEDS\" PROMPTS_PER_STEP=$PROMPTS_PER_STEP GROUP_SIZE=$GROUP_SIZE"
@@ -249,15 +294,19 @@ if [[ $REPORT_ONLY == 0 ]]; then
             read -r -a variant <<< "${VARIANT_FLAGS[$config]:-}"
             rm -rf "$dir" "$log"
             mkdir -p "$(dirname "$dir")"
-            cmd=("$PYTHON" "$ROOT/$algo.py" --model "$MODEL" --steps "$STEPS" --seed "$seed"
-                 --prompts-per-step "$PROMPTS_PER_STEP" --group-size "$GROUP_SIZE")
-            if [[ $MOE == 1 ]]; then
-                cmd+=(--minibatches "$MINIBATCHES")
+            if [[ $DEFAULTS == 1 ]]; then  # the script's own settings: only the seed and the place
+                cmd=("$PYTHON" "$ROOT/$algo.py" "${MODEL_FLAG[@]+"${MODEL_FLAG[@]}"}" --seed "$seed" --out "$dir")
             else
-                cmd+=(--max-new-tokens "$MAX_NEW_TOKENS")
+                cmd=("$PYTHON" "$ROOT/$algo.py" --model "$MODEL" --steps "$STEPS" --seed "$seed"
+                     --prompts-per-step "$PROMPTS_PER_STEP" --group-size "$GROUP_SIZE")
+                if [[ $MOE == 1 ]]; then
+                    cmd+=(--minibatches "$MINIBATCHES")
+                else
+                    cmd+=(--max-new-tokens "$MAX_NEW_TOKENS")
+                fi
+                cmd+=(--eval-every "$EVAL_EVERY" --out "$dir")
+                [[ -n "$TASK" ]] && cmd+=(--task "$TASK")
             fi
-            cmd+=(--eval-every "$EVAL_EVERY" --out "$dir")
-            [[ -n "$TASK" ]] && cmd+=(--task "$TASK")
             cmd+=("${variant[@]+"${variant[@]}"}" "${extra[@]+"${extra[@]}"}" "${per[@]+"${per[@]}"}")
             echo "[$n/$total] $config seed $seed -> $dir  (log: $log)"
             t0=$SECONDS
@@ -284,7 +333,8 @@ fi
 # Report: verify every run, then the table and the curves.
 # ------------------------------------------------------------------------------------------------
 report=("$PYTHON" "$ROOT/experiments/compare_report.py" --out "$OUT" --configs "${CONFIGS[@]}"
-        --seeds "${SEED_LIST[@]}" --steps "$STEPS" --command "$CMD")
+        --seeds "${SEED_LIST[@]}" --command "$CMD")
+if [[ $DEFAULTS == 1 ]]; then report+=(--own-steps); else report+=(--steps "$STEPS"); fi
 [[ $MOE == 1 ]] && report+=(--moe)
 [[ $RM == 1 ]] && report+=(--reward-model)
 "${report[@]}"

@@ -31,10 +31,12 @@ EXTRA_KEYS = {
 
 
 CLIP = {"ppo": "mean_clip_frac", "grpo": "mean_clip_frac", "gspo": "mean_clip_frac_seqs"}  # each summary's key
+CLIP_UNIT = {"ppo": "tokens", "grpo": "tokens", "gspo": "seqs"}  # what each counts: GSPO clips whole sequences
 
 
-def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: int = EVAL_EVERY):
-    """Write plausible summary.json + metrics.jsonl for one run; return (summary, rows)."""
+def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: int = EVAL_EVERY, settings=None):
+    """Write plausible summary.json + metrics.jsonl for one run; return (summary, rows).
+    settings: args that differ from the fabricated defaults (as a script's own defaults would)."""
     clip_key = "mean_clip_frac_seqs" if algo == "gspo" else "mean_clip_frac"  # (CLIP; this runs in a fake trainer too)
     a, k = ALGOS.index(algo), seed
     rows = []
@@ -84,6 +86,8 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
             "max_new_tokens": 8,
             "seed": seed,
             "eval_every": eval_every,
+            "lr": 3e-4,
+            **(settings or {}),
         },
     }
     d = out / f"{algo}-seed{seed}"
@@ -93,7 +97,8 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
     return summary, rows
 
 
-def run_all(*flags, env=None, timeout=60):
+def run_all(*flags, env=None, timeout=60, unset=()):
+    """bash run_all.sh FLAGS with this file's SEEDS, STEPS and EVAL_EVERY (less those named in unset)."""
     full_env = {
         **os.environ,
         "SEEDS": " ".join(map(str, SEEDS)),
@@ -103,6 +108,7 @@ def run_all(*flags, env=None, timeout=60):
         "MPLBACKEND": "Agg",
         **(env or {}),
     }
+    full_env = {k: v for k, v in full_env.items() if k not in unset}
     return subprocess.run(
         ["bash", str(SCRIPT), *flags], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
@@ -159,13 +165,15 @@ def test_report_only_builds_table_json_and_plot(fabricated):
 
         # the table cells, parsed back: "m +- s" numbers, before -> after, within display rounding
         cells = [c.strip() for c in table_rows[algo].strip().strip("|").split("|")]
+        assert cells.pop(1) == str(STEPS)  # the steps column
         before_after = re.fullmatch(r"(\S+) \+- (\S+) -> (\S+) \+- (\S+)", cells[1])
         assert before_after, cells[1]
         shown = [float(x) for x in before_after.groups()]
         want = [*expected["eval_accuracy_before"], *expected["eval_accuracy_after"]]
         assert all(abs(x - y) <= 5e-4 + 1e-9 for x, y in zip(shown, want)), (cells[1], want)
-        assert cells[6].endswith(" (seqs)") == (algo == "gspo"), cells[6]  # the unit marked where it differs
-        cells[6] = cells[6].removesuffix(" (seqs)")
+        unit = f" ({CLIP_UNIT[algo]})"  # every clip fraction carries its unit: tokens, or GSPO's seqs
+        assert cells[6].endswith(unit) and got["clip_frac_unit"] == CLIP_UNIT[algo], (cells[6], got)
+        cells[6] = cells[6].removesuffix(unit)
         for cell, key, tol in (
             (cells[2], "final_reward", 5e-4),
             (cells[3], "wall_time_s", 0.5),
@@ -260,6 +268,14 @@ if os.environ.get("FAKE_FAIL") == f"{script}-seed{opts['--seed']}":
     print("fake failure", file=sys.stderr)
     sys.exit(3)
 """
+# The fake scripts' own defaults, as different as the real ones (PPO fewer, larger steps; GSPO another lr).
+FAKE_DEFAULTS = {
+    "ppo": {"steps": 20, "prompts_per_step": 32, "group_size": 1, "eval_every": 10, "lr": 6e-4},
+    "grpo": {"steps": 30, "prompts_per_step": 16, "group_size": 8, "eval_every": 10, "lr": 3e-4},
+    "gspo": {"steps": 30, "prompts_per_step": 16, "group_size": 8, "eval_every": 10, "lr": 6e-4},
+}
+FAKE_FLAGS = {"--steps": "steps", "--prompts-per-step": "prompts_per_step", "--group-size": "group_size",
+              "--eval-every": "eval_every"}  # fmt: skip
 
 
 @pytest.fixture
@@ -270,10 +286,13 @@ def fake_python(tmp_path):
     trainer.write_text(
         FAKE_TRAINER
         + f"ALGOS, STEPS, EVAL_EVERY, EXTRA_KEYS = {ALGOS!r}, {STEPS}, {EVAL_EVERY}, {EXTRA_KEYS!r}\n"
+        + f"FAKE_DEFAULTS, FAKE_FLAGS = {FAKE_DEFAULTS!r}, {FAKE_FLAGS!r}\n"
         + inspect.getsource(fabricate)
         + 'run, seed = Path(opts["--out"]), int(opts["--seed"])\n'
+        # the script's defaults, where a flag was passed its value
+        + "a = {**FAKE_DEFAULTS[script], **{k: int(opts[f]) for f, k in FAKE_FLAGS.items() if f in opts}}\n"
         # fabricate() writes <dir>/<algo>-seed<k>; moved to --out, which is elsewhere under --moe
-        + 'fabricate(run.parent / "fake", script, seed, int(opts["--steps"]), int(opts["--eval-every"]))\n'
+        + 'fabricate(run.parent / "fake", script, seed, a["steps"], a["eval_every"], settings=a)\n'
         + '(run.parent / "fake" / f"{script}-seed{seed}").rename(run)\n'
     )
     stub = tmp_path / "python-fake"
@@ -332,6 +351,223 @@ def test_failure_mid_sweep_names_the_run_and_writes_no_table(tmp_path, fake_pyth
     assert str(out / "grpo-seed1.log") in res.stderr and "fake failure" in res.stderr
     assert len(calls.read_text().splitlines()) == 5  # ppo0 grpo0 gspo0 ppo1 grpo1, then stop
     assert not (out / "results.md").exists() and not (out / "results.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# --defaults: each script at its own settings, runs of different lengths in one report
+# ------------------------------------------------------------------------------------------------
+BUDGET = ("STEPS", "PROMPTS_PER_STEP", "GROUP_SIZE", "MAX_NEW_TOKENS", "EVAL_EVERY", "TASK", "MINIBATCHES")
+OWN_STEPS = {algo: FAKE_DEFAULTS[algo]["steps"] for algo in ALGOS}  # ppo 20, grpo 30, gspo 30
+
+
+def fabricate_defaults(out: Path, seeds=SEEDS) -> dict:
+    """Each algo's runs at the fake scripts' own defaults (different lengths); {(algo, seed): (summary, rows)}."""
+    return {
+        (algo, seed): fabricate(out, algo, seed, OWN_STEPS[algo], 10, settings=FAKE_DEFAULTS[algo])
+        for algo in ALGOS
+        for seed in seeds
+    }
+
+
+def table_cells(md: str) -> dict:
+    """{config: [its row's cells]} of a results.md table."""
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| algorithm")]
+    return {cells[0]: cells for cells in ([c.strip() for c in r.strip().strip("|").split("|")] for r in rows)}
+
+
+def test_defaults_runs_each_script_with_only_seed_and_out_and_reports_each_length(tmp_path, fake_python):
+    env, calls = fake_python
+    out = tmp_path / "defaults"
+    res = run_all("--defaults", env={**env, "OUT": str(out)}, unset=BUDGET)
+    assert res.returncode == 0, res.stdout + res.stderr
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [c[0] for c in recorded] == [algo for _ in SEEDS for algo in ALGOS]
+    for c in recorded:  # nothing but the seed and the place: every other setting is the script's own
+        assert c[1:] == ["--seed", c[2], "--out", str(out / f"{c[0]}-seed{c[2]}")], c
+    md = (out / "results.md").read_text()
+    cells = table_cells(md)
+    assert {algo: int(cells[algo][1]) for algo in ALGOS} == OWN_STEPS  # each config's own length
+    for algo in ALGOS:  # the reward of each config's own last 10 steps, recomputed from its metrics
+        rewards = [
+            statistics.mean(json.loads(line)["reward"] for line in lines[-10:])
+            for lines in ((out / f"{algo}-seed{s}" / "metrics.jsonl").read_text().splitlines() for s in SEEDS)
+        ]
+        m, sd = (float(x) for x in cells[algo][3].split(" +- "))
+        assert abs(m - statistics.mean(rewards)) <= 5e-4 + 1e-9 and abs(sd - statistics.stdev(rewards)) <= 5e-4 + 1e-9
+    data = json.loads((out / "results.json").read_text())
+    assert data["steps"] is None and {a: data["algos"][a]["steps"] for a in ALGOS} == OWN_STEPS
+    # the configs differ on purpose: said in the settings line, not warned about
+    assert data["warnings"] == [] and "warning" not in res.stderr
+    assert "steps: ppo 20, grpo 30, gspo 30" in md and "lr ppo 0.0006, grpo 0.0003, gspo 0.0006" in md
+    assert f'Command: `SEEDS="0 1" OUT={out} bash run_all.sh --defaults`' in md
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --report-only rebuilds the same table from the runs, training nothing
+    res = run_all("--defaults", "--report-only", env={**env, "OUT": str(out)}, unset=BUDGET)
+    assert res.returncode == 0, res.stderr
+    assert len(calls.read_text().splitlines()) == len(recorded)
+    assert table_cells((out / "results.md").read_text()) == cells
+
+
+def test_defaults_passes_an_explicit_model_and_the_per_script_flags(tmp_path, fake_python):
+    env, calls = fake_python
+    out = tmp_path / "defaults"
+    env = {**env, "OUT": str(out), "SEEDS": "0", "MODEL": "tiny-qwen3", "GSPO_ARGS": "--variant token"}
+    res = run_all("--defaults", env=env, unset=BUDGET)
+    assert res.returncode == 0, res.stdout + res.stderr
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert recorded == [
+        [algo, "--model", "tiny-qwen3", "--seed", "0", "--out", str(out / f"{algo}-seed0")]
+        + (["--variant", "token"] if algo == "gspo" else [])
+        for algo in ALGOS
+    ]
+    assert 'MODEL=tiny-qwen3 GSPO_ARGS="--variant token" bash run_all.sh --defaults' in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("variable", BUDGET)
+def test_defaults_refuses_a_shared_budget_variable(tmp_path, variable):
+    res = run_all("--defaults", env={"OUT": str(tmp_path / "d"), variable: "4"}, unset=set(BUDGET) - {variable})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and f"{variable} is set" in res.stderr, res.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_defaults_does_not_combine_with_other_modes():
+    for flags in (("--quick",), ("--moe",), ("--reward-model",), ("--staleness",), ("--mismatch",)):
+        res = run_all("--defaults", *flags, unset=BUDGET)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--defaults" in res.stderr, (flags, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("missing_summary", "gspo seed 1: missing"),
+        ("short_metrics", "gspo seed 1: " + "{}/metrics.jsonl has 25 step rows, expected steps 1..30"),
+        ("interrupted", "gspo seed 1: {}/summary.json stopped at step 12 of 30"),
+        ("seeds_differ", "gspo: its seeds ran different numbers of steps (seed 0 30, seed 1 20)"),
+    ],
+)
+def test_defaults_report_refuses_a_run_short_of_its_own_steps(tmp_path, damage, message):
+    """Each run is held to the steps its own summary.json planned (30 for gspo), not to one STEPS."""
+    out = tmp_path / "defaults"
+    fabricate_defaults(out)
+    run = out / "gspo-seed1"
+    if damage == "missing_summary":
+        (run / "summary.json").unlink()
+    elif damage == "short_metrics":  # a run still going, or killed, with a stale summary.json beside it
+        (run / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:25]))
+    elif damage == "interrupted":  # stopped by a signal: it writes summary.json with the step it reached
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "step": 12, "interrupted": True}))
+    else:  # a gspo seed at another length (ppo's 20 steps) is not the same config
+        fabricate(out, "gspo", 1, 20, 10, settings={**FAKE_DEFAULTS["gspo"], "steps": 20})
+    res = run_all("--defaults", "--report-only", env={"OUT": str(out)}, unset=BUDGET)
+    assert res.returncode == 1 and message.format(run) in res.stderr, res.stderr
+    assert "ppo" not in res.stderr and "grpo" not in res.stderr  # only the damaged config is named
+    assert not (out / "results.md").exists() and not (out / "curves.png").exists()
+
+
+def test_settings_line_names_each_setting_on_which_the_configs_differ(tmp_path):
+    runs = fabricate_defaults(tmp_path)
+    assert compare_report.settings_line(runs, list(ALGOS), list(SEEDS)) == (
+        "2 seeds (0 1); steps: ppo 20, grpo 30, gspo 30; model tiny; task arith; "
+        "prompts/step x samples: ppo 32 x 1, grpo 16 x 8, gspo 16 x 8; max 8 new tokens; "
+        "other settings that differ: lr ppo 0.0006, grpo 0.0003, gspo 0.0006"
+    )
+    equal = {key: fabricate(tmp_path / "equal", *key) for key in runs}  # one budget, one lr: nothing differs
+    assert compare_report.settings_line(equal, list(ALGOS), [0]) == (
+        f"seed 0; {STEPS} steps; model tiny; task arith; 16 prompts/step x 8 samples; max 8 new tokens"
+    )
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing moving average, the plain way."""
+    out = []
+    for i in range(len(values)):
+        start = max(0, i - window + 1)
+        out.append(sum(values[start : i + 1]) / (i + 1 - start))
+    return out
+
+
+def test_plot_curves_draws_each_config_against_its_own_steps_and_clock(tmp_path):
+    runs = fabricate_defaults(tmp_path)
+    fig = compare_report.plot_curves(tmp_path / "curves.png", runs, list(ALGOS), list(SEEDS), "settings")
+    (acc_step, reward_step), (acc_clock, reward_clock) = fig.axes[0:2], fig.axes[2:4]
+    window = 2  # min(10, the shortest run's 20 steps // 10)
+    assert f"moving average of {window})" in reward_step.get_title()
+    for algo in ALGOS:
+        n, label = OWN_STEPS[algo], f"{algo}: {OWN_STEPS[algo]} steps, 2 seeds (0 1)"
+        lines = {ax: next(line for line in ax.get_lines() if line.get_label() == label) for ax in fig.axes}
+        seed_rows = [runs[(algo, s)][1] for s in SEEDS]
+        # reward against its own steps 1..n: each seed smoothed, then the mean over seeds
+        per_seed = [smoothed([r["reward"] for r in rows], window) for rows in seed_rows]
+        assert list(lines[reward_step].get_xdata()) == list(range(1, n + 1))
+        assert list(lines[reward_step].get_ydata()) == pytest.approx([sum(c) / 2 for c in zip(*per_seed)])
+        # against its own clock: the seeds' mean of the running sum of step_time_s
+        clocks = []
+        for rows in seed_rows:
+            t, clock = 0.0, []
+            for r in rows:
+                t += r["step_time_s"]
+                clock.append(t)
+            clocks.append(clock)
+        assert list(lines[reward_clock].get_xdata()) == pytest.approx([sum(c) / 2 for c in zip(*clocks)])
+        # held-out accuracy at step 0 and at each evaluation, to its own last step
+        evals = list(range(0, n + 1, 10))
+        assert list(lines[acc_step].get_xdata()) == evals
+        want = [
+            statistics.mean(
+                runs[(algo, s)][0]["eval_accuracy_before"] if e == 0 else runs[(algo, s)][1][e - 1]["eval_accuracy"]
+                for s in SEEDS
+            )
+            for e in evals
+        ]
+        assert list(lines[acc_step].get_ydata()) == pytest.approx(want)
+        assert lines[acc_clock].get_xdata()[-1] == pytest.approx(lines[reward_clock].get_xdata()[-1])
+    assert "each config to its own last step" in fig._suptitle.get_text()
+
+
+@pytest.mark.parametrize("seeds", [(0,), (0, 1, 2)])
+def test_title_and_header_read_right_for_one_seed_and_for_several(tmp_path, seeds):
+    out = tmp_path / "defaults"
+    fabricate_defaults(out, seeds)
+    argv = ["--out", str(out), "--configs", *ALGOS, "--seeds", *map(str, seeds), "--own-steps"]
+    compare_report.main(argv)
+    md = (out / "results.md").read_text()
+    runs = compare_report.load_runs(out, list(ALGOS), list(seeds), None)[0]
+    settings = compare_report.settings_line(runs, list(ALGOS), list(seeds))
+    fig = compare_report.plot_curves(tmp_path / "c.png", runs, list(ALGOS), list(seeds), settings)
+    title = fig._suptitle.get_text()
+    assert "seed(s)" not in title and "seed(s)" not in md
+    if len(seeds) == 1:
+        assert title.startswith("PPO vs GRPO vs GSPO: seed 0; steps: ppo 20")
+        assert title.endswith(
+            "each line: the one run of seed 0 (no spread over seeds); each config to its own last step"
+        )
+        assert "mean over" not in title and "band" not in title
+        assert "One seed, no spread. seed 0;" in md and "+-" not in "".join(table_cells(md)["ppo"])
+        assert all(not ax.collections for ax in fig.axes)  # no band drawn
+    else:
+        assert title.startswith("PPO vs GRPO vs GSPO: 3 seeds (0 1 2); steps: ppo 20")
+        assert "line: mean over 3 seeds; band: min-max over seeds" in title
+        assert "Mean +- sample std over seeds. 3 seeds (0 1 2);" in md
+        assert all(len(ax.collections) == len(ALGOS) for ax in fig.axes)  # one band per config
+    assert fig.axes[0].get_lines()[0].get_label() == f"ppo: 20 steps, {compare_report.seeds_phrase(list(seeds))}"
+
+
+def test_clip_fractions_carry_their_unit_in_the_moe_table_and_plot(tmp_path):
+    """GRPO counts clipped tokens (clip_frac), GSPO clipped sequences (clip_frac_seqs): never shown unlabelled."""
+    summary = {"eval_accuracy_before": 0.2, "eval_accuracy_after": 0.3, "wall_time_s": 10.0}
+    runs = {
+        ("grpo", 0): (summary, [{"step": s, "reward": 0.0, "clip_frac": 0.01 * s} for s in (1, 2, 3)]),
+        ("gspo", 0): (summary, [{"step": s, "reward": 0.0, "clip_frac_seqs": 0.1 * s} for s in (1, 2, 3)]),
+    }
+    grpo_row, gspo_row = compare_report.moe_table(runs, ["grpo", "gspo"], [0])[2:]
+    assert "| 0.0200 (tokens) |" in grpo_row and "| 0.2000 (seqs) |" in gspo_row  # means of 1, 2, 3 x 0.01 / 0.1
+    fig = compare_report.plot_moe_curves(tmp_path / "moe.png", runs, ["grpo", "gspo"], [0])
+    clip_axis = fig.axes[1 + compare_report.MOE_CURVES.index("clip_frac")]
+    assert [t.get_text() for t in clip_axis.get_legend().get_texts()] == ["grpo (tokens)", "gspo (seqs)"]
+    assert "tokens or seqs" in clip_axis.get_title()
+    ys = [list(line.get_ydata()) for line in clip_axis.get_lines()]
+    assert ys == [pytest.approx([0.01, 0.02, 0.03]), pytest.approx([0.1, 0.2, 0.3])]
 
 
 def test_help_and_bad_flag():
@@ -445,7 +681,7 @@ def test_per_seed_values_and_aggregate_hand_worked():
     assert r["eval_accuracy_after"]["std"] == pytest.approx(math.sqrt(0.02))  # (0.1^2 + 0.1^2) / 1
     assert r["before_after"] == [{"seed": 0, "before": 0.2, "after": 0.4}, {"seed": 1, "before": 0.2, "after": 0.6}]
     table = compare_report.results_table({"grpo": r}, ["grpo"], 2)
-    assert table[2].startswith("| grpo | 0.200 +- 0.000 -> 0.500 +- 0.141 |") and "| n/a |" in table[2]
+    assert table[2].startswith("| grpo | 12 | 0.200 +- 0.000 -> 0.500 +- 0.141 |") and "| n/a |" in table[2]
 
 
 def test_format_mean_std_smooth_and_band():
