@@ -28,6 +28,7 @@ from transformers import (
 )
 
 import common
+from helpers import assert_within, entropy_tol, log_softmax_bounds, logit_tol, logprob_tol
 
 sys.path.insert(0, str(Path(common.__file__).parent / "tools"))  # conftest does too; be explicit
 import recipes  # noqa: E402  (tools/recipes.py: the embedded checkpoints' recipes)
@@ -674,27 +675,29 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, chunk, temperat
     coef = torch.randn(B, T, generator=g)
 
     ref_lp, ref_ent = _naive_logp_entropy_f64(hidden.detach(), weight.detach(), targets, temperature)
+    # float32's error bounds against exact arithmetic (helpers.log_softmax_bounds: gamma_n of each sum, in
+    # terms of the operands' sizes); float64's own error, 2^29 times smaller, is inside them
+    bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)
     out = {}
     for c in (None, chunk):
         hidden.grad = weight.grad = None
         lp, ent = common.logprobs_from_hidden(hidden, weight, targets, temperature, chunk_tokens=c)
         assert lp.shape == (B, T) and ent.shape == (B, T)
-        torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
-        torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
+        assert_within(lp, ref_lp, bound["logp"], "log p")
+        assert_within(ent, ref_ent, bound["entropy"], "entropy")
         (coef * lp).sum().backward()
         out[c] = (hidden.grad.clone(), weight.grad.clone())
-    # gradients reach |g| ~ 10 at temperature 0.3; a different float32 summation order over chunks
-    # moves them by a few ulps, hence rtol 1e-5 besides atol 1e-5
-    torch.testing.assert_close(out[None][0], out[chunk][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[None][1], out[chunk][1], atol=1e-5, rtol=1e-5)
+    # chunked or not, two float32 evaluations that sum in other orders: each within its bound, so within twice
+    assert_within(out[None][0], out[chunk][0], 2 * bound["grad_hidden"], "d/dhidden, chunked vs not")
+    assert_within(out[None][1], out[chunk][1], 2 * bound["grad_weight"], "d/dweight, chunked vs not")
 
     # the gradient itself, against float64 autograd of the naive formula
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
     lp64, _ = _naive_logp_entropy_f64(h64, w64, targets, temperature)
     (coef.double() * lp64).sum().backward()
-    torch.testing.assert_close(out[chunk][0].double(), h64.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[chunk][1].double(), w64.grad, atol=1e-5, rtol=1e-5)
+    assert_within(out[chunk][0], h64.grad, bound["grad_hidden"], "d/dhidden vs float64")
+    assert_within(out[chunk][1], w64.grad, bound["grad_weight"], "d/dweight vs float64")
 
 
 def test_auto_chunks_at_qwen_vocabulary_equal_float64():
@@ -713,24 +716,23 @@ def test_auto_chunks_at_qwen_vocabulary_equal_float64():
     (coef * lp).sum().backward()
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
+    bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)  # float32 vs exact (helpers)
     for rows in torch.arange(n).split(32):  # the reference a few rows at a time (float64 [n, V] is 280 MB)
         lp64, ent64 = _naive_logp_entropy_f64(h64[rows], w64, targets[rows], temperature)
         (coef[rows].double() * lp64).sum().backward()
-        torch.testing.assert_close(lp[rows].double(), lp64.detach(), atol=1e-5, rtol=0)
-        # entropy ~ 7 nats is a float32 sum over 151,936 terms, chunked or not: within rtol 5e-5 of float64
-        torch.testing.assert_close(ent[rows].double(), ent64.detach(), atol=1e-5, rtol=5e-5)
-        with torch.no_grad():  # and the same float32 formula unchunked agrees to float32 rounding
+        assert_within(lp[rows], lp64.detach(), bound["logp"][rows], "log p")
+        assert_within(ent[rows], ent64.detach(), bound["entropy"][rows], "entropy")  # a sum over 151,936 terms
+        with torch.no_grad():  # and the same float32 formula unchunked: two float32 evaluations, twice the bound
             plain_lp, plain_ent = common.logprobs_from_hidden(hidden[rows], weight, targets[rows], temperature, None)
-        torch.testing.assert_close(lp[rows].detach(), plain_lp, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(ent[rows], plain_ent, atol=1e-6, rtol=1e-6)
-    # gradients: the unchunked float32 computation's to float32 rounding (summed over chunks in another
-    # order), and float64's to the accuracy of float32 sums over 151,936 terms
+        assert_within(lp[rows].detach(), plain_lp, 2 * bound["logp"][rows], "log p, chunked vs not")
+        assert_within(ent[rows], plain_ent, 2 * bound["entropy"][rows], "entropy, chunked vs not")
+    # gradients: the unchunked float32 computation's (summed over chunks in another order), and float64's
     h32, w32 = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
     (coef * common.logprobs_from_hidden(h32, w32, targets, temperature, chunk_tokens=None)[0]).sum().backward()
-    torch.testing.assert_close(hidden.grad, h32.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(weight.grad, w32.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=2e-3, rtol=2e-3)
+    assert_within(hidden.grad, h32.grad, 2 * bound["grad_hidden"], "d/dhidden, chunked vs not")
+    assert_within(weight.grad, w32.grad, 2 * bound["grad_weight"], "d/dweight, chunked vs not")
+    assert_within(hidden.grad, h64.grad, bound["grad_hidden"], "d/dhidden vs float64")
+    assert_within(weight.grad, w64.grad, bound["grad_weight"], "d/dweight vs float64")
 
 
 def test_entropy_hand_worked():
@@ -742,8 +744,9 @@ def test_entropy_hand_worked():
         probs = [1 / (1 + p1), p1 / (1 + p1)]
         want_ent = -sum(q * math.log(q) for q in probs)
         lp, ent = common.logprobs_from_hidden(hidden, weight, torch.tensor([1]), temperature, chunk_tokens=None)
-        assert lp.item() == pytest.approx(math.log(probs[1]), abs=1e-6)
-        assert ent.item() == pytest.approx(want_ent, abs=1e-6)
+        bound = log_softmax_bounds(hidden, weight, torch.tensor([1]), temperature)  # float32's, from its roundoff
+        assert_within(lp, math.log(probs[1]), bound["logp"], "log p")
+        assert_within(ent, want_ent, bound["entropy"], "entropy")
 
 
 def test_anneal_lr_falls_linearly_to_lr_over_steps_and_is_off_by_flag():
