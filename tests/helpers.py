@@ -389,4 +389,4 @@ def assert_within(actual, expected, bound, what=""):
     diff = (torch.as_tensor(actual).double() - torch.as_tensor(expected).double()).abs()
     bound = torch.as_tensor(bound, dtype=torch.float64)
     ratio = (diff / bound.clamp(min=1e-300)).max().item() if diff.numel() else 0.0
-    assert (diff <= bound).all(), f"{what}: |diff| reaches {ratio:.3g} x its derived bound (max |diff| {diff.max():.3g})"
+    assert (diff <= bound).all(), f"{what}: |diff| reaches {ratio:.3g} x its derived bound (max {diff.max():.3g})"
