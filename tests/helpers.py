@@ -345,6 +345,16 @@ def entropy_tol(config, length, max_abs_logit, dtype=torch.float32) -> float:
     return 2 * max_abs_logit * logit_tol(config, length, max_abs_logit, dtype)
 
 
+def logit_scale(model, roll, temperature=1.0):
+    """(sequence length, max |z|) of a rollout's logits / temperature, from one full forward: the sizes
+    that logit_tol, logprob_tol and entropy_tol take."""
+    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
+    attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+    return ids.shape[1], (logits.abs().max() / temperature).item()
+
+
 def log_softmax_bounds(hidden, weight, targets, temperature, coef=None, dtype=torch.float32):
     """Elementwise first-order error bounds of logprobs_from_hidden's computation in `dtype` against exact
     arithmetic, from Higham's gamma and the operands' sizes (computed here in float64):

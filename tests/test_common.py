@@ -22,6 +22,7 @@ from helpers import (
     forward_roundings,
     gamma,
     log_softmax_bounds,
+    logit_scale,
     logit_tol,
     logprob_tol,
     probable_gamma,
@@ -109,16 +110,6 @@ def naive_row(model, prompt, completion, temperature=1.0):
     logp = [logp_all[P - 1 + t, y].item() for t, y in enumerate(completion)]
     ent = [-(logp_all[P - 1 + t].exp() * logp_all[P - 1 + t]).sum().item() for t in range(len(completion))]
     return logp, ent
-
-
-def logit_scale(model, roll, temperature=1.0):
-    """(sequence length, max |z|) of a rollout's logits / temperature: the sizes the forward's tolerances
-    (helpers.logit_tol, logprob_tol, entropy_tol) are derived from."""
-    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
-    attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
-    return ids.shape[1], (logits.abs().max() / temperature).item()
 
 
 def rows(roll):
