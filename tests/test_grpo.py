@@ -14,6 +14,7 @@ from helpers import (
     LIGHT,
     batches,
     float32_round,
+    group_advantage_tol,
     group_mean_std,
     is_clipped,
     loop_group_advantages,
@@ -608,14 +609,7 @@ def test_group_advantages_match_loop(G, n_groups, scale, data):
             assert torch.equal(got, torch.zeros(G))  # exact zero
             continue
         rstd = torch.tensor(grp, dtype=torch.float64).std().item()
-        big = max(abs(x) for x in grp)
-        # float32: r - mean errs by the mean's G + 1 roundings of size <= big and the subtraction's of <= 2 big
-        dev_err = 3 * gamma_n(G + 1, F32) * big
-        if scale == "std":  # the std moves by <= sqrt(G / (G - 1)) max|d dev| <= sqrt(2) of it, + its own G + 3
-            std_err = math.sqrt(2) * dev_err + gamma_n(G + 3, F32) * rstd
-            tol = (dev_err + math.sqrt(G) * std_err) / (rstd + 1e-6) + U32 * math.sqrt(G)  # |adv| <= sqrt(G)
-        else:
-            tol = dev_err
+        tol = group_advantage_tol(grp, scale)  # float32 against float64 (helpers)
         for x, e in zip(got.tolist(), expected[g * G : (g + 1) * G]):
             assert x == pytest.approx(e, abs=tol)
         assert mean == pytest.approx(0.0, abs=tol)  # the exact advantages' mean is 0
