@@ -122,6 +122,7 @@ def test_token_ratio_is_exp_of_log_difference(b, agg):
     assert stats["ratio_max_dev"] == pytest.approx(max(abs(r - 1) for r in ratios), abs=2 * gamma_n(4) * math.exp(2))
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(batches(), st.sampled_from(AGGS), st.sampled_from(EPS_PAIRS), st.booleans(), st.data())
 def test_loss_and_gradient_match_loop(b, agg, eps, with_ref, data):
@@ -527,6 +528,7 @@ def test_kl_k3_reference_value(dtype):
     assert exact == pytest.approx(0.1065307, abs=5e-8)  # REFERENCE's figure, rounded to 7 decimals
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(
     st.floats(-1e4, 1e4, allow_nan=False, width=32),
@@ -594,6 +596,7 @@ def test_kl_term_added_per_token():
 REWARD = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 2)))
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(st.integers(2, 6), st.integers(1, 4), st.sampled_from(["std", "none"]), st.data())
 def test_group_advantages_match_loop(G, n_groups, scale, data):

@@ -82,6 +82,7 @@ def _away_from_clip_edges(s_list, eps_low, eps_high, tol=1e-9):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(batches())
 def test_seq_ratio_is_geometric_mean_of_token_ratios(b):
@@ -210,6 +211,7 @@ def _hand_grad(b, s_list, eps_low, eps_high):
     return t64(out)
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27), (0.0, 0.0)]), st.sampled_from(VARIANTS))
 def test_loss_and_gradient_match_hand_computation(b, eps, variant):
@@ -464,6 +466,7 @@ def test_on_policy_gradient_equals_reinforce(b, variant):
 REWARD = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 2)))
 
 
+@pytest.mark.numeric
 @LIGHT
 @given(st.integers(2, 6), st.integers(1, 4), st.data())
 def test_group_advantages_match_loop(G, n_groups, data):

@@ -66,6 +66,7 @@ def test_sample_falls_back_to_hf_and_greedy_equals_generate(moe):
         assert len(roll.completion_lists()[i]) == len(ref) or ref[len(roll.completion_lists()[i])] == tok.pad_token_id
 
 
+@pytest.mark.numeric
 def test_replay_with_unchanged_weights_equals_plain_forward(moe):
     model, tok = moe
     roll, routing = small_rollout(tok), RoutingReplay(model)

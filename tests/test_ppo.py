@@ -101,6 +101,7 @@ UNIT = st.floats(0.0, 1.0, allow_nan=False)
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numeric
 @SETTINGS
 @given(batch=padded_batch(), gamma=UNIT, lam=UNIT, mask_dtype=MASK_DTYPES)
 @example(
@@ -318,6 +319,7 @@ def whiten_loop(x, lengths, eps=1e-8):
     return out
 
 
+@pytest.mark.numeric
 @SETTINGS
 @given(batch=padded_batch(lo=-50, hi=50), mask_dtype=MASK_DTYPES)
 def test_whiten_matches_loop_and_is_standardised(batch, mask_dtype):
@@ -336,6 +338,7 @@ def test_whiten_matches_loop_and_is_standardised(batch, mask_dtype):
             assert out[i, t].item() == 0.0
 
 
+@pytest.mark.numeric
 def test_whiten_against_numpy_float32():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=g) * 3 + 2
@@ -531,6 +534,7 @@ def random_policy_case(seed, B, T):
     return old, logp, adv
 
 
+@pytest.mark.numeric
 @SETTINGS
 @given(
     seed=st.integers(0, 2**31 - 1),

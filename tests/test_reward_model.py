@@ -79,6 +79,7 @@ def test_bradley_terry_loss_hand_case():
     assert rejected.grad.tolist() == pytest.approx([sig[0] / 2, sig[1] / 2], abs=2 * gamma(7))
 
 
+@pytest.mark.numeric
 def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
     g = torch.Generator().manual_seed(0)
     c = torch.randn(257, generator=g, dtype=torch.float64) * 30  # gaps up to ~100: log-sigmoid must not overflow
@@ -120,6 +121,7 @@ def classifier(tmp_path, char_tok):
     return reward_model_extra.load_reward_model(path, torch.device("cpu"))
 
 
+@pytest.mark.numeric
 def test_scores_do_not_depend_on_batch_composition_or_padding_side(classifier):
     model, tok = classifier
     together = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)

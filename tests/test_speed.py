@@ -34,6 +34,7 @@ def _naive_f64(hidden, weight, targets, temperature):
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_equal_naive_at_large_vocab_with_gradients(monkeypatch, temperature):
     B, T, H, V, chunk = 3, 40, 32, 5000, 48  # 120 tokens in chunks of 48: 48 + 48 + 24
