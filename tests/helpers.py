@@ -323,8 +323,8 @@ def forward_roundings(config, length) -> int:
     the softmax's sum and the weighted sum of values (length each), the output projection
     (heads * head_dim), a second RMSNorm (H), gate/up (H) and down (intermediate); then the final RMSNorm
     (H) and the LM head (H). The residual stream adds the layers' errors (1 rounding per layer)."""
-    H, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    heads = config.num_attention_heads
+    H, I, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or H // heads  # Qwen2's config has no head_dim
     per_layer = H + H + hd + 2 * length + heads * hd + H + H + I + 1
     return config.num_hidden_layers * per_layer + 2 * H
 
