@@ -199,6 +199,11 @@ SMOKE_ARGS = [
     "--eval-every",
     "1",
 ]
+# metrics.jsonl and summary.json round floats to 6 decimals (common.rounded): a summary's mean of the steps,
+# rounded, against the mean of the rounded steps differs by at most two half-units of the 6th decimal (and a few
+# float64 roundings)
+LOGGED_TOL = 2 * 0.5e-6 + 1e-15
+
 METRIC_KEYS = {
     "step",
     "reward",
@@ -257,7 +262,7 @@ def run_smoke(script: str, out: Path, extra=(), timeout=240):
     assert not missing, f"summary.json lacks {missing}"
     assert summary["steps"] == 2 and summary["model"] == "tiny" and summary["task"] == "arith"
     assert summary["seed"] == 0
-    assert math.isclose(summary["mean_clip_frac"], sum(r["clip_frac"] for r in rows) / 2, abs_tol=1e-5)
+    assert math.isclose(summary["mean_clip_frac"], sum(r["clip_frac"] for r in rows) / 2, abs_tol=LOGGED_TOL)
     assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
     assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
     assert isinstance(summary["args"], dict)
@@ -272,3 +277,146 @@ def run_smoke(script: str, out: Path, extra=(), timeout=240):
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits).all()
     return rows, summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Tolerances from arithmetic (issue 42): each float comparison's bound follows from the dtype's unit
+# roundoff and the size of the operation, so that it holds on any CPU's kernels, not on one.
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_roundoff(dtype) -> float:
+    """u = eps / 2: the largest relative error of one correctly rounded operation in `dtype`
+    (2^-24 for float32, 2^-53 for float64, 2^-8 for bfloat16)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n, dtype=F64) -> float:
+    """Higham's gamma_n = n u / (1 - n u): a sum or dot product of n terms, in any order, errs by at most
+    gamma_n * sum |terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1).
+    A library exp or log (glibc's, Sleef's u10 kernels) is within 1 ulp = 2u: count it as 2."""
+    u = unit_roundoff(dtype)
+    assert n * u < 1, (n, dtype)
+    return n * u / (1 - n * u)
+
+
+LAMBDA = 6.0  # probabilistic bounds below fail with probability <= 2 n exp(-LAMBDA^2 / 2) ~ 3e-8 n
+
+
+def probable_gamma(n, dtype=torch.float32) -> float:
+    """Higham and Mary's probabilistic gamma (SIAM J. Sci. Comput. 41(5), 2019, Theorem 2.4): with
+    rounding errors independent and of mean zero, a sum of n terms errs by at most
+    LAMBDA * sqrt(n) * u * sum |terms|, except with probability 2 n exp(-LAMBDA^2 / 2). The worst-case
+    gamma_n is sqrt(n) / LAMBDA times larger and never attained by a network's thousands of sums."""
+    return math.expm1(LAMBDA * math.sqrt(n) * unit_roundoff(dtype))
+
+
+def sum_gamma(n, dtype=torch.float32) -> float:
+    """The smaller of gamma_n and probable_gamma(n): the bound for one sum of n terms (the worst case for
+    short sums, the probabilistic one where it is smaller, from n = 37 terms on)."""
+    return min(gamma(n, dtype), probable_gamma(n, dtype))
+
+
+def forward_roundings(config, length) -> int:
+    """n for one logit of a forward through a Qwen decoder over `length` positions: the roundings on its
+    longest chain of sums. Per layer: an RMSNorm (H squares), a q/k/v projection (H), a score (head_dim),
+    the softmax's sum and the weighted sum of values (length each), the output projection
+    (heads * head_dim), a second RMSNorm (H), gate/up (H) and down (intermediate); then the final RMSNorm
+    (H) and the LM head (H). The residual stream adds the layers' errors (1 rounding per layer)."""
+    H, I, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or H // heads  # Qwen2's config has no head_dim
+    per_layer = H + H + hd + 2 * length + heads * hd + H + H + I + 1
+    return config.num_hidden_layers * per_layer + 2 * H
+
+
+def logit_tol(config, length, max_abs_logit, dtype=torch.float32) -> float:
+    """|z - z'| for two forwards of one model on one input that sum in different orders (KV cache or not,
+    padded or not, batched or not, chunked or not, another CPU's kernels): each logit is within
+    probable_gamma(n) * max|z| of the exact one (the first-order model: the sums' sizes are those of the
+    logit scale the network keeps, RMSNorm resetting it every layer), so two are within twice that."""
+    return 2 * probable_gamma(forward_roundings(config, length), dtype) * max_abs_logit
+
+
+def logprob_tol(config, length, max_abs_logit, dtype=torch.float32) -> float:
+    """|log p - log p'| from logits within logit_tol: log_softmax(z)_y = z_y - logsumexp(z) moves by at
+    most |dz_y| + max|dz| = 2 max|dz|; the float32 log_softmax itself adds gamma(V) relative to max|z|,
+    below the forward's share."""
+    return 2 * logit_tol(config, length, max_abs_logit, dtype)
+
+
+def entropy_tol(config, length, max_abs_logit, dtype=torch.float32) -> float:
+    """|H - H'| from logits within logit_tol: dH/dz_j = -p_j (log p_j + H) and log p_j + H = z_j - E_p[z],
+    at most 2 max|z| in size, so H moves by at most 2 max|z| * max|dz|."""
+    return 2 * max_abs_logit * logit_tol(config, length, max_abs_logit, dtype)
+
+
+def logit_scale(model, roll, temperature=1.0):
+    """(sequence length, max |z|) of a rollout's logits / temperature, from one full forward: the sizes
+    that logit_tol, logprob_tol and entropy_tol take."""
+    ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
+    attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+    return ids.shape[1], (logits.abs().max() / temperature).item()
+
+
+def log_softmax_bounds(hidden, weight, targets, temperature, coef=None, dtype=torch.float32):
+    """Elementwise first-order error bounds of logprobs_from_hidden's computation in `dtype` against exact
+    arithmetic, from Higham's gamma and the operands' sizes (computed here in float64):
+    logits z = h W^T / tau: each errs by dz = gamma_{H+1} max_j sum_k |h_k W_jk| / tau;
+    logsumexp: m = max z, then V exponentials of z - m (the subtraction u 2 max|z|, each exp 2u) summed (positive
+    terms: relative sum_gamma(V)), a log (2u log V) and m added (u max|z|): within
+    sum_gamma(V) + gamma_6 (1 + 2 max|z| + log V); log p = z_y - logsumexp: 2 dz + that + u |log p| = t;
+    entropy log Z - sum_j p_j z_j, p = softmax(z) to relative expm1(t + 2u): 2 dz + the logsumexp's share
+    + expm1(t + 2u) max|z| + sum_gamma(V + 1) max|z|;
+    the gradient of sum_r c_r log p_r (with `coef` c [rows]): dL/dz_rj = c_r (1[j = y_r] - p_rj) / tau, each
+    to relative gamma_4 + expm1(t + 2u), summed over V (d/dh) or over the rows (d/dW): with
+    A = |c| (onehot + p) / tau, bounds (sum_gamma(V) + gamma_4 + expm1(t + 2u)) A |W| and the same with N rows
+    for A^T |h|.
+    Returns a dict of float64 tensors: logp and entropy [rows], grad_hidden [rows, H], grad_weight [V, H]."""
+    h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
+    w, y = weight.detach().double(), targets.reshape(-1)
+    N, H = h.shape
+    V = w.shape[0]
+    u = unit_roundoff(dtype)
+    z = h @ w.T / temperature  # [N, V]
+    max_z = z.abs().max(-1).values
+    dz = gamma(H + 1, dtype) * (h.abs() @ w.abs().T).max(-1).values / temperature
+    own_lse = sum_gamma(V, dtype) + gamma(6, dtype) * (1 + 2 * max_z + math.log(V))
+    logp_all = torch.log_softmax(z, -1)
+    t = 2 * dz + own_lse + u * logp_all.gather(-1, y[:, None]).squeeze(-1).abs()
+    p_rel = torch.expm1(t + 2 * u)
+    out = dict(
+        logp=t.view(targets.shape),
+        entropy=(2 * dz + own_lse + p_rel * max_z + sum_gamma(V + 1, dtype) * max_z).view(targets.shape),
+    )
+    if coef is not None:
+        c = coef.detach().reshape(-1).double().abs()
+        A = c[:, None] * (torch.nn.functional.one_hot(y, V).double() + logp_all.exp()) / temperature  # [N, V]
+        each = gamma(4, dtype) + p_rel  # [N]: one term's relative error
+        out["grad_hidden"] = ((sum_gamma(V, dtype) + each[:, None]) * (A @ w.abs())).view(hidden.shape)
+        out["grad_weight"] = (sum_gamma(N, dtype) + each.max()) * (A.T @ h.abs())
+    return out
+
+
+def assert_within(actual, expected, bound, what=""):
+    """|actual - expected| <= bound elementwise (bound a float or a tensor); on failure, the largest ratio."""
+    diff = (torch.as_tensor(actual).double() - torch.as_tensor(expected).double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64)
+    ratio = (diff / bound.clamp(min=1e-300)).max().item() if diff.numel() else 0.0
+    assert (diff <= bound).all(), f"{what}: |diff| reaches {ratio:.3g} x its derived bound (max {diff.max():.3g})"
+
+
+def group_advantage_tol(group, scale="std", eps=1e-6) -> float:
+    """|adv - adv_exact| for a group's float32 advantages (R - mean) / (std + eps) (or R - mean), against
+    the float64 loop on the same float32 rewards `group` (G of them, |R| <= big): r - mean errs by the
+    mean's G + 1 roundings of size <= big and the subtraction's of size <= 2 big (3 gamma_{G+1} big); the
+    std by sqrt(G / (G - 1)) <= sqrt(2) times that and its own G + 3 roundings; the quotient, with
+    |adv| <= sqrt(G), by (d dev + sqrt(G) d std) / (std + eps) and one more rounding."""
+    G, big = len(group), max(abs(x) for x in group)
+    dev_err = 3 * gamma(G + 1, torch.float32) * big
+    if scale != "std":
+        return dev_err
+    std = torch.tensor(group, dtype=F64).std().item()
+    std_err = math.sqrt(2) * dev_err + gamma(G + 3, torch.float32) * std
+    return (dev_err + math.sqrt(G) * std_err) / (std + eps) + unit_roundoff(torch.float32) * math.sqrt(G)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, main_in_process
+from helpers import ROOT, SCRIPTS, entropy_tol, logit_scale, main_in_process
 
 import common
 import grpo
@@ -197,6 +197,7 @@ def bonus_as_the_script(case, entropy, mask):
     return common.masked_mean(entropy, mask)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("case", AGGREGATE_F64)
 @pytest.mark.parametrize("chunk_tokens", [None, 2])
 def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
@@ -211,10 +212,15 @@ def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
     m64 = copy.deepcopy(model).double()
     ref = AGGREGATE_F64[case](entropy_f64(m64, roll, temperature))
     ref.backward()
-    assert abs(bonus.item() - ref.item()) < 1e-5
+    # float32 against float64 (issue 42: the old fixed bounds depended on the CPU model): each token's entropy
+    # within helpers.entropy_tol (a bound for two float32 forwards, so twice what one needs), their mean too
+    length, max_z = logit_scale(model, roll, temperature)
+    assert abs(bonus.item() - ref.item()) <= entropy_tol(model.config, length, max_z)
     for (name, p), p64 in zip(model.named_parameters(), m64.parameters()):
-        # float32 against float64: a gradient summed over the vocabulary and the tokens carries a few 1e-6 of
-        # rounding, which depends on the CPU model (4.7e-6 in the embedding on an AMD EPYC of family 25)
+        # Not yet derived (issue 42): a parameter's gradient sums terms whose sizes this test does not know (the
+        # tied embedding gathers the LM head's and the inputs' over every token, with cancellation), so the bound
+        # stays the one measured: a few 1e-6 of rounding (4.7e-6 in the embedding on an AMD EPYC of family 25,
+        # 2.3e-5 on a 2-core Intel Xeon, where the tensor's largest |g| is 0.62)
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
 
 

@@ -17,7 +17,7 @@ import recipes
 import torch
 import train_reward_model  # tools/
 import transformers
-from helpers import ROOT
+from helpers import LOGGED_TOL, ROOT, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 
 import common
 from extras import reward_model as reward_model_extra
@@ -70,13 +70,16 @@ def test_bradley_terry_loss_hand_case():
     loss = train_reward_model.bradley_terry_loss(chosen, rejected)
     loss.backward()
     expected = (math.log1p(math.exp(-1)) + math.log1p(math.exp(2))) / 2
-    assert loss.item() == pytest.approx(expected, abs=1e-12)
-    assert loss.item() == pytest.approx(1.2200948, abs=1e-7)
+    # per term a subtraction, exp and log1p (2u each), of size <= 2.13, then their mean (2): each side
+    assert loss.item() == pytest.approx(expected, abs=2 * gamma(8) * 2.2)
+    assert loss.item() == pytest.approx(1.2200948, abs=5e-8)  # the docstring's figure, rounded to 7 decimals
     sig = [1 / (1 + math.exp(1)), 1 / (1 + math.exp(-2))]  # sigmoid(r - c)
-    assert chosen.grad.tolist() == pytest.approx([-sig[0] / 2, -sig[1] / 2], abs=1e-12)
-    assert rejected.grad.tolist() == pytest.approx([sig[0] / 2, sig[1] / 2], abs=1e-12)
+    # sigmoid: a subtraction, exp (2), an addition and a division, then / 2: each side, of size <= 1
+    assert chosen.grad.tolist() == pytest.approx([-sig[0] / 2, -sig[1] / 2], abs=2 * gamma(7))
+    assert rejected.grad.tolist() == pytest.approx([sig[0] / 2, sig[1] / 2], abs=2 * gamma(7))
 
 
+@pytest.mark.numeric
 def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
     g = torch.Generator().manual_seed(0)
     c = torch.randn(257, generator=g, dtype=torch.float64) * 30  # gaps up to ~100: log-sigmoid must not overflow
@@ -86,9 +89,18 @@ def test_bradley_terry_loss_float32_matches_float64_and_stays_finite():
     loss32, loss64 = train_reward_model.bradley_terry_loss(c32, r32), train_reward_model.bradley_terry_loss(c64, r64)
     loss32.backward()
     loss64.backward()
-    assert torch.isfinite(loss32) and loss32.item() == pytest.approx(loss64.item(), rel=1e-5)
-    torch.testing.assert_close(c32.grad.double(), c64.grad, atol=1e-7, rtol=1e-5)
-    torch.testing.assert_close(r32.grad.double(), -c64.grad, atol=1e-7, rtol=1e-5)
+    assert torch.isfinite(loss32)
+    # float32 against float64: the inputs round (u |c|, u |r|) and so does their gap (u |c - r|), moving each
+    # softplus(r - c) by as much (its slope is <= 1) and each sigmoid by a quarter of it; each term's own
+    # roundings (log-sigmoid or sigmoid: 4) are relative to it; the mean sums 257 terms, the gradient divides by N
+    u, n = unit_roundoff(torch.float32), c.numel()
+    moved = u * (c.abs() + r.abs() + (c - r).abs())
+    softplus, sigmoid = torch.nn.functional.softplus(r - c), torch.sigmoid(r - c)
+    loss_tol = (moved + gamma(4, torch.float32) * softplus).mean() + gamma(n + 1, torch.float32) * softplus.mean()
+    assert loss32.item() == pytest.approx(loss64.item(), abs=loss_tol.item())
+    grad_tol = (moved / 4 + gamma(5, torch.float32) * sigmoid) / n
+    assert_within(c32.grad, c64.grad, grad_tol, "d/dchosen")
+    assert_within(r32.grad, -c64.grad, grad_tol, "d/drejected")
 
 
 def test_pair_accuracy_hand_case():
@@ -109,6 +121,7 @@ def classifier(tmp_path, char_tok):
     return reward_model_extra.load_reward_model(path, torch.device("cpu"))
 
 
+@pytest.mark.numeric
 def test_scores_do_not_depend_on_batch_composition_or_padding_side(classifier):
     model, tok = classifier
     together = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
@@ -119,8 +132,12 @@ def test_scores_do_not_depend_on_batch_composition_or_padding_side(classifier):
     in_pairs = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS, batch_size=2)
     tok.padding_side = "left"  # the tokenizer's own side does not matter: scoring pads on the right
     left = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    # the score, a linear head on the last real token's hidden state, like a logit: two float32 forwards
+    # (helpers.logit_tol) over at most `length` positions
+    length = max(len(tok(p + c)["input_ids"]) for p, c in zip(PROMPTS, COMPLETIONS)) + 2
+    tol = logit_tol(model.config, length, together.abs().max().item())
     for other in (alone, reversed_, in_pairs, left):
-        torch.testing.assert_close(together, other, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together, other, atol=tol, rtol=0)
     assert together.std() > 0  # a random head still tells the texts apart
 
 
@@ -182,9 +199,14 @@ def test_reward_model_is_one_weighted_component(char_tok):
     roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
     rewards, parts = common.Rewards(["exact"], [2.0], records, rm, 0.5)(char_tok, roll, records)
     whitened = parts["reward/reward_model"].double()
-    assert whitened.mean().item() == pytest.approx(0, abs=1e-6) and whitened.std().item() == pytest.approx(1, 1e-6)
+    # whitened in float64 ((s - mean) / (std + 1e-8), |w| <= sqrt(5), the eps moving the std by <= 1e-8 for integer
+    # scores), then held in float32: one rounding of u |w| each dominates; a std moves by <= sqrt(2) of it
+    tol = unit_roundoff(torch.float32) * math.sqrt(5) + gamma(20) * math.sqrt(5)
+    assert whitened.mean().item() == pytest.approx(0, abs=tol)
+    assert whitened.std().item() == pytest.approx(1, abs=math.sqrt(2) * tol + 1e-8)
     expected = 2.0 * parts["reward/exact"].double() + 0.5 * whitened
-    torch.testing.assert_close(rewards, expected.float())
+    # float32: 2 x and 0.5 x are exact, their sum one rounding; the expected float64 rounded to float32 once
+    torch.testing.assert_close(rewards, expected.float(), atol=0, rtol=2 * unit_roundoff(torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +235,10 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
     with torch.no_grad():
         a = reward_model_extra.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
         b = reward_model_extra.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
-    torch.testing.assert_close(a, b)
+    # one checkpoint, one architecture, the same inputs: the same kernels, so the same scores bit for bit
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # a float32 mean of 0/1 flags (exact count, one division) against numpy's float64 one
+    share = unit_roundoff(torch.float32) + unit_roundoff(torch.float64)
     assert train_reward_model.pairwise_accuracy(model, tok, pairs) == pytest.approx(
         float(
             np.mean(
@@ -229,7 +254,8 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
                     )
                 ]
             )
-        )  # fmt: skip
+        ),  # fmt: skip
+        rel=share,
     )
 
 
@@ -279,7 +305,11 @@ def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, 
     assert reward_model_extra.kl_to_init(model, roll, logp) == {"kl_to_init": 0.0}
     assert reward_model_extra.kl_to_init(None, roll, logp) == {}
     shifted = reward_model_extra.kl_to_init(model, roll, logp + 0.5 * roll.completion_mask)["kl_to_init"]
-    assert shifted == pytest.approx(0.5 * roll.completion_mask.sum(1).float().mean().item(), rel=1e-6)
+    # float32: (logp + 0.5) - logp is 0.5 within u (|logp| + 1) a token, a row sums <= T of them (the sums'
+    # own roundings are u of their size, in the same share), the mean rounds once
+    want = 0.5 * roll.completion_mask.sum(1).float().mean().item()
+    u, longest = unit_roundoff(torch.float32), roll.completion_mask.sum(1).max().item()
+    assert shifted == pytest.approx(want, abs=2 * u * (logp.abs().max().item() + 1) * longest + 2 * u * want)
 
 
 def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
@@ -311,7 +341,11 @@ def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
             per_row.append(total)
         init_logp = common.completion_logprobs(init, roll)[0]
     expected = sum(per_row) / len(per_row)
-    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    # per token two log-probs, each from batched float32 forwards against one row's (helpers.logprob_tol); a row
+    # sums <= 3 tokens' differences
+    length, max_z = logit_scale(policy, roll)
+    max_z = max(max_z, logit_scale(init, roll)[1])
+    assert got == pytest.approx(expected, abs=3 * 2 * logprob_tol(policy.config, length, max_z))
     with_padding = (logp - init_logp).sum(1).mean().item()
     assert abs(with_padding - expected) > 1e-3  # the padding positions do differ: the mask matters here
 
@@ -363,11 +397,11 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        assert r["reward"] == pytest.approx(r["reward/reward_model"], abs=1e-5)  # alone: weight 1, nothing else
+        assert r["reward"] == pytest.approx(r["reward/reward_model"], abs=LOGGED_TOL)  # alone: weight 1
         assert "reward/exact" not in r and 0 <= r["accuracy"] <= 1  # the true metric stays
         assert math.isfinite(r["kl_to_init"]) and 0 <= r["reward_model_pair_acc"] <= 1
         assert math.isfinite(r["eval_reward"]) and 0 <= r["eval_accuracy"] <= 1
-        assert r["eval_reward/reward_model"] == pytest.approx(r["eval_reward"], abs=1e-5)
+        assert r["eval_reward/reward_model"] == pytest.approx(r["eval_reward"], abs=LOGGED_TOL)
     assert rows[0]["kl_to_init"] == pytest.approx(0, abs=1e-4)  # step 1 samples from the initial policy
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS
+from helpers import F64, SCRIPTS, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 from test_fork_traps import TINY_RUN, final_weights, one_line_error, run_main
 
 import common
@@ -56,15 +56,17 @@ def test_the_default_sampler_is_the_policy_itself(tiny):
     assert sampler.copy is None and not sampler.records
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_float32_mu_equals_pi_old(tiny, temperature):
     """At --rollout-dtype float32 the sampler's mu is the trainer's pi_old up to the sampler's own
-    arithmetic (KV cache, fused projections: about 1e-6), not exactly."""
+    arithmetic (KV cache, fused projections), not exactly: two float32 forwards (helpers.logprob_tol)."""
     model, tok = tiny
     roll = draw(model, tok, arith_prompts(tok), temperature)
     with torch.no_grad():
         old = common.completion_logprobs(model, roll, temperature)[0] * roll.completion_mask
-    torch.testing.assert_close(roll.sample_logp, old, atol=1e-5, rtol=0)
+    length, max_z = logit_scale(model, roll, temperature)
+    assert_within(roll.sample_logp, old, logprob_tol(model.config, length, max_z), "mu vs pi_old")
     torch.testing.assert_close(roll.sample_logp_full, roll.sample_logp, atol=0, rtol=0)  # top_p = 1
 
 
@@ -81,9 +83,11 @@ def kept_mass_f64(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.tensor(kept, dtype=torch.float64)
 
 
+@pytest.mark.numeric
 def test_top_p_log_ratio_is_the_log_of_the_kept_mass(tiny):
     """TRL #6789: at --top-p 0.8 the sampled distribution is the nucleus renormalised, so against
-    the whole distribution pi_old, log(pi_old / mu) = log(kept mass) on every token (float32, 1e-5)."""
+    the whole distribution pi_old, log(pi_old / mu) = log(kept mass) on every token (to float32's
+    rounding in the forwards: helpers.logprob_tol)."""
     model, tok = tiny
     top_p = 0.8
     roll = draw(model, tok, arith_prompts(tok, 4, 2), top_p=top_p)
@@ -94,16 +98,21 @@ def test_top_p_log_ratio_is_the_log_of_the_kept_mass(tiny):
         attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
     P = roll.prompt_ids.shape[1]
+    # old - mu: two float32 forwards (the trainer's, the sampler's), within logprob_tol; log(kept mass) from a
+    # third forward's logits moves by at most 2 max|dz|, half of that again: logit_tol
+    lp_tol = logprob_tol(model.config, ids.shape[1], logits.abs().max().item())
+    mass_tol = lp_tol + logit_tol(model.config, ids.shape[1], logits.abs().max().item())
     checked = 0
     for i in range(len(roll)):
         for t in range(int(m[i].sum())):
             mass = kept_mass_f64(logits[i, P - 1 + t], top_p)
-            assert abs((old[i, t] - roll.sample_logp[i, t]).item() - math.log(mass)) < 1e-5, (i, t)
-            assert abs((old[i, t] - roll.sample_logp_full[i, t]).item()) < 1e-5  # the ratio's pi_old: untruncated
+            assert_within(old[i, t] - roll.sample_logp[i, t], math.log(mass), mass_tol, f"{i, t}")
+            assert_within(old[i, t], roll.sample_logp_full[i, t], lp_tol, f"{i, t}")  # the ratio's pi_old: untruncated
             checked += 1
     assert checked > 10 and (old - roll.sample_logp)[m].abs().max() > 1e-3  # the nucleus did cut somewhere
 
 
+@pytest.mark.numeric
 def test_bf16_mu_equals_a_float64_recomputation_of_the_bf16_sampler(tiny):
     """The bf16 copy's distribution, recomputed by a plain forward of each row through the bf16
     weights, the logits taken to float64 for the softmax: mu matches to bf16 tolerance, and is
@@ -180,6 +189,12 @@ def test_the_bf16_copy_follows_the_policy_and_is_freed_after_sampling(tiny, monk
 # ---------------------------------------------------------------------------------------------
 
 
+# The error of hand_case's float32 log(pi_old / mu): d rounded to float32, old = mu + d and old - mu each round
+# once, relative to sizes <= 1.1 (ln 3 the largest |d|, |old| <= 1.1): <= 3.3u, under 4u.
+D_ERR = 4 * unit_roundoff(torch.float32)
+U32 = unit_roundoff(torch.float32)
+
+
 def hand_case():
     """Two rows; row 0: log(pi_old / mu) = ln 3, ln 0.6, (pad); row 1: ln 1.5, ln 1.2, ln 1.9."""
     d = torch.tensor([[math.log(3), math.log(0.6), 0.7], [math.log(1.5), math.log(1.2), math.log(1.9)]])
@@ -188,20 +203,25 @@ def hand_case():
     return mu + d, mu, mask
 
 
+@pytest.mark.numeric
 def test_tis_weights_hand_worked():
     old, mu, mask = hand_case()
     w = rollout_precision.is_weights(old, mu, mask, "tis", 2.0)
-    expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]])  # min(ratio, 2); padding 1
-    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]], dtype=F64)  # min(ratio, 2); padding 1
+    # exp of d within D_ERR (or of the float32 log 2, within u), exp's own 2u: relative expm1(D_ERR + 2u)
+    assert_within(w, expected, math.expm1(D_ERR + 2 * U32) * expected, "tis weights")
 
 
+@pytest.mark.numeric
 def test_sequence_tis_weights_hand_worked():
     """GSPO's per-sequence weight: min(geometric mean of the token ratios, cap)."""
     old, mu, mask = hand_case()
     w = rollout_precision.is_weights(old, mu, mask, "tis", 1.4, per="sequence")
     row0 = min((3 * 0.6) ** 0.5, 1.4)  # 1.342
     row1 = min((1.5 * 1.2 * 1.9) ** (1 / 3), 1.4)  # 1.507 -> 1.4
-    torch.testing.assert_close(w, torch.tensor([[row0, row0, 1.0], [row1] * 3]), atol=1e-6, rtol=0)
+    expected = torch.tensor([[row0, row0, 1.0], [row1] * 3], dtype=F64)
+    # the row's mean of d: D_ERR, its sum and division 3 roundings of sizes <= 1.1 (3.3u), exp 2u: under 10u
+    assert_within(w, expected, math.expm1(D_ERR + 6 * U32) * expected, "sequence tis weights")
 
 
 def test_sequence_mask_hand_worked():
@@ -213,6 +233,7 @@ def test_sequence_mask_hand_worked():
     assert rollout_precision.is_weights(old, mu, mask, "none", 2.0) is None
 
 
+@pytest.mark.numeric
 def test_the_scripts_hook_weighs_only_the_forwarded_rows():
     """common.is_weights(old_logp, roll, plan, args): None without --is-correction (or without a recorded mu);
     else the weights of the rows the plan's updates forward, 1 on the others (their pi_old was never computed)."""
@@ -222,26 +243,37 @@ def test_the_scripts_hook_weighs_only_the_forwarded_rows():
     plan = [(torch.tensor([0, 1]), torch.tensor([1]))]  # one update, forwarding row 1 alone
     assert common.is_weights(old, roll, plan, args_for()) is None
     w = common.is_weights(old, roll, plan, args_for(is_correction="tis", is_cap=2.0))
-    expected = torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.2, 1.9]])  # row 0 not forwarded: 1; row 1 under the cap
-    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    expected = torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.2, 1.9]], dtype=F64)  # row 0 not forwarded: 1; row 1 under cap
+    weight_rel = math.expm1(D_ERR + 2 * U32)  # as in test_tis_weights_hand_worked
+    assert_within(w, expected, weight_rel * expected, "forwarded rows")
     w = common.is_weights(old, roll, None, args_for(is_correction="tis", is_cap=2.0))  # no plan: every row
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]]), atol=1e-6, rtol=0)
+    expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]], dtype=F64)
+    assert_within(w, expected, weight_rel * expected, "every row")
     roll.sample_logp = None
     assert common.is_weights(old, roll, plan, args_for(is_correction="tis")) is None
 
 
+@pytest.mark.numeric
 def test_mismatch_stats_hand_worked():
     old, mu, mask = hand_case()
     stats = rollout_precision.mismatch_stats(old, mu, mask)
     d = [math.log(3), math.log(0.6), math.log(1.5), math.log(1.2), math.log(1.9)]
     mean = sum(d) / 5
-    assert abs(stats["mismatch_log_ratio_mean"] - mean) < 1e-6
-    assert abs(stats["mismatch_log_ratio_std"] - math.sqrt(sum((x - mean) ** 2 for x in d) / 5)) < 1e-6
-    assert abs(stats["mismatch_k3"] - sum(math.exp(x) - x - 1 for x in d) / 5) < 1e-6
-    assert stats["mismatch_frac_beyond_ln2"] == pytest.approx(1 / 5)  # ln 3 alone is beyond ln 2 in size
+    # each d is float32's, within D_ERR; the statistics are then float64's (20 roundings of sizes <= 4: gamma_80)
+    f64 = gamma(80, F64)
+    assert_within(stats["mismatch_log_ratio_mean"], mean, D_ERR + f64, "mean")
+    # a (population) std is a seminorm: std(d + e) - std(d) <= std(e) <= max|e|
+    assert_within(stats["mismatch_log_ratio_std"], math.sqrt(sum((x - mean) ** 2 for x in d) / 5), D_ERR + f64, "std")
+    # k3's terms e^d - d - 1 have slope e^d - 1, at most 2 for d <= ln 3
+    assert_within(stats["mismatch_k3"], sum(math.exp(x) - x - 1 for x in d) / 5, 2 * D_ERR + f64, "k3")
+    assert stats["mismatch_frac_beyond_ln2"] == 1 / 5  # ln 3 alone is beyond ln 2 in size; 1.0 / 5 rounds alike
     seq = [1.8, 3.42]
-    assert abs(stats["mismatch_seq_ratio_std"] - abs(seq[0] - seq[1]) / 2) < 1e-5
-    assert abs(stats["mismatch_geo_ratio_max_dev"] - (3.42 ** (1 / 3) - 1)) < 1e-5
+    # a row's float64 sum of <= 3 d's errs by 3 D_ERR, exp(sum) <= 3.42 scales it; std: as above
+    seq_err = 3.42 * 3 * D_ERR
+    assert_within(stats["mismatch_seq_ratio_std"], abs(seq[0] - seq[1]) / 2, seq_err + f64, "sequence ratio std")
+    # the float64 mean of a row's d's: within D_ERR; exp(mean) <= 3.42^(1/3) = 1.51 scales it
+    geo_err = 1.51 * D_ERR
+    assert_within(stats["mismatch_geo_ratio_max_dev"], 3.42 ** (1 / 3) - 1, geo_err + f64, "geo ratio max dev")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +302,9 @@ def test_with_float32_rollouts_the_correction_changes_nothing(tiny, case, mode):
     adv = torch.randn(len(roll), generator=torch.Generator().manual_seed(1))
     per = "sequence" if case == "gspo" else "token"
     weights = rollout_precision.is_weights(old, roll.sample_logp, mask, mode, 2.0, per)
+    length, max_z = logit_scale(model, roll)  # pi_old and mu: two float32 forwards, within logprob_tol
+    dev = (weights - 1).abs().max().item()
+    assert dev <= math.expm1(logprob_tol(model.config, length, max_z) + 2 * unit_roundoff(torch.float32))
     shift = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
     results = []
     for w in (None, weights):
@@ -281,9 +316,14 @@ def test_with_float32_rollouts_the_correction_changes_nothing(tiny, case, mode):
     if mode == "mask":
         assert torch.equal(weights, torch.ones_like(weights)) and torch.equal(l0, l1) and torch.equal(g0, g1)
     else:
-        assert (weights - 1).abs().max() < 1e-5
-        torch.testing.assert_close(l1, l0, atol=1e-6, rtol=0)
-        torch.testing.assert_close(g1, g0, atol=1e-6, rtol=0)
+        # the loss and its gradient are linear in the weights: |l1 - l0| <= dev sum_t |dl/dw_t| and
+        # |g1 - g0| <= dev |g1|; each float32 evaluation adds its sums' rounding, gamma_n of the same sizes
+        w = weights.clone().requires_grad_(True)
+        per_weight = torch.autograd.grad(losses(case, old + shift, old, adv, mask, w), w)[0]  # dl/dw [B, T]
+        n = mask.numel()
+        loss_tol = (dev + 2 * gamma(n + 4, torch.float32)) * per_weight.abs().sum().item()
+        assert_within(l1, l0, loss_tol, "loss")
+        assert_within(g1, g0, (dev + 2 * gamma(n + 4, torch.float32)) * g1.abs() + loss_tol / n, "gradient")
 
 
 @pytest.mark.slow
