@@ -269,9 +269,10 @@ def train(args: Args):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
-            # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a
-            # time, the policy's first: its backward (through the vocabulary-sized logits) is the step's peak, and
-            # runs before the critic's gradients exist instead of beside them (docs/memory.md)
+            # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a time
+            values = value(roll[idx])  # [b, T]
+            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
+            (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[idx]
             pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
@@ -279,9 +280,6 @@ def train(args: Args):
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
-            values = value(roll[idx])  # [b, T]
-            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
-            (args.vf_coef * v_loss * scale).backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             stepped = guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm)  # a non-finite one skips it
