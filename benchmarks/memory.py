@@ -37,6 +37,7 @@ machine fails with an allocation error instead of waking the OOM killer. Not col
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -256,6 +257,30 @@ def run_command(algo: str, model_dir: Path, out: Path, args) -> list[str]:
     ]  # fmt: skip
 
 
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2 with its result type, or None (not glibc, or glibc before 2.33)."""
+    import ctypes
+
+    fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return None
+    mallinfo2.restype = type("mallinfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in fields]})
+    return mallinfo2
+
+
+def live_bytes() -> int:
+    """Bytes that malloc has handed out and not had back (mallinfo2: in-use heap chunks plus mmapped
+    ones), 0 without mallinfo2. RSS above it is memory freed but kept by the allocator."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return 0
+    m = mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
 PHASE_FUNCTIONS = ("load_model", "sample", "evaluate", "completion_logprobs", "logprobs_of_forwarded_rows")
 
 
@@ -263,7 +288,8 @@ def profile(argv: list[str]):
     """Run the script `argv[0]` with its arguments in this process, printing each phase's RSS after it
     and the peak RSS inside it (GB), sampled every 2 ms by a thread: the calls to common's
     PHASE_FUNCTIONS, Rewards.__call__, Tensor.backward and AdamW.step (tracemalloc would not see
-    torch's allocations)."""
+    torch's allocations). Beside each, the bytes malloc has handed out and not had back (`live_bytes`),
+    after the phase and at its peak: RSS minus live is memory the allocator keeps after a free."""
     import runpy
     import threading
 
@@ -274,17 +300,18 @@ def profile(argv: list[str]):
 
     import common
 
-    process, peak, phases = psutil.Process(), [0], []
+    process, peak, live_peak, phases = psutil.Process(), [0], [0], []
 
     def poll():
         while True:
             peak[0] = max(peak[0], process.memory_info().rss)
+            live_peak[0] = max(live_peak[0], live_bytes())
             time.sleep(0.002)
 
     def mark(name):
-        rss = process.memory_info().rss
-        phases.append((name, rss / 2**30, max(peak[0], rss) / 2**30))
-        peak[0] = rss
+        rss, live = process.memory_info().rss, live_bytes()
+        phases.append((name, rss / 2**30, max(peak[0], rss) / 2**30, live / 2**30, max(live_peak[0], live) / 2**30))
+        peak[0], live_peak[0] = rss, live
 
     def wrapped(owner, name, label):
         fn = getattr(owner, name)
@@ -392,8 +419,9 @@ def whole_runs(args):
     for algo in algos:
         r = results[algo]
         print(f"\n{algo}: " + (r["error"] if "error" in r else f"peak {r['peak_gb']:.2f} GB, {r['wall_s']:.0f} s"))
-        for name, rss, peak in r.get("phases", []):
-            print(f"  {name:34} RSS after {rss:5.2f} GB   peak inside {peak:5.2f} GB")
+        for name, rss, peak, live, live_peak in r.get("phases", []):
+            print(f"  {name:34} RSS after {rss:5.2f} GB   peak inside {peak:5.2f} GB   "
+                  f"live after {live:5.2f} GB   peak inside {live_peak:5.2f} GB")  # fmt: skip
     print(f"\n{'':28}" + "".join(f"{a:>8}" for a in algos))
     table = [("peak RSS, GB", "peak_gb", "{:.2f}"), ("zero_std_frac (0: all rows)", "zero_std_frac", "{:g}"),
              ("loss", "loss", "{:.4f}"), ("wall, s", "wall_s", "{:.0f}")]  # fmt: skip
