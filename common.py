@@ -1003,12 +1003,17 @@ class Rollout:
     # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
-    seconds: float | None = None  # how long Sampler.sample took
+    # What sampling cost, for tokens_per_s: the seconds Sampler.sample took and the completion tokens it
+    # generated in them. Both describe the draw the rows came from, so rows picked out of it keep them as
+    # they are (their rate is the draw's); None: not sampled by Sampler (from_lists), and Run refuses it.
+    seconds: float | None = None
+    sampled_tokens: int | None = None
 
     def __getitem__(self, idx):
         pick = lambda x: None if x is None else x[idx]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
-                       pick(self.entropy), pick(self.sample_logp), pick(self.sample_logp_full))  # fmt: skip
+                       pick(self.entropy), pick(self.sample_logp), pick(self.sample_logp_full), self.seconds,
+                       self.sampled_tokens)  # fmt: skip
 
     def __len__(self):
         return self.prompt_ids.shape[0]
@@ -1766,7 +1771,7 @@ class Sampler:
             else:
                 with self.copy.cast_from(self.model):
                     roll = sample(self.copy.module, prompts, *flags, generator=generator, record_logp=True)
-        roll.seconds = time.perf_counter() - t0
+        roll.seconds, roll.sampled_tokens = time.perf_counter() - t0, int(roll.completion_mask.sum())
         return roll
 
 
@@ -2095,6 +2100,9 @@ class Run:
         `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
         token_reward). It measures how far the sampler mu is from pi_old, when mu is recorded
         (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace when one is due."""
+        if roll.seconds is None or roll.sampled_tokens is None:  # tokens_per_s would be a wrong number
+            raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
+                             "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
         self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
         self.mismatch, precision, args = {}, _loaded("rollout_precision"), self.args
         if precision is not None and roll.sample_logp is not None:
@@ -2148,7 +2156,8 @@ class Run:
             **rank_means(mean_over_updates(self.updates, args.epochs * args.minibatches)),
             "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),  # of pi_old
             "response_len": global_mean(mask.sum(1)),
-            "tokens_per_s": tokens.item() / roll.seconds,  # all ranks' tokens, per second of this rank's sampling
+            # every completion token sampled for the step on all ranks, per second of this rank's sampling
+            "tokens_per_s": all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds,
         }
         if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
             metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
