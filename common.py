@@ -2354,7 +2354,7 @@ class Run:
         if row["groups_kept"] < self.args.prompts_per_step:
             self.sample_cap_warned = True
             if self.env.rank == 0:
-                tqdm.write(f"warning: step {step}: {row['sample_rounds']} sampling rounds (--max-sample-rounds) gave "
+                tqdm.write(f"warning: step {step} reached --max-sample-rounds {row['sample_rounds']} with "
                            f"{row['groups_kept']} of --prompts-per-step {self.args.prompts_per_step} groups with "
                            "signal; such steps train on what they have (said once; the run goes on)",
                            file=sys.stderr)  # fmt: skip
