@@ -17,7 +17,10 @@ The defaults are the paper's aggregation and beta = 0 (no reference model in mem
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
 and adds nothing; it stays in the batch, and the updates do not forward its rows unless the KL term
 or --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement reads
-every row: an MoE model's routing, --reward-model's kl_to_init).
+every row: an MoE model's routing, --reward-model's kl_to_init). --filter-groups drops such groups
+and samples the stream's next prompts until the step is full (DAPO's dynamic sampling, step 3), so
+DAPO (Yu et al. 2025, arXiv 2503.14476) is
+    python grpo.py --filter-groups --eps-high 0.28 --loss-agg token-mean --mask-truncated
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
