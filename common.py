@@ -1990,6 +1990,7 @@ class SampleRounds:
     def __init__(self, args, world: int, pad_id: int):
         self.args, self.share, self.pad_id = args, args.prompts_per_step // world, pad_id
         self.rounds, self.agreed = [], 0  # agreed: the fewest groups with signal any rank holds so far
+        self._joined = None
 
     def wanted(self) -> bool:
         """Whether to sample another round: the first always; with --filter-groups, until full or the cap."""
@@ -2000,6 +2001,7 @@ class SampleRounds:
 
     def add(self, roll: Rollout, records: list, rewards: torch.Tensor, parts: dict):
         self.rounds.append((roll, records, rewards, parts))
+        self._joined = None
         if self.args.filter_groups:
             held = sum(int((~constant_groups(r[2], self.args.group_size)).sum()) for r in self.rounds)
             self.agreed = int(all_reduce_sum(torch.tensor(float(held)), op="MIN").item())
@@ -2008,9 +2010,11 @@ class SampleRounds:
         """(roll, records, rewards, parts) of every round, concatenated (the one round itself if only one)."""
         if len(self.rounds) == 1:
             return self.rounds[0]
-        rolls, records, rewards, parts = zip(*self.rounds)
-        joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        return Rollout.concat(list(rolls), self.pad_id), sum(records, []), torch.cat(rewards), joined
+        if self._joined is None:  # once: kept() and sampled() both read it
+            rolls, records, rewards, parts = zip(*self.rounds)
+            joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            self._joined = Rollout.concat(list(rolls), self.pad_id), sum(records, []), torch.cat(rewards), joined
+        return self._joined
 
     def sampled(self) -> tuple:
         """(roll, rewards, parts) of everything sampled: what Run.rollout's `sampled` takes."""
