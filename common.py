@@ -15,7 +15,8 @@ A script's train() calls into it in this order, and the sections follow that ord
   11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
-when asked for, so that a default run reads and runs this file alone: fsdp (--fsdp), lora (--lora-rank),
+when asked for; a default run imports one, traces, at its evaluations (--trace-every's default; 0: none,
+and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank),
 moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
 reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
 functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
@@ -161,11 +162,18 @@ def script_name(args_cls) -> str:
     return Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
 
 
+# The training recipe: the fields every script's own Args declares, with its defaults, so that a reader of one
+# file sees what it trains with (CleanRL's Args); a script or fork lacking one stops at start-up, naming it
+RECIPE = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "weight_decay",
+          "max_grad_norm", "anneal_lr", "minibatches", "epochs")  # fmt: skip
+
+
 @dataclass
 class SharedArgs:
-    """The flags every script shares. A script's Args subclasses this and declares its algorithm's own
-    flags (the paper's defaults); it may redeclare a shared field to give it the algorithm's default
-    (PPO's --minibatches 4, say). `check()` is where a script checks its own flags' ranges."""
+    """The flags every script shares that are not its training recipe: model, data, reward, output,
+    device, logging, checkpoints, the extras' flags. A script's Args subclasses this and declares the
+    RECIPE fields and its algorithm's own flags, with its defaults; `check()` is where it checks its
+    own flags' ranges."""
 
     model: str = arg(
         "tiny",
@@ -202,20 +210,7 @@ class SharedArgs:
     )
     reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
     reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(64, "prompts sampled per step")
-    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(
-        2, "minibatch updates per epoch over each rollout (every update after the first is off-policy)"
-    )
-    epochs: int = arg(1, "passes over each rollout")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
     entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
@@ -264,6 +259,10 @@ class SharedArgs:
     is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
 
     def __post_init__(self):
+        missing = [name for name in RECIPE if not hasattr(self, name)]
+        if missing:  # (a dataclass field with a default is also a class attribute)
+            raise UsageError(f"{self.algo}.py's Args lacks the recipe field {_flag(missing[0])}: every script "
+                             f"declares its training recipe ({', '.join(map(_flag, RECIPE))})")  # fmt: skip
         if self.out is None:
             self.out = f"runs/{self.algo}"
 
@@ -280,8 +279,7 @@ class SharedArgs:
 HELP_GROUPS = {
     "model and data": "model task data eval_data system_prompt thinking",
     "reward": "reward reward_weights reward_model reward_model_weight reward_model_norm",
-    "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
-    "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
+    "sampling and optimisation": "top_p grad_checkpointing entropy_coef",
     "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
     "run: seed, output, checkpoints, device": "seed out overwrite save_every resume max_consecutive_skips device fsdp",
     "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
@@ -307,25 +305,22 @@ def parse_args(args_cls, argv=None):
         argument_default=argparse.SUPPRESS,
     )
     shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
+    recipe = parser.add_argument_group(f"{algo}.py's training recipe")
     own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
     groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
-        group = groups[shared[f.name]] if f.name in shared else own
+        group = groups[shared[f.name]] if f.name in shared else recipe if f.name in RECIPE else own
         resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
         shown = f.metadata.get("shown") or shown_default(getattr(defaults, f.name))
         help_text = f"{f.metadata.get('help', '')} (default: {shown}{resume})".replace("%", "%%")
         choices = f.metadata.get("choices")
         metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
-        if f.type in (bool, "bool"):
+        how, kind = _parser_of(f, algo)
+        if how == "bool":
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
-        elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike
-            kind = _number(float) if "float" in str(f.type) else str
+        elif how == "list":  # "--reward a b" and "--reward a --reward b" alike
             group.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
         else:
-            type_name = str(f.type)  # "int", "float | None", ... (annotations are strings here)
-            kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
-            if "None" in type_name:  # Optional fields: "none" on the command line means None
-                kind = _optional(kind)
             group.add_argument(_flag(f.name), type=kind, help=help_text, **metavar)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
@@ -339,6 +334,34 @@ def parse_args(args_cls, argv=None):
     args = args_cls(**given)
     check_choices(args)
     return args
+
+
+_KINDS = {"int": _number(int), "float": _number(float), "str": str}
+SUPPORTED_TYPES = "bool, int, float, str, int | None, float | None, str | None, list[int], list[float], list[str]"
+
+
+def _parser_of(f, algo: str) -> tuple:
+    """("bool" | "value" | "list", the argparse type) for an Args field, read from its annotation exactly
+    (a string under `from __future__ import annotations`, else a type); any other annotation (bool | None,
+    a tuple, a dict) is refused at start-up rather than parsed as something else."""
+    t = (
+        f.type
+        if isinstance(f.type, str)
+        else getattr(f.type, "__name__", None)
+        if isinstance(f.type, type)
+        else str(f.type)
+    )
+    t = re.sub(r"^Optional\[(.*)\]$", r"\1|None", t.replace("typing.", "").replace(" ", ""))
+    t = "|".join(sorted(t.split("|"), key=lambda part: part == "None"))  # None | int -> int|None
+    base, optional = (t[: -len("|None")], True) if t.endswith("|None") else (t, False)
+    listed = re.fullmatch(r"list\[(\w+)\]", base)
+    kind = _KINDS.get(listed[1] if listed else base)
+    if t == "bool":
+        return "bool", None
+    if kind is None or (listed and optional):
+        raise UsageError(f"{algo}.py's Args field {f.name} is annotated {f.type}, which the command line cannot "
+                         f"parse; supported: {SUPPORTED_TYPES}")  # fmt: skip
+    return ("list" if listed else "value"), _optional(kind) if optional else kind
 
 
 def shown_default(value) -> str:
@@ -427,8 +450,9 @@ def check_clip(eps_low: float, eps_high: float):
 
 
 def extra(name: str, flag: str):
-    """extras/<name>.py, the optional capability that `flag` switches on, imported now (the default run
-    never imports one). Missing from this copy of the project: one line naming it, exit status 2."""
+    """extras/<name>.py, the optional capability that `flag` switches on, imported now (a default run
+    imports only traces, at its evaluations). Missing from this copy of the project: one line naming it,
+    exit status 2."""
     try:
         return importlib.import_module(f"extras.{name}")
     except ModuleNotFoundError as e:
@@ -522,8 +546,9 @@ def setup(args, needs_group: bool = True) -> Setup:
     """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
     any output is written), torchrun's process group, the data, the --reward functions (imported
     here, so that one that cannot be imported stops the run before it writes anything), the
-    --resume checkpoint, the device and the seeds. The embedded checkpoint is built here on first
-    use (not timed). `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
+    --resume checkpoint, the device and the seeds. An embedded checkpoint (--model tiny, ...) is looked
+    up here, shipped or cached, never built: a missing one is a one-line error. `needs_group`: the
+    advantage compares a prompt's completions (--group-size >= 2)."""
     args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
@@ -1924,10 +1949,10 @@ def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tenso
     return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
 
 
-def mean_over_updates(updates: list[dict], planned: int) -> dict:
-    """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
-    how many of the `planned` updates the non-finite guard skipped."""
-    out = {"skipped_updates": planned - len(updates)}
+def mean_over_updates(updates: list[dict], skipped: int) -> dict:
+    """The step's metrics from the stats of its updates that stepped: the mean of each (the max for
+    *_max_dev), and `skipped`, how many the non-finite guard skipped."""
+    out = {"skipped_updates": skipped}
     for key in updates[0] if updates else []:
         values = [u[key] for u in updates]
         out[key] = max(values) if key.endswith("_max_dev") else sum(values) / len(values)
@@ -1952,25 +1977,42 @@ class Run:
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
     progress bar, pi_old (`old_logprobs`), every measurement (`rollout`, `update`, `log`: the
     metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
-    --trace-every's OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard with --report-to
-    tensorboard), a few of each evaluation's completions printed and kept in OUT/samples.jsonl,
-    checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the run), --resume,
-    and at the end OUT/final/ and OUT/summary.json. `state` names the objects a checkpoint saves
-    besides the policy's weights (optimizers, the prompt stream, the sampling generator, ...);
-    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model).
-    Only rank 0 writes files.
+    the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
+    completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
+    OUT/summary.json. Only rank 0 writes files.
 
-        run = Run(args, env, model, tok, optimizer=optimizer, ...)
+        run = Run(args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, ...)
         for step in run.steps():
             ...                                   # sample, score, advantages
             old_logp = run.old_logprobs(roll, plan)
             run.rollout(roll, records, rewards, parts, advantages, old_logp, plan)
             for idx, rows in plan:
                 ...                               # the loss, backward, step
-                run.update(rows, logp, entropy, old_logp[rows], mask[rows], info, stepped)
+                run.update(rows, logp, entropy, old_logp[rows], mask[rows], info, stepped, minibatch=idx)
             run.log({...})                        # + evaluation when due
             run.save_checkpoint_if_due(step)
         return run.finish()
+
+    What it assumes of the loop (a fork that changes the loop's shape keeps these, or fails loudly):
+    - The constructor, before it writes anything: calls the reward on batches of the run's shapes (greedy,
+      no random stream moves); with --resume loads the checkpoint's weights into `model`, each `state`
+      object's state and the RNG states; otherwise evaluates `model` (step 0). Only then does it delete the
+      earlier run that --out held (check_out: another script's run only with --overwrite) and open OUT.
+    - Exact resume: a checkpoint holds the policy's weights, every object passed as `**state` (its
+      state_dict(), a torch.Generator's get_state()) and each rank's torch / numpy / random RNG states,
+      nothing else. Anything else whose state moves during the run (a new generator, an LR scheduler, a
+      replay buffer) must be passed here, or a resumed run silently differs: tests/test_reliability.py
+      resumes every script in tests/helpers.SCRIPTS and compares it bit for bit with a straight run.
+    - One `rollout` call a step, with a Rollout from Sampler.sample or rows picked from one (it keeps the
+      draw's seconds and sampled_tokens for tokens_per_s; without them it refuses); then one `update` call
+      per planned update, stepped or skipped: `skipped_updates` counts the calls whose `stepped` was False.
+    - `update(rows, ..., minibatch=idx)`: the shares the loss reports in `info` ("clip_frac*": of the tokens
+      of `rows` under `mask`; "*_seqs": of its rows) become shares of the minibatch's completion tokens
+      (sequences), as TRL and verl count them, so that forwarding more rows (--entropy-coef) or fewer leaves
+      them unchanged (a row left out has advantage 0 and never clips).
+    - `log(row)`: the script's own metrics are added to the measured ones (`measured`); a name in both is an
+      error, not an override, so that a script cannot replace a measured number unnoticed.
+    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model).
     """
 
     SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
@@ -2104,6 +2146,7 @@ class Run:
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
         self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
+        self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
         self.mismatch, precision, args = {}, _loaded("rollout_precision"), self.args
         if precision is not None and roll.sample_logp is not None:
             if args.old_logp == "rollout":  # no trainer pi_old before the updates: measured on the first (`update`)
@@ -2125,10 +2168,11 @@ class Run:
         self.trace = traces.Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
                                   per_token)  # fmt: skip
 
-    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool):
+    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None):
         """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
         False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
-        [b, T], and `info`, what the loss returned beside the loss. Its numbers are averaged over the
+        [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
+        of which the clip fractions become shares (the class docstring). Its numbers are averaged over the
         step's updates (those that stepped) and logged; its tensors (the ratio and the clip decisions)
         go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
         if self.mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
@@ -2136,8 +2180,13 @@ class Run:
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
             self.trace.update(rows, logp, entropy, info)
+        self.skipped += not stepped
         if stepped:
             numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+            minibatch = rows if minibatch is None else minibatch
+            tokens = (mask.sum() / self.roll.completion_mask[minibatch].sum().clamp(min=1)).item()
+            for k in [k for k in numbers if "clip_frac" in k]:  # a share of `rows` -> of the minibatch
+                numbers[k] *= len(rows) / len(minibatch) if k.endswith("_seqs") else tokens
             self.updates.append({**numbers, **token_ratio_stats(logp, old_logp, mask)})
 
     def measured(self) -> dict:
@@ -2153,8 +2202,9 @@ class Run:
             **global_means(self.parts),  # reward/<name> per --reward; accuracy, format_rate
             "truncated_frac": global_mean((~completion_ends(roll, self.eos)).float()),
             # loss, clip_frac*, ratio_*: each rank's mean over its updates, averaged over the ranks
-            **rank_means(mean_over_updates(self.updates, args.epochs * args.minibatches)),
-            "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),  # of pi_old
+            **rank_means(mean_over_updates(self.updates, self.skipped)),
+            # of the sampling distribution: the policy's, or its bf16 copy's under --rollout-dtype bfloat16
+            "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
             "response_len": global_mean(mask.sum(1)),
             # every completion token sampled for the step on all ranks, per second of this rank's sampling
             "tokens_per_s": all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds,
@@ -2177,7 +2227,11 @@ class Run:
         eval_reward, eval_pass@1, ...). `no_signal`: this step's rewards gave the update nothing to
         learn from (the script says when); after NO_SIGNAL_STEPS such steps in a row, one warning, kept
         in summary.json, and the run goes on. `shown`: the script's metrics printed at each evaluation."""
-        row = {**self.measured(), **rank_means(row)}  # the script's own: the mean of each rank's
+        measured, row = self.measured(), rank_means(row)  # the script's own: the mean of each rank's
+        if measured.keys() & row.keys():
+            raise ValueError(f"Run.log: the script's metrics {sorted(measured.keys() & row.keys())} are measured by "
+                             "Run too; name them otherwise (a measured metric is never overridden)")  # fmt: skip
+        row = {**measured, **row}
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
@@ -2510,7 +2564,9 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-# flags a resumed run may change: none of them alters the training trajectory
+# flags a resumed run may change; of them only --steps alters the training trajectory (the annealed learning
+# rate is a function of the step and --steps: a larger --steps stretches what is left of it), and --device
+# may change only within its type (a CPU checkpoint resumes on CPU; extras/resume.py refuses CPU <-> CUDA)
 RESUME_MAY_CHANGE = (
     "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "overwrite", "resume", "report_to",
     "merge_lora", "trace_every", "trace_groups",
@@ -2609,6 +2665,7 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
             "algo": algo,
             "step": state["progress"].step,
             "world": world,
+            "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
             "model": args.model,
             "config": model_signature(model.config),
             "args": dataclasses.asdict(args),
