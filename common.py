@@ -16,13 +16,13 @@ A script's train() calls into it in this order, and the sections follow that ord
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
 when asked for; a default run imports one, traces, at its evaluations (--trace-every's default; 0: none,
-and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank),
-moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
-reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
-functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
-(torchrun's process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer
-(--model tiny-qwen3: Qwen3's real tokenizer, vendored in checkpoints/qwen3-tokenizer/). Each is reached
-through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
+and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank), moe (MoE routing record,
+replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction), reward_model
+(--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
+data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed (torchrun's
+process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer (--model
+tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples). Each is reached through
+`extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
 tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
@@ -162,18 +162,15 @@ def script_name(args_cls) -> str:
     return Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
 
 
-# The training recipe: the fields every script's own Args declares, with its defaults, so that a reader of one
-# file sees what it trains with (CleanRL's Args); a script or fork lacking one stops at start-up, naming it
+# The training recipe: fields every script's own Args declares with its defaults (CleanRL's Args); checked at start
 RECIPE = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "weight_decay",
           "max_grad_norm", "anneal_lr", "minibatches", "epochs")  # fmt: skip
 
 
 @dataclass
 class SharedArgs:
-    """The flags every script shares that are not its training recipe: model, data, reward, output,
-    device, logging, checkpoints, the extras' flags. A script's Args subclasses this and declares the
-    RECIPE fields and its algorithm's own flags, with its defaults; `check()` is where it checks its
-    own flags' ranges."""
+    """The flags every script shares that are not its recipe (model, data, reward, output, device, logging,
+    checkpoints, the extras'). A script's Args adds the RECIPE fields and its own; `check()` checks its own."""
 
     model: str = arg(
         "tiny",
@@ -341,16 +338,9 @@ SUPPORTED_TYPES = "bool, int, float, str, int | None, float | None, str | None, 
 
 
 def _parser_of(f, algo: str) -> tuple:
-    """("bool" | "value" | "list", the argparse type) for an Args field, read from its annotation exactly
-    (a string under `from __future__ import annotations`, else a type); any other annotation (bool | None,
-    a tuple, a dict) is refused at start-up rather than parsed as something else."""
-    t = (
-        f.type
-        if isinstance(f.type, str)
-        else getattr(f.type, "__name__", None)
-        if isinstance(f.type, type)
-        else str(f.type)
-    )
+    """("bool" | "value" | "list", argparse type) of an Args field, from its annotation (string or type)
+    read exactly; any other (bool | None, a tuple) is refused at start-up, not parsed as something else."""
+    t = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # "int | None" whether string or type
     t = re.sub(r"^Optional\[(.*)\]$", r"\1|None", t.replace("typing.", "").replace(" ", ""))
     t = "|".join(sorted(t.split("|"), key=lambda part: part == "None"))  # None | int -> int|None
     base, optional = (t[: -len("|None")], True) if t.endswith("|None") else (t, False)
@@ -382,34 +372,28 @@ def check_common_args(args, needs_group: bool):
     if args.group_size < (2 if needs_group else 1):
         need = "2 (group advantages need at least two samples per prompt)" if needs_group else "1"
         raise UsageError(f"--group-size must be >= {need}, got {args.group_size}")
-    if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for name in ("lr", "weight_decay"):
-        if not 0 <= getattr(args, name) < math.inf:
-            raise UsageError(f"{_flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
-    if not args.max_grad_norm > 0:
-        raise UsageError(f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0 (0 turns periodic evaluation off), got {args.eval_every}")
-    if args.trace_every is not None and args.trace_every < 0:
-        raise UsageError(
-            f"--trace-every must be >= 0 (0: no traces; none: with each evaluation), got {args.trace_every}"
-        )
-    if args.trace_groups < 1:
-        raise UsageError(f"--trace-groups must be >= 1, got {args.trace_groups}")
-    if args.save_every < 0:
-        raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
-    if args.eval_samples < 0 or args.eval_samples == 1:
-        raise UsageError(f"--eval-samples must be 0 (off) or >= 2 (pass@n needs n samples), got {args.eval_samples}")
+    finite = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
+    for name, (holds, what) in {  # each flag: the test its value passes, and the message's "must be ..."
+        "temperature": (lambda v: v > 0, "> 0"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "lr": finite,
+        "weight_decay": finite,
+        "max_grad_norm": (lambda v: v > 0, "> 0 (inf: no clipping)"),
+        "eval_every": (lambda v: v >= 0, ">= 0 (0 turns periodic evaluation off)"),
+        "trace_every": (lambda v: v is None or v >= 0, ">= 0 (0: no traces; none: with each evaluation)"),
+        "trace_groups": (lambda v: v >= 1, ">= 1"),
+        "save_every": (lambda v: v >= 0, ">= 0 (0: no periodic checkpoints)"),
+        "eval_samples": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (pass@n needs n samples)"),
+        "entropy_coef": finite,
+        "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
+    }.items():
+        if not holds(getattr(args, name)):
+            raise UsageError(f"{_flag(name)} must be {what}, got {getattr(args, name)}")
     check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
-    if not 0 <= args.entropy_coef < math.inf:
-        raise UsageError(f"--entropy-coef must be a finite number >= 0, got {args.entropy_coef}")
+    if args.eval_samples:
+        extra("pass_at_k", "--eval-samples")
     if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     batch = args.prompts_per_step * args.group_size
     if batch % args.minibatches:
         raise UsageError(
@@ -850,11 +834,9 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
     """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back
     to the OS. By default glibc raises its mmap threshold to the size of each mmapped block it frees
-    (up to 32 MB); after that, the trunk's 8-26 MB activations at Qwen's vocabulary come from the heap,
-    whose freed pages stay resident: PPO's peak RSS on the memory benchmark was 2.58 GB for 1.51 GB of
-    live tensors (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it
-    moving. Nothing is computed differently. A no-op off glibc, or when the user set
-    MALLOC_MMAP_THRESHOLD_ themselves."""
+    (up to 32 MB); after that the trunk's activations come from the heap, whose freed pages stay resident
+    (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it moving. Nothing is
+    computed differently. A no-op off glibc, or when the user set MALLOC_MMAP_THRESHOLD_ themselves."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     import ctypes
@@ -1028,9 +1010,8 @@ class Rollout:
     # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
-    # What sampling cost, for tokens_per_s: the seconds Sampler.sample took and the completion tokens it
-    # generated in them. Both describe the draw the rows came from, so rows picked out of it keep them as
-    # they are (their rate is the draw's); None: not sampled by Sampler (from_lists), and Run refuses it.
+    # tokens_per_s's: the seconds Sampler.sample took and the completion tokens it made; rows picked out keep
+    # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which Run.rollout refuses
     seconds: float | None = None
     sampled_tokens: int | None = None
 
@@ -1563,14 +1544,6 @@ class Rewards:
         return extra("reward_functions", f"--reward {name}").call(name, fn, records, completions, columns)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of Chen et al. 2021 (Codex paper, Eq. 1) from n samples of which c are
-    correct: 1 - C(n - c, k) / C(n, k), as a product so that no binomial is ever formed."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
 @torch.no_grad()
 def evaluate(
     model,
@@ -1594,7 +1567,7 @@ def evaluate(
       format_rate   share of completions in which that parser finds a final answer   } have answers
       pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
                     `top_p` from `generator`; pass@1 is their mean accuracy, pass@n the unbiased
-                    estimator (`pass_at_k`) averaged over prompts
+                    estimator averaged over prompts (extras/pass_at_k.py)
       samples       with show = k > 0: the first k examples' prompt, greedy completion, reward,
                     reward components, answer and whether the completion was truncated
     Under torchrun each rank evaluates every world-th example and the means are over all ranks."""
@@ -1622,15 +1595,11 @@ def evaluate(
                         per_row[k].append(v.float())
                 if s == 0 and show:
                     samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
-                if n_samples:
-                    roll = sample(model, [p for p in prompts for _ in range(n_samples)], max_new_tokens, eos,
-                                  tok.pad_token_id, temperature, top_p, generator=generator)  # fmt: skip
-                    _, parts = reward_fn.score(tok, roll, [ex for ex in batch for _ in range(n_samples)])
-                    correct = parts["accuracy"].view(-1, n_samples).sum(1).long().tolist()  # per prompt
-                    per_row["pass@1"].append(torch.tensor([c / n_samples for c in correct]))
-                    per_row[f"pass@{n_samples}"].append(
-                        torch.tensor([pass_at_k(n_samples, c, n_samples) for c in correct])
-                    )
+                if n_samples:  # pass@1 and pass@n: extras/pass_at_k.py
+                    pass_at_k = extra("pass_at_k", "--eval-samples")
+                    for k, v in pass_at_k.pass_rates(model, tok, prompts, batch, reward_fn, n_samples, max_new_tokens,
+                                                     eos, temperature, top_p, generator).items():  # fmt: skip
+                        per_row[k].append(v)
     except RewardError as e:
         error = e
     raise_on_every_rank(error)
@@ -1713,9 +1682,8 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary. A chunk costs about 4x this at its
-# peak (logits, softmax, their product or the backward's gradient): 2**26 made that 1.0-1.3 GB of a 64 x 256-token
-# step's peak RSS at that vocabulary, 2**24 about 0.3 GB (benchmarks/memory.py)
+# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x this
+# (docs/memory.md)
 LOGITS_CHUNK_ELEMENTS = 2**24
 
 
@@ -1979,41 +1947,24 @@ class Run:
     metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
     the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
     completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
-    OUT/summary.json. Only rank 0 writes files.
-
-        run = Run(args, env, model, tok, optimizer=optimizer, stream=stream, sampling_gen=rng, ...)
-        for step in run.steps():
-            ...                                   # sample, score, advantages
-            old_logp = run.old_logprobs(roll, plan)
-            run.rollout(roll, records, rewards, parts, advantages, old_logp, plan)
-            for idx, rows in plan:
-                ...                               # the loss, backward, step
-                run.update(rows, logp, entropy, old_logp[rows], mask[rows], info, stepped, minibatch=idx)
-            run.log({...})                        # + evaluation when due
-            run.save_checkpoint_if_due(step)
-        return run.finish()
+    OUT/summary.json. Only rank 0 writes files. Each script's train() shows the calls in order.
 
     What it assumes of the loop (a fork that changes the loop's shape keeps these, or fails loudly):
-    - The constructor, before it writes anything: calls the reward on batches of the run's shapes (greedy,
-      no random stream moves); with --resume loads the checkpoint's weights into `model`, each `state`
-      object's state and the RNG states; otherwise evaluates `model` (step 0). Only then does it delete the
-      earlier run that --out held (check_out: another script's run only with --overwrite) and open OUT.
-    - Exact resume: a checkpoint holds the policy's weights, every object passed as `**state` (its
-      state_dict(), a torch.Generator's get_state()) and each rank's torch / numpy / random RNG states,
-      nothing else. Anything else whose state moves during the run (a new generator, an LR scheduler, a
-      replay buffer) must be passed here, or a resumed run silently differs: tests/test_reliability.py
-      resumes every script in tests/helpers.SCRIPTS and compares it bit for bit with a straight run.
-    - One `rollout` call a step, with a Rollout from Sampler.sample or rows picked from one (it keeps the
-      draw's seconds and sampled_tokens for tokens_per_s; without them it refuses); then one `update` call
-      per planned update, stepped or skipped: `skipped_updates` counts the calls whose `stepped` was False.
-    - `update(rows, ..., minibatch=idx)`: the shares the loss reports in `info` ("clip_frac*": of the tokens
-      of `rows` under `mask`; "*_seqs": of its rows) become shares of the minibatch's completion tokens
-      (sequences), as TRL and verl count them, so that forwarding more rows (--entropy-coef) or fewer leaves
-      them unchanged (a row left out has advantage 0 and never clips).
-    - `log(row)`: the script's own metrics are added to the measured ones (`measured`); a name in both is an
-      error, not an override, so that a script cannot replace a measured number unnoticed.
-    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model).
-    """
+    - The constructor, before writing anything, calls the reward on batches of the run's shapes (greedy: no
+      random stream moves); with --resume loads the checkpoint's weights into `model`, each `state` object's
+      state and the RNG states, else evaluates `model` (step 0). Only then does it delete the run --out held
+      (check_out) and open OUT.
+    - Exact resume: a checkpoint holds the policy's weights, each `**state` object (its state_dict(), a
+      torch.Generator's get_state()) and each rank's torch / numpy / random RNG states, nothing else: pass
+      whatever else moves during the run (a new generator, a scheduler), or a resumed run differs
+      (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit for bit).
+    - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
+      seconds and sampled_tokens), then one `update` per update run: `skipped_updates` counts those whose
+      `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
+      under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
+      verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
+    - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
+    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
 
     SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
     SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
@@ -2147,14 +2098,8 @@ class Run:
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
         self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
         self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
-        self.mismatch, precision, args = {}, _loaded("rollout_precision"), self.args
-        if precision is not None and roll.sample_logp is not None:
-            if args.old_logp == "rollout":  # no trainer pi_old before the updates: measured on the first (`update`)
-                self.mismatch = None
-            else:
-                mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
-                corrected = precision.is_weight_stats(weights, mask, args.is_correction, args.is_cap)
-                self.mismatch = {**precision.mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}
+        precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
+        self.mismatch = precision.rollout_mismatch(roll, old_logp, plan, weights, args) if precision else {}
         if not trace_due(args, self.step_now):
             return
         if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
@@ -2282,9 +2227,8 @@ class Run:
         """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
         least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
         FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
-        completion failed; all-equal at any value would count a learning run's solved prompts: on the
-        default gspo.py run 0.97 of 50 steps' groups were all-equal at 0.6 accuracy) (PPO: of its steps
-        without signal).
+        completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
+        (PPO: of its steps without signal).
         `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
         progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
         progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]

@@ -120,12 +120,12 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
                 assert torch.allclose(torch.tensor(c["token_reward"]), kl, atol=1e-5)
             else:
                 assert isinstance(c["advantage"], float) and c["value"] is None
-            if c["updates"] is None:  # GSPO leaves rows with A = 0 out of every update
-                assert name == "gspo" and c["advantage"] == 0
+            if c["updates"] is None:  # a row left out of every update: only one whose advantage is 0
+                assert helpers.traits(name).skips_zero_advantage and c["advantage"] == 0
                 seen["not_forwarded"] += 1
                 continue
             # one per epoch; a row with A = 0 only where it stood in for an all-zero minibatch (rows_with_signal)
-            assert len(c["updates"]) == 2 or (name == "gspo" and c["advantage"] == 0 and len(c["updates"]) == 1)
+            assert len(c["updates"]) == 2 or (c["advantage"] == 0 and len(c["updates"]) == 1)
             for u in c["updates"]:
                 logp = torch.tensor(u["logp"], dtype=torch.float64)
                 diff = logp - old.double()
@@ -148,7 +148,7 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
             if c["updates"][0]["update"] == 0:
                 assert torch.allclose(torch.tensor(c["updates"][0]["logp"]), old, atol=2e-5)
     assert seen["clipped"] and seen["not_clipped"], seen  # the clip rule was tested both ways
-    if name == "gspo":
+    if helpers.traits(name).skips_zero_advantage and "--kl-coef" not in OWN.get(name, []):  # (a KL term: every row)
         assert seen["not_forwarded"], "no row with advantage 0 was traced: the null path went untested"
 
 
