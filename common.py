@@ -15,13 +15,14 @@ A script's train() calls into it in this order, and the sections follow that ord
   11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
-when asked for, so that a default run reads and runs this file alone: fsdp (--fsdp), lora (--lora-rank),
-moe (MoE routing record, replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction),
-reward_model (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward
-functions), data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed
-(torchrun's process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer
-(--model tiny-qwen3: Qwen3's real tokenizer, vendored in checkpoints/qwen3-tokenizer/). Each is reached
-through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
+when asked for; a default run imports one, traces, at its evaluations (--trace-every's default; 0: none,
+and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank), moe (MoE routing record,
+replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction), reward_model
+(--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
+data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed (torchrun's
+process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer (--model
+tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples). Each is reached through
+`extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
 tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
@@ -161,11 +162,15 @@ def script_name(args_cls) -> str:
     return Path(getattr(sys.modules[args_cls.__module__], "__file__", args_cls.__module__)).stem
 
 
+# The training recipe: fields every script's own Args declares with its defaults (CleanRL's Args); checked at start
+RECIPE = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "weight_decay",
+          "max_grad_norm", "anneal_lr", "minibatches", "epochs")  # fmt: skip
+
+
 @dataclass
 class SharedArgs:
-    """The flags every script shares. A script's Args subclasses this and declares its algorithm's own
-    flags (the paper's defaults); it may redeclare a shared field to give it the algorithm's default
-    (PPO's --minibatches 4, say). `check()` is where a script checks its own flags' ranges."""
+    """The flags every script shares that are not its recipe (model, data, reward, output, device, logging,
+    checkpoints, the extras'). A script's Args adds the RECIPE fields and its own; `check()` checks its own."""
 
     model: str = arg(
         "tiny",
@@ -202,20 +207,7 @@ class SharedArgs:
     )
     reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
     reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(64, "prompts sampled per step")
-    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(
-        2, "minibatch updates per epoch over each rollout (every update after the first is off-policy)"
-    )
-    epochs: int = arg(1, "passes over each rollout")
     grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
     entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
     eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
@@ -264,6 +256,10 @@ class SharedArgs:
     is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
 
     def __post_init__(self):
+        missing = [name for name in RECIPE if not hasattr(self, name)]
+        if missing:  # (a dataclass field with a default is also a class attribute)
+            raise UsageError(f"{self.algo}.py's Args lacks the recipe field {_flag(missing[0])}: every script "
+                             f"declares its training recipe ({', '.join(map(_flag, RECIPE))})")  # fmt: skip
         if self.out is None:
             self.out = f"runs/{self.algo}"
 
@@ -280,8 +276,7 @@ class SharedArgs:
 HELP_GROUPS = {
     "model and data": "model task data eval_data system_prompt thinking",
     "reward": "reward reward_weights reward_model reward_model_weight reward_model_norm",
-    "sampling": "steps prompts_per_step group_size max_new_tokens temperature top_p",
-    "optimisation": "lr weight_decay max_grad_norm anneal_lr minibatches epochs grad_checkpointing entropy_coef",
+    "sampling and optimisation": "top_p grad_checkpointing entropy_coef",
     "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
     "run: seed, output, checkpoints, device": "seed out overwrite save_every resume max_consecutive_skips device fsdp",
     "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
@@ -307,25 +302,22 @@ def parse_args(args_cls, argv=None):
         argument_default=argparse.SUPPRESS,
     )
     shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
+    recipe = parser.add_argument_group(f"{algo}.py's training recipe")
     own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
     groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
-        group = groups[shared[f.name]] if f.name in shared else own
+        group = groups[shared[f.name]] if f.name in shared else recipe if f.name in RECIPE else own
         resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
         shown = f.metadata.get("shown") or shown_default(getattr(defaults, f.name))
         help_text = f"{f.metadata.get('help', '')} (default: {shown}{resume})".replace("%", "%%")
         choices = f.metadata.get("choices")
         metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
-        if f.type in (bool, "bool"):
+        how, kind = _parser_of(f, algo)
+        if how == "bool":
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
-        elif str(f.type).startswith("list"):  # "--reward a b" and "--reward a --reward b" alike
-            kind = _number(float) if "float" in str(f.type) else str
+        elif how == "list":  # "--reward a b" and "--reward a --reward b" alike
             group.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
         else:
-            type_name = str(f.type)  # "int", "float | None", ... (annotations are strings here)
-            kind = _number(int) if "int" in type_name else _number(float) if "float" in type_name else str
-            if "None" in type_name:  # Optional fields: "none" on the command line means None
-                kind = _optional(kind)
             group.add_argument(_flag(f.name), type=kind, help=help_text, **metavar)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
@@ -339,6 +331,27 @@ def parse_args(args_cls, argv=None):
     args = args_cls(**given)
     check_choices(args)
     return args
+
+
+_KINDS = {"int": _number(int), "float": _number(float), "str": str}
+SUPPORTED_TYPES = "bool, int, float, str, int | None, float | None, str | None, list[int], list[float], list[str]"
+
+
+def _parser_of(f, algo: str) -> tuple:
+    """("bool" | "value" | "list", argparse type) of an Args field, from its annotation (string or type)
+    read exactly; any other (bool | None, a tuple) is refused at start-up, not parsed as something else."""
+    t = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # "int | None" whether string or type
+    t = re.sub(r"^Optional\[(.*)\]$", r"\1|None", t.replace("typing.", "").replace(" ", ""))
+    t = "|".join(sorted(t.split("|"), key=lambda part: part == "None"))  # None | int -> int|None
+    base, optional = (t[: -len("|None")], True) if t.endswith("|None") else (t, False)
+    listed = re.fullmatch(r"list\[(\w+)\]", base)
+    kind = _KINDS.get(listed[1] if listed else base)
+    if t == "bool":
+        return "bool", None
+    if kind is None or (listed and optional):
+        raise UsageError(f"{algo}.py's Args field {f.name} is annotated {f.type}, which the command line cannot "
+                         f"parse; supported: {SUPPORTED_TYPES}")  # fmt: skip
+    return ("list" if listed else "value"), _optional(kind) if optional else kind
 
 
 def shown_default(value) -> str:
@@ -359,34 +372,28 @@ def check_common_args(args, needs_group: bool):
     if args.group_size < (2 if needs_group else 1):
         need = "2 (group advantages need at least two samples per prompt)" if needs_group else "1"
         raise UsageError(f"--group-size must be >= {need}, got {args.group_size}")
-    if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for name in ("lr", "weight_decay"):
-        if not 0 <= getattr(args, name) < math.inf:
-            raise UsageError(f"{_flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
-    if not args.max_grad_norm > 0:
-        raise UsageError(f"--max-grad-norm must be > 0 (inf: no clipping), got {args.max_grad_norm}")
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0 (0 turns periodic evaluation off), got {args.eval_every}")
-    if args.trace_every is not None and args.trace_every < 0:
-        raise UsageError(
-            f"--trace-every must be >= 0 (0: no traces; none: with each evaluation), got {args.trace_every}"
-        )
-    if args.trace_groups < 1:
-        raise UsageError(f"--trace-groups must be >= 1, got {args.trace_groups}")
-    if args.save_every < 0:
-        raise UsageError(f"--save-every must be >= 0 (0: no periodic checkpoints), got {args.save_every}")
-    if args.eval_samples < 0 or args.eval_samples == 1:
-        raise UsageError(f"--eval-samples must be 0 (off) or >= 2 (pass@n needs n samples), got {args.eval_samples}")
+    finite = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
+    for name, (holds, what) in {  # each flag: the test its value passes, and the message's "must be ..."
+        "temperature": (lambda v: v > 0, "> 0"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "lr": finite,
+        "weight_decay": finite,
+        "max_grad_norm": (lambda v: v > 0, "> 0 (inf: no clipping)"),
+        "eval_every": (lambda v: v >= 0, ">= 0 (0 turns periodic evaluation off)"),
+        "trace_every": (lambda v: v is None or v >= 0, ">= 0 (0: no traces; none: with each evaluation)"),
+        "trace_groups": (lambda v: v >= 1, ">= 1"),
+        "save_every": (lambda v: v >= 0, ">= 0 (0: no periodic checkpoints)"),
+        "eval_samples": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (pass@n needs n samples)"),
+        "entropy_coef": finite,
+        "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
+    }.items():
+        if not holds(getattr(args, name)):
+            raise UsageError(f"{_flag(name)} must be {what}, got {getattr(args, name)}")
     check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
-    if not 0 <= args.entropy_coef < math.inf:
-        raise UsageError(f"--entropy-coef must be a finite number >= 0, got {args.entropy_coef}")
+    if args.eval_samples:
+        extra("pass_at_k", "--eval-samples")
     if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     batch = args.prompts_per_step * args.group_size
     if batch % args.minibatches:
         raise UsageError(
@@ -427,8 +434,9 @@ def check_clip(eps_low: float, eps_high: float):
 
 
 def extra(name: str, flag: str):
-    """extras/<name>.py, the optional capability that `flag` switches on, imported now (the default run
-    never imports one). Missing from this copy of the project: one line naming it, exit status 2."""
+    """extras/<name>.py, the optional capability that `flag` switches on, imported now (a default run
+    imports only traces, at its evaluations). Missing from this copy of the project: one line naming it,
+    exit status 2."""
     try:
         return importlib.import_module(f"extras.{name}")
     except ModuleNotFoundError as e:
@@ -522,8 +530,9 @@ def setup(args, needs_group: bool = True) -> Setup:
     """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
     any output is written), torchrun's process group, the data, the --reward functions (imported
     here, so that one that cannot be imported stops the run before it writes anything), the
-    --resume checkpoint, the device and the seeds. The embedded checkpoint is built here on first
-    use (not timed). `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
+    --resume checkpoint, the device and the seeds. An embedded checkpoint (--model tiny, ...) is looked
+    up here, shipped or cached, never built: a missing one is a one-line error. `needs_group`: the
+    advantage compares a prompt's completions (--group-size >= 2)."""
     args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
@@ -825,11 +834,9 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
     """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back
     to the OS. By default glibc raises its mmap threshold to the size of each mmapped block it frees
-    (up to 32 MB); after that, the trunk's 8-26 MB activations at Qwen's vocabulary come from the heap,
-    whose freed pages stay resident: PPO's peak RSS on the memory benchmark was 2.58 GB for 1.51 GB of
-    live tensors (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it
-    moving. Nothing is computed differently. A no-op off glibc, or when the user set
-    MALLOC_MMAP_THRESHOLD_ themselves."""
+    (up to 32 MB); after that the trunk's activations come from the heap, whose freed pages stay resident
+    (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it moving. Nothing is
+    computed differently. A no-op off glibc, or when the user set MALLOC_MMAP_THRESHOLD_ themselves."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     import ctypes
@@ -1003,9 +1010,8 @@ class Rollout:
     # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
-    # What sampling cost, for tokens_per_s: the seconds Sampler.sample took and the completion tokens it
-    # generated in them. Both describe the draw the rows came from, so rows picked out of it keep them as
-    # they are (their rate is the draw's); None: not sampled by Sampler (from_lists), and Run refuses it.
+    # tokens_per_s's: the seconds Sampler.sample took and the completion tokens it made; rows picked out keep
+    # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which Run.rollout refuses
     seconds: float | None = None
     sampled_tokens: int | None = None
     draws: int | None = None  # how many Sampler.sample calls those figures add up (1 for one; `concat` sums)
@@ -1564,14 +1570,6 @@ class Rewards:
         return extra("reward_functions", f"--reward {name}").call(name, fn, records, completions, columns)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of Chen et al. 2021 (Codex paper, Eq. 1) from n samples of which c are
-    correct: 1 - C(n - c, k) / C(n, k), as a product so that no binomial is ever formed."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
 @torch.no_grad()
 def evaluate(
     model,
@@ -1595,7 +1593,7 @@ def evaluate(
       format_rate   share of completions in which that parser finds a final answer   } have answers
       pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
                     `top_p` from `generator`; pass@1 is their mean accuracy, pass@n the unbiased
-                    estimator (`pass_at_k`) averaged over prompts
+                    estimator averaged over prompts (extras/pass_at_k.py)
       samples       with show = k > 0: the first k examples' prompt, greedy completion, reward,
                     reward components, answer and whether the completion was truncated
     Under torchrun each rank evaluates every world-th example and the means are over all ranks."""
@@ -1623,15 +1621,11 @@ def evaluate(
                         per_row[k].append(v.float())
                 if s == 0 and show:
                     samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
-                if n_samples:
-                    roll = sample(model, [p for p in prompts for _ in range(n_samples)], max_new_tokens, eos,
-                                  tok.pad_token_id, temperature, top_p, generator=generator)  # fmt: skip
-                    _, parts = reward_fn.score(tok, roll, [ex for ex in batch for _ in range(n_samples)])
-                    correct = parts["accuracy"].view(-1, n_samples).sum(1).long().tolist()  # per prompt
-                    per_row["pass@1"].append(torch.tensor([c / n_samples for c in correct]))
-                    per_row[f"pass@{n_samples}"].append(
-                        torch.tensor([pass_at_k(n_samples, c, n_samples) for c in correct])
-                    )
+                if n_samples:  # pass@1 and pass@n: extras/pass_at_k.py
+                    pass_at_k = extra("pass_at_k", "--eval-samples")
+                    for k, v in pass_at_k.pass_rates(model, tok, prompts, batch, reward_fn, n_samples, max_new_tokens,
+                                                     eos, temperature, top_p, generator).items():  # fmt: skip
+                        per_row[k].append(v)
     except RewardError as e:
         error = e
     raise_on_every_rank(error)
@@ -1714,9 +1708,8 @@ def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary. A chunk costs about 4x this at its
-# peak (logits, softmax, their product or the backward's gradient): 2**26 made that 1.0-1.3 GB of a 64 x 256-token
-# step's peak RSS at that vocabulary, 2**24 about 0.3 GB (benchmarks/memory.py)
+# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x this
+# (docs/memory.md)
 LOGITS_CHUNK_ELEMENTS = 2**24
 
 
@@ -2034,10 +2027,10 @@ class SampleRounds:
         return roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}
 
 
-def mean_over_updates(updates: list[dict], planned: int) -> dict:
-    """The step's metrics from its updates' stats: the mean of each (the max for *_max_dev), and
-    how many of the `planned` updates the non-finite guard skipped."""
-    out = {"skipped_updates": planned - len(updates)}
+def mean_over_updates(updates: list[dict], skipped: int) -> dict:
+    """The step's metrics from the stats of its updates that stepped: the mean of each (the max for
+    *_max_dev), and `skipped`, how many the non-finite guard skipped."""
+    out = {"skipped_updates": skipped}
     for key in updates[0] if updates else []:
         values = [u[key] for u in updates]
         out[key] = max(values) if key.endswith("_max_dev") else sum(values) / len(values)
@@ -2062,26 +2055,29 @@ class Run:
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
     progress bar, pi_old (`old_logprobs`), every measurement (`rollout`, `update`, `log`: the
     metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
-    --trace-every's OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard with --report-to
-    tensorboard), a few of each evaluation's completions printed and kept in OUT/samples.jsonl,
-    checkpoints (every --save-every steps, and on SIGINT / SIGTERM, which then end the run), --resume,
-    and at the end OUT/final/ and OUT/summary.json. `state` names the objects a checkpoint saves
-    besides the policy's weights (optimizers, the prompt stream, the sampling generator, ...);
-    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model).
-    Only rank 0 writes files.
+    the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
+    completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
+    OUT/summary.json. Only rank 0 writes files. Each script's train() shows the calls in order.
 
-        run = Run(args, env, model, tok, optimizer=optimizer, ...)
-        for step in run.steps():
-            ...                                   # sample, score, advantages
-            old_logp = run.old_logprobs(roll, plan)
-            run.rollout(roll, records, rewards, parts, advantages, old_logp, plan)
-            for idx, rows in plan:
-                ...                               # the loss, backward, step
-                run.update(rows, logp, entropy, old_logp[rows], mask[rows], info, stepped)
-            run.log({...})                        # + evaluation when due
-            run.save_checkpoint_if_due(step)
-        return run.finish()
-    """
+    What it assumes of the loop (a fork that changes the loop's shape keeps these, or fails loudly):
+    - The constructor, before writing anything, calls the reward on batches of the run's shapes (greedy: no
+      random stream moves); with --resume loads the checkpoint's weights into `model`, each `state` object's
+      state and the RNG states, else evaluates `model` (step 0). Only then does it delete the run --out held
+      (check_out) and open OUT.
+    - Exact resume: a checkpoint holds the policy's weights, each `**state` object (its state_dict(), a
+      torch.Generator's get_state()) and each rank's torch / numpy / random RNG states, nothing else: pass
+      whatever else moves during the run (a new generator, a scheduler), or a resumed run differs
+      (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit for bit).
+    - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
+      seconds and sampled_tokens). A loop that samples more than it trains (--filter-groups' SampleRounds, a
+      fork's own sampling loop) also passes `sampled=(roll, rewards, parts)` of everything it sampled, its
+      draws joined by Rollout.concat: the rollout's metrics and the collapse watch read that, the updates'
+      what trains. Then one `update` per update run: `skipped_updates` counts those whose
+      `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
+      under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
+      verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
+    - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
+    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
 
     SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
     SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
@@ -2222,14 +2218,9 @@ class Run:
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
         self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
-        self.mismatch, precision, args = {}, _loaded("rollout_precision"), self.args
-        if precision is not None and roll.sample_logp is not None:
-            if args.old_logp == "rollout":  # no trainer pi_old before the updates: measured on the first (`update`)
-                self.mismatch = None
-            else:
-                mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
-                corrected = precision.is_weight_stats(weights, mask, args.is_correction, args.is_cap)
-                self.mismatch = {**precision.mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}
+        self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
+        precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
+        self.mismatch = precision.rollout_mismatch(roll, old_logp, plan, weights, args) if precision else {}
         if not trace_due(args, self.step_now):
             return
         if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
@@ -2243,10 +2234,11 @@ class Run:
         self.trace = traces.Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
                                   per_token)  # fmt: skip
 
-    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool):
+    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None):
         """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
         False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
-        [b, T], and `info`, what the loss returned beside the loss. Its numbers are averaged over the
+        [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
+        of which the clip fractions become shares (the class docstring). Its numbers are averaged over the
         step's updates (those that stepped) and logged; its tensors (the ratio and the clip decisions)
         go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
         if self.mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
@@ -2254,8 +2246,13 @@ class Run:
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
             self.trace.update(rows, logp, entropy, info)
+        self.skipped += not stepped
         if stepped:
             numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+            minibatch = rows if minibatch is None else minibatch
+            tokens = (mask.sum() / self.roll.completion_mask[minibatch].sum().clamp(min=1)).item()
+            for k in [k for k in numbers if "clip_frac" in k]:  # a share of `rows` -> of the minibatch
+                numbers[k] *= len(rows) / len(minibatch) if k.endswith("_seqs") else tokens
             self.updates.append({**numbers, **token_ratio_stats(logp, old_logp, mask)})
 
     def measured(self) -> dict:
@@ -2273,8 +2270,9 @@ class Run:
             **global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
             "truncated_frac": global_mean((~completion_ends(sampled, self.eos)).float()),
             # loss, clip_frac*, ratio_*: each rank's mean over its updates, averaged over the ranks
-            **rank_means(mean_over_updates(self.updates, args.epochs * args.minibatches)),
-            "entropy": (all_reduce_sum((sampled.entropy * mask).sum()) / tokens.clamp(min=1)).item(),  # of pi_old
+            **rank_means(mean_over_updates(self.updates, self.skipped)),
+            # of the sampling distribution: the policy's, or its bf16 copy's under --rollout-dtype bfloat16
+            "entropy": (all_reduce_sum((sampled.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
             "response_len": global_mean(mask.sum(1)),
             # every completion token sampled for the step on all ranks, per second of this rank's sampling
             "tokens_per_s": all_reduce_sum(torch.tensor(float(sampled.sampled_tokens))).item() / sampled.seconds,
@@ -2302,7 +2300,11 @@ class Run:
         eval_reward, eval_pass@1, ...). `no_signal`: this step's rewards gave the update nothing to
         learn from (the script says when); after NO_SIGNAL_STEPS such steps in a row, one warning, kept
         in summary.json, and the run goes on. `shown`: the script's metrics printed at each evaluation."""
-        row = {**self.measured(), **rank_means(row)}  # the script's own: the mean of each rank's
+        measured, row = self.measured(), rank_means(row)  # the script's own: the mean of each rank's
+        if measured.keys() & row.keys():
+            raise ValueError(f"Run.log: the script's metrics {sorted(measured.keys() & row.keys())} are measured by "
+                             "Run too; name them otherwise (a measured metric is never overridden)")  # fmt: skip
+        row = {**measured, **row}
         row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
@@ -2367,9 +2369,8 @@ class Run:
         """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
         least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
         FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
-        completion failed; all-equal at any value would count a learning run's solved prompts: on the
-        default gspo.py run 0.97 of 50 steps' groups were all-equal at 0.6 accuracy) (PPO: of its steps
-        without signal).
+        completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
+        (PPO: of its steps without signal).
         `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
         progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
         progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
@@ -2649,7 +2650,9 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-# flags a resumed run may change: none of them alters the training trajectory
+# flags a resumed run may change; of them only --steps alters the training trajectory (the annealed learning
+# rate is a function of the step and --steps: a larger --steps stretches what is left of it), and --device
+# may change only within its type (a CPU checkpoint resumes on CPU; extras/resume.py refuses CPU <-> CUDA)
 RESUME_MAY_CHANGE = (
     "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "overwrite", "resume", "report_to",
     "merge_lora", "trace_every", "trace_groups",
@@ -2748,6 +2751,7 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
             "algo": algo,
             "step": state["progress"].step,
             "world": world,
+            "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
             "model": args.model,
             "config": model_signature(model.config),
             "args": dataclasses.asdict(args),

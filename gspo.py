@@ -43,7 +43,25 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # (low, high) bounds of a log-ratio before exp:
 
 
 @dataclass
-class Args(common.SharedArgs):  # the flags every script shares, then GSPO's own
+class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then GSPO's own
+    # The training recipe: batch shape, sampling, optimiser and schedule
+    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    prompts_per_step: int = arg(64, "prompts sampled per step")
+    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
+    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (each after the first: off-policy)")
+    epochs: int = arg(1, "passes over each rollout")
+    # and how a step fills its batch (DAPO's dynamic sampling; off: the paper's algorithm)
+    filter_groups: bool = arg(
+        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
+    )
+    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
+    # GSPO's own
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
     eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
     variant: str = arg(
@@ -52,10 +70,6 @@ class Args(common.SharedArgs):  # the flags every script shares, then GSPO's own
     mask_truncated: bool = arg(
         False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
     )
-    filter_groups: bool = arg(
-        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
-    )
-    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
@@ -136,7 +150,7 @@ def gspo_loss(
     else:
         loss = masked_mean(per_item, mask, dim=1).sum() / n_seqs
         clip_frac = {"clip_frac": masked_mean(is_clipped.float(), mask).item()}  # a share of tokens
-    seq_ratio = log_s.detach().exp()
+    seq_ratio = log_s.detach().exp()[mask.any(1)] if mask.any() else torch.ones(1)  # empty rows left out
     info = {
         "ratio": ratio.detach(),
         "clipped": is_clipped,
@@ -222,7 +236,7 @@ def train(args: Args):
             if stepped:
                 optimizer.step()
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
-            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped)
+            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, minibatch=idx)
 
         # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.

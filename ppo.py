@@ -49,7 +49,20 @@ LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp:
 
 
 @dataclass
-class Args(common.SharedArgs):  # the flags every script shares, then PPO's own
+class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then PPO's own
+    # The training recipe: batch shape, sampling, optimiser and schedule
+    steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    prompts_per_step: int = arg(128, "prompts sampled per step")
+    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
+    max_new_tokens: int = arg(8, "maximum completion length in tokens")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
+    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
+    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
+    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
+    epochs: int = arg(1, "passes over each rollout")
+    # PPO's own
     critic_lr: float = arg(1e-3, "critic AdamW learning rate")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
@@ -62,11 +75,6 @@ class Args(common.SharedArgs):  # the flags every script shares, then PPO's own
     vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
     cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
-    # shared flags with PPO's own defaults
-    steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(128, "prompts sampled per step")
-    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
-    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
@@ -292,7 +300,8 @@ def train(args: Args):
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C). No
         #    signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike).
-        no_signal = common.all_equal(scores) or masked_mean(roll.entropy, mask).item() < common.NO_SIGNAL_ENTROPY
+        entropy = common.global_mean(roll.entropy[mask.bool()])  # all ranks' tokens, so that the ranks agree
+        no_signal = common.all_equal(scores) or entropy < common.NO_SIGNAL_ENTROPY
         run.log(ppo_metrics(old_values, returns, mask, old_logp, ref_logp), no_signal, shown=("explained_variance",))
         run.save_checkpoint_if_due(step)
     return run.finish(critic=critic)  # final/critic.pt beside the policy

@@ -16,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import RESUME_MAY_CHANGE, UsageError, _describe, _flag, _loaded, model_path, model_signature, sharded
+from common import (
+    RESUME_MAY_CHANGE,
+    UsageError,
+    _describe,
+    _flag,
+    _loaded,
+    model_path,
+    model_signature,
+    resolve_device,
+    sharded,
+)
 
 
 def set_rng_state(state: dict):
@@ -97,6 +107,12 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
         raise UsageError(
             f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
             f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
+        )
+    saved_device, device = meta.get("device"), resolve_device(args.device).type
+    if saved_device is not None and saved_device != device:  # its generators' states are the device type's own
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint was trained on {saved_device}, this run is on {device}; "
+            f"resume it on {saved_device} (--device {saved_device}): its sampling generator is {saved_device}'s"
         )
     if meta["model"] != args.model:
         raise UsageError(

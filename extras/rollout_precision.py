@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from common import IS_CORRECTIONS, UsageError
+from common import IS_CORRECTIONS, UsageError, forwarded_rows
 
 
 def check_args(args):
@@ -118,3 +118,16 @@ def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str,
     changed = (w >= cap) if mode == "tis" else (w == 0)
     return {"is_weight_mean": w.mean().item(), f"is_{'truncated' if mode == 'tis' else 'masked'}_frac":
             changed.float().mean().item()}  # fmt: skip
+
+
+def rollout_mismatch(roll, old_logp: torch.Tensor, plan, weights, args) -> dict | None:
+    """Run.rollout's mismatch_* and is_* metrics: mu (the sampler) against pi_old over the rows the updates
+    of `plan` forward; {} when mu was not recorded; None under --old-logp rollout, which has no trainer
+    pi_old before the updates (Run.update measures it on the first update's forward instead)."""
+    if roll.sample_logp is None:
+        return {}
+    if args.old_logp == "rollout":
+        return None
+    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    corrected = is_weight_stats(weights, mask, args.is_correction, args.is_cap)
+    return {**mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +23,33 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # conftest.py does this too; the helpers must not depend on it
     sys.path.insert(0, str(ROOT))
 
-# The scripts that the shared tests (reliability, arguments, traces, fork traps) run, by file stem: a fork
-# (rloo.py beside gspo.py, say) is covered by them once its name is added here (README, "Fork it").
+# The scripts that the shared tests (reliability, arguments, layout, smoke, traces, fork traps) run, by file
+# stem: a fork (rloo.py beside gspo.py, say) is covered by them once its name is added here, with its line in
+# TRAITS below (README, "Fork it"; tests/README.md).
 SCRIPTS = ("ppo", "grpo", "gspo")
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the shared tests must know of a script and cannot ask its code, declared once here."""
+
+    grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
+    skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
+    test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
+
+
+TRAITS = {
+    "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0")),
+    "grpo": Traits(grouped=True, skips_zero_advantage=True),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True),
+}
+
+
+def traits(name: str) -> Traits:
+    """TRAITS[name]; a script in SCRIPTS without a line there fails the test that asks, naming what to add."""
+    assert name in TRAITS, f"{name} is in tests/helpers.py's SCRIPTS but not in TRAITS: copy its parent's line there"
+    return TRAITS[name]
+
 
 # Light hypothesis profile: no deadline (the machine is shared), a modest number of examples.
 LIGHT = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

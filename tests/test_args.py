@@ -1,7 +1,8 @@
 """The scripts' command lines (every script in helpers.SCRIPTS): Args instances share no mutable default,
 every script's Args subclasses common.SharedArgs, so its fields are the shared ones first (in
-common.HELP_GROUPS' order) and then its own, and --help shows them in titled groups, each flag
-exactly once."""
+common.HELP_GROUPS' order) and then its own: its training recipe (common.RECIPE, declared in its own
+file) and its algorithm's flags; --help shows them in titled groups, each flag exactly once. A fork
+whose Args lacks a recipe field, or declares a field the parser cannot read, stops at start-up."""
 
 import dataclasses
 import importlib
@@ -40,11 +41,14 @@ def test_the_shared_flags_first_in_one_order_then_the_scripts_own(name):
     assert fields[: len(SHARED)] == SHARED
     assert own and not set(own) & set(SHARED)
     assert {"eps_low", "eps_high"} <= set(own)
+    # the recipe is declared in the script's own file (its class body), not inherited from common.py
+    assert set(common.RECIPE) <= set(vars(MODULES[name].Args)["__annotations__"])
+    assert not set(common.RECIPE) & {f.name for f in dataclasses.fields(common.SharedArgs)}
 
 
 def test_the_shared_flags_are_exactly_those_all_scripts_have():
     names = [{f.name for f in dataclasses.fields(m.Args)} for m in MODULES.values()]
-    common_to_all = set.intersection(*names) - {"eps_low", "eps_high"}
+    common_to_all = set.intersection(*names) - {"eps_low", "eps_high"} - set(common.RECIPE)
     assert common_to_all == set(SHARED) and len(SHARED) == len(set(SHARED))
     assert [f.name for f in dataclasses.fields(common.SharedArgs)] == SHARED
 
@@ -75,13 +79,15 @@ def test_help_shows_titled_groups_in_the_same_order_each_flag_once():
     for name, module in MODULES.items():
         groups = help_groups(f"{name}.py")
         titles = [t for t, _ in groups]
-        assert titles == ["options", f"{name}.py's own flags (the paper's defaults)", *common.HELP_GROUPS]
+        assert titles == ["options", f"{name}.py's training recipe", f"{name}.py's own flags (the paper's defaults)",
+                          *common.HELP_GROUPS]  # fmt: skip
         flags = [f for _, fs in groups for f in fs]
         expected = ["-h"] + ["--" + f.name.replace("_", "-") for f in dataclasses.fields(module.Args)]
         assert sorted(flags) == sorted(expected) and len(flags) == len(set(flags))
-        assert [fs for t, fs in groups[2:]] == [["--" + n.replace("_", "-") for n in names.split()]
+        assert sorted(groups[1][1]) == sorted(common._flag(n) for n in common.RECIPE)
+        assert [fs for t, fs in groups[3:]] == [["--" + n.replace("_", "-") for n in names.split()]
                                                 for names in common.HELP_GROUPS.values()]  # fmt: skip
-        seen[name] = groups[2:]
+        seen[name] = groups[3:]
     assert all(groups == seen[SCRIPTS[0]] for groups in seen.values())
 
 
@@ -141,3 +147,98 @@ def test_help_states_each_default_once_and_truly_after_a_one_line_usage(name):
         assert bool(m.group(2)) == (f.name in common.RESUME_MAY_CHANGE), flag
     assert re.search(r"\(default: arith; jsonl with --data alone\)$", helps["--task"])
     assert helps["--out"].endswith(f"(default: runs/{name}; may change on --resume)")
+
+
+FORK = """from __future__ import annotations
+from dataclasses import dataclass
+import common
+from common import arg
+
+
+@dataclass
+class Args(common.SharedArgs):
+{fields}
+
+
+def train(args):
+    print("trained", args)
+
+
+if __name__ == "__main__":
+    common.main(train, Args)
+"""
+RECIPE_FIELDS = {
+    "steps": "int = arg(3, 'steps')",
+    "prompts_per_step": "int = arg(4, 'prompts')",
+    "group_size": "int = arg(2, 'group')",
+    "max_new_tokens": "int = arg(4, 'tokens')",
+    "temperature": "float = arg(1.0, 'temperature')",
+    "lr": "float = arg(1e-3, 'lr')",
+    "weight_decay": "float = arg(0.0, 'wd')",
+    "max_grad_norm": "float = arg(1.0, 'clip')",
+    "anneal_lr": "bool = arg(True, 'anneal')",
+    "minibatches": "int = arg(1, 'minibatches')",
+    "epochs": "int = arg(1, 'epochs')",
+}
+
+
+def run_fork(tmp_path, fields: dict, *argv):
+    """`python fork.py ARGV` for a minimal fork (its Args `fields`) in a temporary folder, importing common."""
+    import os
+
+    body = "\n".join(f"    {name}: {decl}" for name, decl in fields.items()) or "    pass"
+    (tmp_path / "fork.py").write_text(FORK.format(fields=body))
+    env = {**os.environ, "PYTHONPATH": str(common.SHIPPED_CHECKPOINTS.parent)}
+    return subprocess.run([sys.executable, "fork.py", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+
+
+def one_error_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (proc.returncode, proc.stderr)
+    return lines[0]
+
+
+def test_recipe_is_the_fields_the_issue_names():
+    """Written out here, so that a field quietly dropped from common.RECIPE (and from a script) fails."""
+    assert set(common.RECIPE) == set(RECIPE_FIELDS)
+
+
+@pytest.mark.parametrize("missing", ["lr", "minibatches", "steps"])
+def test_a_fork_without_a_recipe_field_stops_at_start_up_naming_it(tmp_path, missing):
+    fields = {k: v for k, v in RECIPE_FIELDS.items() if k != missing}
+    line = one_error_line(run_fork(tmp_path, fields))
+    assert f"fork.py's Args lacks the recipe field {common._flag(missing)}" in line
+
+
+def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path):
+    proc = run_fork(tmp_path, {**RECIPE_FIELDS, "beta": "float | None = arg(None, 'beta')"}, "--lr", "0.5",
+                    "--beta", "none", "--no-anneal-lr")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "lr=0.5" in proc.stdout and "beta=None" in proc.stdout and "anneal_lr=False" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "decl", ["bool | None = arg(None, 'x')", "tuple[int, int] = arg((1, 2), 'x')", "dict = arg({}, 'x')"]
+)
+def test_an_annotation_the_parser_cannot_read_stops_at_start_up(tmp_path, decl):
+    """Refused even when the flag is not given: the parser used to guess by substring ("false" kept as a
+    truthy string for bool | None, a tuple[int, int] read as one int)."""
+    line = one_error_line(run_fork(tmp_path, {**RECIPE_FIELDS, "odd": decl}))
+    assert "field odd is annotated" in line and "supported: bool, int, float" in line
+
+
+def test_annotations_are_read_exactly_whether_strings_or_types():
+    import typing
+
+    def field(t):
+        return dataclasses.make_dataclass("A", [("x", t)]).__dataclass_fields__["x"]
+
+    for t, how in [(int, "value"), ("int", "value"), (typing.Optional[float], "value"), (float | None, "value"),  # noqa: UP045
+                   (list[str], "list"), ("list[float]", "list"), (bool, "bool"), ("bool", "bool")]:  # fmt: skip
+        assert common._parser_of(field(t), "x")[0] == how, t
+    assert common._parser_of(field("int | None"), "x")[1]("none") is None
+    assert common._parser_of(field("int | None"), "x")[1]("3") == 3
+    for t in ("bool | None", typing.Optional[bool], bool | None, "tuple[int, int]", "list[int] | None", "set[str]"):  # noqa: UP045
+        with pytest.raises(common.UsageError, match="cannot parse"):
+            common._parser_of(field(t), "x")

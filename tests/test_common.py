@@ -1144,3 +1144,14 @@ def test_seeded_sampling_reproducible(rand_model, prompts, char_tok):
     tiny_p = run(5, top_p=1e-6)
     greedy = common.sample(rand_model, prompts, 8, eos, pad, greedy=True)
     assert torch.equal(tiny_p.completion_ids, greedy.completion_ids)
+
+
+def test_rollout_rows_keep_the_draws_seconds_and_sampled_tokens():
+    """tokens_per_s is sampled_tokens / seconds of the draw: rows picked out of a rollout (a filter, a
+    minibatch) keep the draw's figures, so a loop that passes a subset logs the sampler's true rate."""
+    roll = common.Rollout.from_lists([[1, 2], [3]], [[4, 5, 6], [7]], pad_id=0)
+    assert roll.seconds is None and roll.sampled_tokens is None  # not sampled: Run refuses it
+    roll.seconds, roll.sampled_tokens = 0.5, 4
+    for rows in (torch.tensor([1]), torch.tensor([True, False]), slice(0, 2)):
+        part = roll[rows]
+        assert (part.seconds, part.sampled_tokens) == (0.5, 4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, entropy_tol, logit_scale, main_in_process
+from helpers import ROOT, SCRIPTS, entropy_tol, logit_scale, main_in_process, traits
 
 import common
 import grpo
@@ -27,7 +28,7 @@ import recipes  # noqa: E402  (tools/recipes.py: the tiny tokenizer's characters
 MODULES = {name: importlib.import_module(name) for name in SCRIPTS}
 # The scripts that score completions against their group: every one but PPO (whose critic's baseline
 # leaves advantages nonzero when every reward is equal)
-GROUP_SCRIPTS = [name for name in SCRIPTS if name != "ppo"]
+GROUP_SCRIPTS = [name for name in SCRIPTS if traits(name).skips_zero_advantage]  # A = 0 rows left out
 TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
             "--eval-size", "8", "--eval-every", "0"]  # fmt: skip
 
@@ -109,14 +110,14 @@ SPREAD = (
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, name):
     (tmp_path / "rewards.py").write_text(CONSTANT)
-    extra = ["--kl-coef", "0"] if name == "ppo" else []  # ppo: no per-token KL reward either
+    extra = list(traits(name).test_flags)  # ppo: --kl-coef 0, no per-token KL reward either
     argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", 25, "--out", tmp_path / "out", *TINY_RUN, *extra]
     status, _, err = run_main(name, argv, capsys)
     assert status == 0, err
     warnings = [line for line in err.splitlines() if "no learning signal" in line]
     assert len(warnings) == 1, err
     assert "20 steps in a row (steps 1-20)" in warnings[0] and "partial credit" in warnings[0]
-    assert ("every group's rewards were equal" in warnings[0]) == (name != "ppo")
+    assert ("every group's rewards were equal" in warnings[0]) == traits(name).grouped
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["no_signal"] == {"from_step": 1, "warned_at_step": 20}
     assert summary["no_signal_steps"] == 25 and summary["step"] == 25
@@ -466,3 +467,68 @@ def test_the_entropy_bonus_experiments_task_and_table(tmp_path):
     late = sum(1.0 / s for s in range(11, 41)) / 30  # the last LAST = 30 steps
     assert "| 0 | 1 | (not run) |" in table
     assert f"| 0.01 | 1 | 0.100 | 0.300 | 0.300 | {late:.3f} | 0.500 | 20 | 12 |" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# Run's contracts (issue 46): what the shared code logs stays true when a script changes its loop
+# ---------------------------------------------------------------------------------------------
+
+
+def first_row(out: Path) -> dict:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GROUP_SCRIPTS)
+def test_forwarding_zero_advantage_rows_leaves_the_clip_fraction_as_it_was(tmp_path, capsys, name):
+    """A clip fraction is a share of the minibatch's completion tokens (sequences), whichever rows the update
+    forwards: --entropy-coef 1e-9 forwards every row (A = 0 ones too, which never clip) and changes the
+    weights by ~1e-9, so its clip fraction is the one without, to one token flipped by that change at most.
+    Measured with the shares of forwarded rows (before issue 46): grpo.py 0.0897 without, 0.0324 with."""
+    argv = ["--steps", 1, "--prompts-per-step", 16, "--seed", 5, "--eval-every", 0, "--eval-size", 8]
+    rows = {}
+    for coef in (0.0, 1e-9):
+        assert run_main(name, [*argv, "--entropy-coef", coef, "--out", tmp_path / str(coef)], capsys)[0] == 0
+        rows[coef] = first_row(tmp_path / str(coef))
+    keys = [k for k in rows[0.0] if "clip_frac" in k]
+    assert keys and all(rows[0.0][k] >= 0 for k in keys), rows[0.0]
+    one_token = 1 / (16 * MODULES[name].Args().group_size)  # a sequence's share; a token's is smaller
+    assert any(rows[0.0][k] > 0 for k in keys), "nothing clipped: the comparison would be vacuous"
+    for k in keys:
+        assert abs(rows[0.0][k] - rows[1e-9][k]) <= one_token, (k, rows[0.0][k], rows[1e-9][k])
+
+
+def fork_module(tmp_path, name: str, edit) -> object:
+    """The script `name`, its text changed by `edit`, imported from a file of its own in tmp_path (a fork)."""
+    source = (ROOT / f"{name}.py").read_text()
+    changed = edit(source)
+    assert changed != source, "the edit no longer matches the script's text"
+    path = tmp_path / f"{name}_fork.py"
+    path.write_text(changed)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", GROUP_SCRIPTS)
+def test_skipped_updates_counts_skips_not_the_updates_a_fork_left_out(tmp_path, capsys, name):
+    """A fork that runs only the first planned update of each step skips nothing: skipped_updates is 0
+    (it used to be epochs x minibatches minus the updates that stepped: 1 here, a skip that never happened)."""
+    module = fork_module(tmp_path, name, lambda s: s.replace("for idx, rows in plan:", "for idx, rows in plan[:1]:"))
+    argv = [*TINY_RUN, "--minibatches", 2, "--steps", 1, "--out", tmp_path / "out"]
+    status, _, err = main_in_process(module, argv, capsys)
+    assert status == 0, err
+    assert first_row(tmp_path / "out")["skipped_updates"] == 0
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_scripts_metric_named_like_a_measured_one_is_an_error(tmp_path, capsys, name):
+    """run.log's row is added to what Run measures; a clash (a fork logging its own "reward", say) raises
+    instead of replacing the measured number unnoticed."""
+    module = fork_module(tmp_path, name, lambda s: s.replace("run.log(", "run.log({'reward': 1.0, 'x': 2.0} | ", 1))
+    with pytest.raises(ValueError, match=r"\['reward'\] are measured by Run too"):
+        common.main(
+            module.train, module.Args, argv=[str(a) for a in [*TINY_RUN, "--steps", 1, "--out", tmp_path / "o"]]
+        )

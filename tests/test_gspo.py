@@ -700,3 +700,20 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
     for name, w in weights[0].items():
         torch.testing.assert_close(w, weights[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_ratio_statistics_leave_empty_rows_out():
+    """A row with no token in the loss's mask (--mask-truncated's rows) has no sequence ratio: its exp(0) = 1
+    used to pull ratio_mean toward 1 and ratio_std down. Hand-worked: rows 0 and 2 real, row 1 empty."""
+    mask = t64([[1, 1], [0, 0], [1, 0]])
+    lr = [0.002, 0.5, -0.004]  # row 1's log-ratio is masked out entirely
+    logp, old = t64([[x, x] for x in lr]), torch.zeros(3, 2, dtype=torch.float64)
+    _, stats = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask, EPS_LOW, EPS_HIGH, "sequence")
+    real = [math.exp(0.002), math.exp(-0.004)]
+    mean = sum(real) / 2
+    # a mean of 2 exact values (1 rounding), exp (2): gamma_4 relative
+    assert stats["ratio_mean"] == pytest.approx(mean, rel=gamma_n(4))
+    assert stats["ratio_std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in real) / 2), rel=1e-9)
+    assert stats["ratio_max_dev"] == pytest.approx(1 - math.exp(-0.004), rel=1e-9)
+    _, none_real = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask * 0, EPS_LOW, EPS_HIGH, "sequence")
+    assert none_real["ratio_mean"] == 1.0 and none_real["ratio_std"] == 0.0  # no row: no movement to report

@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from helpers import LIGHT, LOGGED_TOL, SCRIPTS, batches, gamma, is_clipped, loop_seq_ratio  # noqa: E402
+import importlib  # noqa: E402
+
+from helpers import LIGHT, LOGGED_TOL, SCRIPTS, batches, gamma, is_clipped, loop_seq_ratio, traits  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
@@ -45,7 +47,7 @@ import ppo  # noqa: E402
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
          "--minibatches", "2", "--eval-every", "0"]  # fmt: skip
-MODULES = {"ppo": ppo, "grpo": grpo, "gspo": gspo}
+MODULES = {name: importlib.import_module(name) for name in SCRIPTS}  # every registered script, a fork too
 
 
 def env():
@@ -126,6 +128,7 @@ CAPABILITIES = {
     ("--data", "some.jsonl"): "data_files",
     ("--reward", "some_file.py:fn"): "reward_functions",
     ("--resume", "a-run"): "resume",
+    ("--eval-samples", "4"): "pass_at_k",
 }
 # extras that no flag of a single-process run on the shipped checkpoints switches on
 NOT_FLAG_SWITCHED = {
@@ -364,9 +367,11 @@ def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
     rewards = torch.tensor(flat, dtype=torch.float32)  # as the reward functions return them
     expected = loop_constant_groups(rewards.tolist(), group_size)
     assert common.constant_groups(rewards, group_size).tolist() == expected
-    for module, scale in ((grpo, "std"), (grpo, "none"), (gspo, "std")):
-        adv = module.group_advantages(rewards, group_size, scale).view(-1, group_size)
-        assert (adv == 0).all(1).tolist() == expected, (module.__name__, scale, flat)
+    grouped = [name for name in SCRIPTS if traits(name).grouped]
+    assert grouped and all(hasattr(MODULES[name], "group_advantages") for name in grouped), grouped
+    for name, scale in [(name, scale) for name in grouped for scale in ("std", "none")]:
+        adv = MODULES[name].group_advantages(rewards, group_size, scale).view(-1, group_size)
+        assert (adv == 0).all(1).tolist() == expected, (name, scale, flat)
 
 
 def loss_functions():
@@ -376,7 +381,7 @@ def loss_functions():
 
 def test_no_loss_takes_a_trace():
     found = loss_functions()
-    assert {f.__name__ for _, f in found} >= {"ppo_policy_loss", "value_loss", "grpo_loss", "gspo_loss"}
+    assert {name for name, _ in found} == set(SCRIPTS), "a script in SCRIPTS defines no *_loss function"
     for name, fn in found:
         assert "trace" not in inspect.signature(fn).parameters, f"{name}.{fn.__name__} takes trace="
 

@@ -222,12 +222,10 @@ def test_resume_equals_uninterrupted_run(runs, tmp_path, script):
     assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
     assert metrics(resumed) == metrics(full)  # rows 1-3: another process, same seed; rows 4-6: resumed
     assert_same_weights(weights(resumed / "final"), weights(full / "final"))
-    if script == "ppo":
-        critic_full, critic_resumed = (
-            torch.load(full / "final" / "critic.pt"),
-            torch.load(resumed / "final" / "critic.pt"),
-        )
-        assert_same_weights(critic_resumed, critic_full)
+    saved = sorted(p.name for p in (full / "final").glob("*.pt"))  # what else the script saves (PPO: its critic)
+    assert saved == sorted(p.name for p in (resumed / "final").glob("*.pt"))
+    for name in saved:
+        assert_same_weights(torch.load(resumed / "final" / name), torch.load(full / "final" / name))
     summary, summary_full = (json.loads((d / "summary.json").read_text()) for d in (resumed, full))
     assert summary["eval_accuracy_before"] == summary_full["eval_accuracy_before"]
     assert summary["eval_accuracy_after"] == summary_full["eval_accuracy_after"]
@@ -452,3 +450,16 @@ def test_consecutive_nonfinite_updates_stop_with_status_3(tmp_path, monkeypatch,
     assert lines[-1].startswith("error: loss or gradient norm not finite in 3 consecutive updates (step 2)")
     rows = metrics(tmp_path / "run")
     assert [r["skipped_updates"] for r in rows] == [2]  # step 1 logged; step 2 stopped at its first update
+
+
+def test_resume_refuses_a_checkpoint_of_another_device_type(runs, tmp_path):
+    """A checkpoint trained on CUDA, offered to a CPU run (meta.json's device edited: no GPU here), is refused
+    in one line before anything loads: its sampling generator's state is the device type's own."""
+    moved = tmp_path / "moved"
+    shutil.copytree(runs("gspo", "part"), moved)
+    meta = json.loads((moved / "checkpoint" / "meta.json").read_text())
+    assert meta["device"] == "cpu"  # what the run was trained on is recorded
+    meta["device"] = "cuda"
+    (moved / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    refusal(run("gspo", "--resume", moved, "--steps", "6", "--device", "cpu"), "trained on cuda, this run is on cpu")
+    assert (moved / "metrics.jsonl").read_text() == (runs("gspo", "part") / "metrics.jsonl").read_text()
