@@ -337,6 +337,10 @@ def test_a_filtered_run_trains_only_groups_with_signal_and_measures_all_it_sampl
         tokens = sum(int(r.completion_mask.sum()) for r, _ in rounds)
         assert row["response_len"] == pytest.approx(tokens / len(everything), abs=LOGGED_TOL)
     assert not sampled  # every round accounted for
+    traces = [json.loads(line) for line in (tmp_path / "out" / "traces.jsonl").read_text().splitlines()]
+    last = rows[-1]  # the trace (at the last step) draws from the kept groups: all with signal
+    assert traces and all(t["signal"] and t["step"] == 3 for t in traces)
+    assert {t["groups_in_step"] for t in traces} == {t["groups_with_signal"] for t in traces} == {last["groups_kept"]}
 
 
 # ---------------------------------------------------------------------------------------------
