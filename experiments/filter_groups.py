@@ -92,7 +92,7 @@ def report(out: Path, seeds: list[int]):
             continue
         rows = [metrics(r) for r in runs]
         sums = [json.loads((r / "summary.json").read_text()) for r in runs]
-        curves[prefix] = rows
+        curves[prefix] = [(m, s["eval_accuracy_before"]) for m, s in zip(rows, sums)]
         lines.append(
             f"| {label} | {','.join(r.name.rsplit('-s', 1)[1] for r in runs)} "
             f"| {'/'.join(str(len(m)) for m in rows)} "
@@ -120,9 +120,9 @@ def plot(out: Path, curves: dict):
     for row, algo in enumerate(("grpo", "gspo")):
         for kind, colour in colours.items():
             prefix = f"{algo}-{kind}" if kind else algo
-            for i, rows in enumerate(curves.get(prefix, [])):
-                evals = [(r["step"], sum(x["step_time_s"] for x in rows[: r["step"]]), r["eval_accuracy"])
-                         for r in rows if "eval_accuracy" in r]  # fmt: skip
+            for i, (rows, before) in enumerate(curves.get(prefix, [])):
+                evals = [(0, 0.0, before)] + [(r["step"], sum(x["step_time_s"] for x in rows[: r["step"]]),
+                                               r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]  # fmt: skip
                 label = {"filter": "--filter-groups", "": "unfiltered, same steps", "wall": "unfiltered, same s"}
                 kw = {"color": colour, "alpha": 0.8, "label": f"{algo} {label[kind]}" if i == 0 else None}
                 if kind != "wall":
