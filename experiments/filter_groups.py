@@ -82,8 +82,8 @@ def spread(values: list[float], digits: int = 3) -> str:
 def report(out: Path, seeds: list[int]):
     lines = [
         "| config | seeds | steps | held-out accuracy after | before | training s | step s | sample rounds / step "
-        "| prompts drawn / step | zero_std_frac (sampled) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| prompts drawn / step | groups with signal trained / step | zero_std_frac (sampled) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     curves = {}
     for prefix, label in CONFIGS:
@@ -102,6 +102,7 @@ def report(out: Path, seeds: list[int]):
             f"| {spread([train_seconds(m) / len(m) for m in rows], 3)} "
             f"| {spread([statistics.mean(r['sample_rounds'] for r in m) for m in rows], 2)} "
             f"| {spread([statistics.mean(r['groups_sampled'] for r in m) for m in rows], 1)} "
+            f"| {spread([statistics.mean(r['groups_kept'] for r in m) for m in rows], 1)} "
             f"| {spread([statistics.mean(r['zero_std_frac'] for r in m) for m in rows], 3)} |"
         )
     (out / "filter_groups.md").write_text("\n".join(lines) + "\n")
