@@ -1014,15 +1014,41 @@ class Rollout:
     # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which Run.rollout refuses
     seconds: float | None = None
     sampled_tokens: int | None = None
+    draws: int | None = None  # how many Sampler.sample calls those figures add up (1 for one; `concat` sums)
 
     def __getitem__(self, idx):
         pick = lambda x: None if x is None else x[idx]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
                        pick(self.entropy), pick(self.sample_logp), pick(self.sample_logp_full), self.seconds,
-                       self.sampled_tokens)  # fmt: skip
+                       self.sampled_tokens, self.draws)  # fmt: skip
 
     def __len__(self):
         return self.prompt_ids.shape[0]
+
+    @staticmethod
+    def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
+        """The rows of `rolls`, in order, as one Rollout: prompts re-padded on the left and completions on
+        the right (with `pad_id`, masks 0) to the widest part, so each row's prompt ++ completion is as
+        it was. Parts may have no rows. seconds, sampled_tokens and draws add up (None if a part lacks
+        them): a concatenation of selections of several draws costs what those draws did."""
+        P = max(r.prompt_ids.shape[1] for r in rolls)
+        T = max(r.completion_ids.shape[1] for r in rolls)
+        left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
+        right = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+
+        def cat(name, pad, value):
+            xs = [getattr(r, name) for r in rolls]
+            return None if any(x is None for x in xs) else torch.cat([pad(x, value) for x in xs])
+
+        def total(name):
+            xs = [getattr(r, name) for r in rolls]
+            return None if any(x is None for x in xs) else sum(xs)
+
+        return Rollout(cat("prompt_ids", left, pad_id), cat("prompt_mask", left, 0),
+                       cat("completion_ids", right, pad_id), cat("completion_mask", right, 0),
+                       cat("entropy", right, 0), cat("sample_logp", right, 0),
+                       cat("sample_logp_full", right, 0), total("seconds"), total("sampled_tokens"),
+                       total("draws"))  # fmt: skip
 
     @staticmethod
     def from_lists(prompts, completions, pad_id: int, device="cpu"):
@@ -1764,7 +1790,7 @@ class Sampler:
             else:
                 with self.copy.cast_from(self.model):
                     roll = sample(self.copy.module, prompts, *flags, generator=generator, record_logp=True)
-        roll.seconds, roll.sampled_tokens = time.perf_counter() - t0, int(roll.completion_mask.sum())
+        roll.seconds, roll.sampled_tokens, roll.draws = time.perf_counter() - t0, int(roll.completion_mask.sum()), 1
         return roll
 
 
@@ -1917,6 +1943,90 @@ def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tenso
     return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
 
 
+def check_filter_groups(args):
+    """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds (raises UsageError naming the flag)."""
+    if args.max_sample_rounds < 1:
+        raise UsageError(f"--max-sample-rounds must be >= 1, got {args.max_sample_rounds}")
+    if args.filter_groups and args.group_size < 2:
+        raise UsageError(f"--filter-groups keeps groups whose rewards differ: --group-size must be >= 2, "
+                         f"got {args.group_size}")  # fmt: skip
+
+
+def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
+    """Row indices of the first `n` groups (G consecutive rows) whose rewards are not all equal (max != min,
+    exact: `constant_groups`), each group's rows together and in order; fewer when fewer have signal."""
+    signal = (~constant_groups(rewards, group_size)).nonzero().squeeze(1)[:n]  # group numbers
+    return (signal[:, None] * group_size + torch.arange(group_size, device=signal.device)).reshape(-1)
+
+
+def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) -> int:
+    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`
+    (its part of --prompts-per-step), less any that would leave --minibatches unable to split the rows
+    evenly. Every rank gets the same number, so each runs the same updates in step (DDP, FSDP)."""
+    n = min(agreed, share)
+    while n and n * group_size % minibatches:
+        n -= 1
+    return n
+
+
+class SampleRounds:
+    """One step's sampling, round by round: the loop of grpo.py's and gspo.py's train() `add`s each round's
+    rollout, records, rewards and parts while `wanted`. Without --filter-groups there is one round, and
+    `kept` is that round as it came. With it (DAPO's dynamic sampling: Yu et al. 2025, section 3.2) rounds,
+    each from the prompt stream's next prompts, go on until every rank holds its share of --prompts-per-step
+    groups whose rewards are not all equal, or --max-sample-rounds have run; the ranks agree through one
+    all-reduce (the fewest groups any rank holds) a round. `kept` is then the first `groups_to_train` groups
+    with signal of the rounds, in order, as many on every rank; if that is none, the first round as sampled
+    (its advantages all 0: a step without signal, as without the filter). `sampled` is everything sampled,
+    which Run's metrics of the rollout read (Run.rollout)."""
+
+    def __init__(self, args, world: int, pad_id: int):
+        self.args, self.share, self.pad_id = args, args.prompts_per_step // world, pad_id
+        self.rounds, self.agreed = [], 0  # agreed: the fewest groups with signal any rank holds so far
+        self._joined = None
+
+    def wanted(self) -> bool:
+        """Whether to sample another round: the first always; with --filter-groups, until full or the cap."""
+        args = self.args
+        if not self.rounds:
+            return True
+        return args.filter_groups and len(self.rounds) < args.max_sample_rounds and self.agreed < self.share
+
+    def add(self, roll: Rollout, records: list, rewards: torch.Tensor, parts: dict):
+        self.rounds.append((roll, records, rewards, parts))
+        self._joined = None
+        if self.args.filter_groups:
+            held = sum(int((~constant_groups(r[2], self.args.group_size)).sum()) for r in self.rounds)
+            self.agreed = int(all_reduce_sum(torch.tensor(float(held)), op="MIN").item())
+
+    def joined(self) -> tuple:
+        """(roll, records, rewards, parts) of every round, concatenated (the one round itself if only one)."""
+        if len(self.rounds) == 1:
+            return self.rounds[0]
+        if self._joined is None:  # once: kept() and sampled() both read it
+            rolls, records, rewards, parts = zip(*self.rounds)
+            joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            self._joined = Rollout.concat(list(rolls), self.pad_id), sum(records, []), torch.cat(rewards), joined
+        return self._joined
+
+    def sampled(self) -> tuple:
+        """(roll, rewards, parts) of everything sampled: what Run.rollout's `sampled` takes."""
+        roll, _, rewards, parts = self.joined()
+        return roll, rewards, parts
+
+    def kept(self) -> tuple:
+        """(roll, records, rewards, parts) to train on (see the class)."""
+        args = self.args
+        if not args.filter_groups:
+            return self.rounds[0]
+        n = groups_to_train(self.agreed, self.share, args.group_size, args.minibatches)
+        if n == 0:
+            return self.rounds[0]
+        roll, records, rewards, parts = self.joined()
+        rows = keep_groups(rewards, args.group_size, n)
+        return roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}
+
+
 def mean_over_updates(updates: list[dict], skipped: int) -> dict:
     """The step's metrics from the stats of its updates that stepped: the mean of each (the max for
     *_max_dev), and `skipped`, how many the non-finite guard skipped."""
@@ -1959,7 +2069,10 @@ class Run:
       whatever else moves during the run (a new generator, a scheduler), or a resumed run differs
       (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit for bit).
     - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
-      seconds and sampled_tokens), then one `update` per update run: `skipped_updates` counts those whose
+      seconds and sampled_tokens). A loop that samples more than it trains (--filter-groups' SampleRounds, a
+      fork's own sampling loop) also passes `sampled=(roll, rewards, parts)` of everything it sampled, its
+      draws joined by Rollout.concat: the rollout's metrics and the collapse watch read that, the updates'
+      what trains. Then one `update` per update run: `skipped_updates` counts those whose
       `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
       under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
       verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
@@ -1978,6 +2091,7 @@ class Run:
         self.routing = extra("moe", f"--model {args.model} (MoE)").RoutingReplay(model) if moe else None
         self.progress = Progress()
         self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
+        self.sample_cap_warned = False  # --filter-groups' cap (watch_sample_cap)
         self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
         self.clip_key = "clip_frac"  # clip_frac_seqs where the clip counts sequences (GSPO), not tokens
         self.check_rewards()  # before anything is written to --out
@@ -2086,14 +2200,21 @@ class Run:
             return contextlib.nullcontext()
         return self.routing.replay(self.routing.indices, rows)
 
-    def rollout(self, roll, records, rewards, parts, advantages, old_logp, plan=None, weights=None, **per_token):
-        """The step's measurements before its updates (every rank calls it once a step): `roll`, its
-        `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for PPO), pi_old,
-        `plan` (plan_updates' list: the rows that have pi_old; None: every row), the --is-correction
-        `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
-        token_reward). It measures how far the sampler mu is from pi_old, when mu is recorded
-        (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace when one is due."""
-        if roll.seconds is None or roll.sampled_tokens is None:  # tokens_per_s would be a wrong number
+    def rollout(self, roll, records, rewards, parts, advantages, old_logp, plan=None, weights=None, sampled=None,
+                **per_token):  # fmt: skip
+        """The step's measurements before its updates (every rank calls it once a step): `roll`, the rows the
+        updates train, their `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for
+        PPO), pi_old, `plan` (plan_updates' list: the rows that have pi_old; None: every row), the
+        --is-correction `weights`, and `per_token`, the script's other [B, T] values that a trace keeps
+        (ref_logp, value, token_reward). A loop that trains on part of what it sampled (--filter-groups'
+        SampleRounds, or a fork's own sampling loop) passes `sampled`, (roll, rewards, parts) of everything it
+        sampled this step (Rollout.concat of its draws): reward, its parts, truncated_frac, entropy,
+        response_len, tokens_per_s, zero_std_* and the collapse watch read that, the updates' statistics,
+        the mismatch and the trace read what is trained. It measures how far the sampler mu is from pi_old,
+        when mu is recorded (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace
+        when one is due."""
+        self.sampled = sampled = (roll, rewards, parts) if sampled is None else tuple(sampled)
+        if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
         self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
@@ -2138,27 +2259,34 @@ class Run:
         """The metrics every run logs, from what `rollout` and `update` were given (docs/metrics.md):
         means over all ranks' completions and tokens (the updates' statistics: the mean of each rank's),
         except mismatch_* and routing_drift, which are rank 0's (its share of the batch)."""
-        args, roll, mask = self.args, self.roll, self.roll.completion_mask
+        args, roll = self.args, self.roll
+        sampled, rewards, parts = self.sampled  # everything sampled this step (Run.rollout); roll: what trains
+        mask = sampled.completion_mask
         tokens = all_reduce_sum(mask.sum())
         metrics = {
             "step": self.step_now,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "reward": global_mean(self.rewards),
-            **global_means(self.parts),  # reward/<name> per --reward; accuracy, format_rate
-            "truncated_frac": global_mean((~completion_ends(roll, self.eos)).float()),
+            "reward": global_mean(rewards),
+            **global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
+            "truncated_frac": global_mean((~completion_ends(sampled, self.eos)).float()),
             # loss, clip_frac*, ratio_*: each rank's mean over its updates, averaged over the ranks
             **rank_means(mean_over_updates(self.updates, self.skipped)),
             # of the sampling distribution: the policy's, or its bf16 copy's under --rollout-dtype bfloat16
-            "entropy": (all_reduce_sum((roll.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
+            "entropy": (all_reduce_sum((sampled.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
             "response_len": global_mean(mask.sum(1)),
             # every completion token sampled for the step on all ranks, per second of this rank's sampling
-            "tokens_per_s": all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds,
+            "tokens_per_s": all_reduce_sum(torch.tensor(float(sampled.sampled_tokens))).item() / sampled.seconds,
         }
         if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
-            metrics["zero_std_frac"] = global_mean(constant_groups(self.rewards, args.group_size).float())
+            metrics["zero_std_frac"] = global_mean(constant_groups(rewards, args.group_size).float())
             # and of those whose rewards all equal the batch's lowest (every completion failed: the collapse watch)
-            lowest = all_reduce_sum(self.rewards.float().min(), op="MIN")
-            metrics["zero_std_low_frac"] = global_mean(lowest_groups(self.rewards, args.group_size, lowest).float())
+            lowest = all_reduce_sum(rewards.float().min(), op="MIN")
+            metrics["zero_std_low_frac"] = global_mean(lowest_groups(rewards, args.group_size, lowest).float())
+            # the sampling rounds (--filter-groups), the groups they drew and those trained whose rewards differ
+            metrics["sample_rounds"] = sampled.draws
+            counts = torch.tensor([len(sampled), (~constant_groups(self.rewards, args.group_size)).sum().item()])
+            rows, kept = all_reduce_sum(counts.float()).tolist()
+            metrics["groups_sampled"], metrics["groups_kept"] = int(rows) // args.group_size, int(kept)
         if self.reference is not None:
             learned = extra("reward_model", "--reward-model")
             metrics.update(learned.kl_to_init(self.reference, roll, self.old_logp, args.temperature))
@@ -2182,6 +2310,7 @@ class Run:
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
         self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
         self.watch_signal(step, no_signal, grouped=self.env.needs_group)
+        self.watch_sample_cap(step, row)
         samples = []
         evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
         if evaluated:
@@ -2222,6 +2351,19 @@ class Run:
                     "(the run goes on)",
                     file=sys.stderr,
                 )
+
+    def watch_sample_cap(self, step: int, row: dict):
+        """--filter-groups: say once (rank 0) when a step's rounds reached --max-sample-rounds short of
+        --prompts-per-step groups with signal; it trains on those it has, and the run goes on."""
+        if not getattr(self.args, "filter_groups", False) or self.sample_cap_warned:
+            return
+        if row["groups_kept"] < self.args.prompts_per_step:
+            self.sample_cap_warned = True
+            if self.env.rank == 0:
+                tqdm.write(f"warning: step {step} reached --max-sample-rounds {row['sample_rounds']} with "
+                           f"{row['groups_kept']} of --prompts-per-step {self.args.prompts_per_step} groups with "
+                           "signal; such steps train on what they have (said once; the run goes on)",
+                           file=sys.stderr)  # fmt: skip
 
     def watch_collapse(self, step: int, flat: float, accuracy: float | None):
         """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at

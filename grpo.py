@@ -17,7 +17,10 @@ The defaults are the paper's aggregation and beta = 0 (no reference model in mem
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
 and adds nothing; it stays in the batch, and the updates do not forward its rows unless the KL term
 or --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement reads
-every row: an MoE model's routing, --reward-model's kl_to_init).
+every row: an MoE model's routing, --reward-model's kl_to_init). --filter-groups drops such groups
+and samples the stream's next prompts until the step is full (DAPO's dynamic sampling, step 3), so
+DAPO (Yu et al. 2025, arXiv 2503.14476) is
+    python grpo.py --filter-groups --eps-high 0.28 --loss-agg token-mean --mask-truncated
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
@@ -61,6 +64,11 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
     minibatches: int = arg(2, "minibatch updates per epoch over each rollout (each after the first: off-policy)")
     epochs: int = arg(1, "passes over each rollout")
+    # and how a step fills its batch (DAPO's dynamic sampling; off: the paper's algorithm)
+    filter_groups: bool = arg(
+        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
+    )
+    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
     # GRPO's own
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
@@ -82,6 +90,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
+        common.check_filter_groups(self)  # --max-sample-rounds >= 1; --filter-groups needs --group-size >= 2
         if not 0 <= self.kl_coef < float("inf"):
             raise common.UsageError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
         if self.routing_replay and self.old_logp == "rollout":
@@ -223,23 +232,29 @@ def train(args: Args):
         common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
-        examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, records = common.prompts_and_records(  # G rows each
-            tok, examples, args.group_size, env.system_prompt, args.thinking
-        )
-        roll = sampler.sample(prompts, rng)
-        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
+        rounds = common.SampleRounds(args, env.world, sampler.pad_id)  # one round, unless --filter-groups (step 3)
+        while rounds.wanted():
+            examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
+            prompts, records = common.prompts_and_records(  # G rows each
+                tok, examples, args.group_size, env.system_prompt, args.thinking
+            )
+            roll = sampler.sample(prompts, rng)
+            # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
+            rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
+            rounds.add(roll, records, rewards, parts)  # --filter-groups: counts groups with signal, on every rank
 
-        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right).
-        rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
+        # 3. --filter-groups (DAPO's dynamic sampling): train only groups whose rewards differ; rounds of the stream's
+        #    next prompts until --prompts-per-step of them (or --max-sample-rounds). Metrics read all that was sampled.
+        roll, records, rewards, parts = rounds.kept()  # without --filter-groups: the one round as sampled
+        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
         truncated = ~common.completion_ends(roll, sampler.eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
         loss_mask = mask * ~truncated[:, None] if args.mask_truncated else mask
 
-        # 3. Advantages: each completion against its group.
+        # 4. Advantages: each completion against its group.
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
 
-        # 4. Log-probs of pi_old (and of the reference), once per rollout, without gradient, for the rows the
+        # 5. Log-probs of pi_old (and of the reference), once per rollout, without gradient, for the rows the
         #    updates will forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing
         #    unless the KL term or the entropy bonus pulls it, so without them it is left out.
         skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
@@ -248,9 +263,10 @@ def train(args: Args):
         is_weights = common.is_weights(old_logp, roll, plan, args)  # --is-correction; else None
         with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, ref_logp=ref_logp)  # metrics
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, rounds.sampled(),
+                    ref_logp=ref_logp)  # metrics (of everything sampled, and of what trains)  # fmt: skip
 
-        # 5. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
+        # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
         for idx, rows in plan:
             ref = ref_logp[rows] if args.kl_coef else None
@@ -273,7 +289,7 @@ def train(args: Args):
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
             run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, minibatch=idx)
 
-        # 6. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
+        # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
         run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
         run.save_checkpoint_if_due(step)

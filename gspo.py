@@ -56,6 +56,11 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
     minibatches: int = arg(2, "minibatch updates per epoch over each rollout (each after the first: off-policy)")
     epochs: int = arg(1, "passes over each rollout")
+    # and how a step fills its batch (DAPO's dynamic sampling; off: the paper's algorithm)
+    filter_groups: bool = arg(
+        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
+    )
+    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
     # GSPO's own
     eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
     eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
@@ -68,6 +73,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
+        common.check_filter_groups(self)  # --max-sample-rounds >= 1; --filter-groups needs --group-size >= 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,32 +188,38 @@ def train(args: Args):
         common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
-        examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
-        prompts, records = common.prompts_and_records(  # G rows each
-            tok, examples, args.group_size, env.system_prompt, args.thinking
-        )
-        roll = sampler.sample(prompts, rng)
-        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
+        rounds = common.SampleRounds(args, env.world, sampler.pad_id)  # one round, unless --filter-groups (step 3)
+        while rounds.wanted():
+            examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
+            prompts, records = common.prompts_and_records(  # G rows each
+                tok, examples, args.group_size, env.system_prompt, args.thinking
+            )
+            roll = sampler.sample(prompts, rng)
+            # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
+            rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
+            rounds.add(roll, records, rewards, parts)  # --filter-groups: counts groups with signal, on every rank
 
-        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right).
-        rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
+        # 3. --filter-groups (DAPO's dynamic sampling): train only groups whose rewards differ; rounds of the stream's
+        #    next prompts until --prompts-per-step of them (or --max-sample-rounds). Metrics read all that was sampled.
+        roll, records, rewards, parts = rounds.kept()  # without --filter-groups: the one round as sampled
+        mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
         truncated = ~common.completion_ends(roll, sampler.eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
         loss_mask = mask * ~truncated[:, None] if args.mask_truncated else mask
 
-        # 3. Advantages: each completion against its group (Eq. 6).
+        # 4. Advantages: each completion against its group (Eq. 6).
         advantages = group_advantages(rewards, args.group_size).to(env.device)  # [B]
 
-        # 4. Log-probs of pi_old, once per rollout, without gradient, for the rows the updates will forward:
+        # 5. Log-probs of pi_old, once per rollout, without gradient, for the rows the updates will forward:
         #    the minibatches are drawn first, and a row whose advantage is 0 adds nothing, so it is left out
         #    (--entropy-coef: the bonus has a gradient on every row, so every row is forwarded).
         skip_by = advantages if args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
         old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
         is_weights = common.is_weights(old_logp, roll, plan, args, per=args.variant)  # --is-correction; else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights)  # metrics
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, rounds.sampled())
 
-        # 5. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
+        # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
         for idx, rows in plan:
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
@@ -226,7 +238,7 @@ def train(args: Args):
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
             run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, minibatch=idx)
 
-        # 6. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
+        # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
         run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
         run.save_checkpoint_if_due(step)
