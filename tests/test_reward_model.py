@@ -160,7 +160,7 @@ def other_tokenizer():
 
     chars = ["<pad>", "</s>", "<unk>"] + recipes.TINY_CHARS[::-1]
     core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "." skips "\n"
     core.decoder = decoders.Fuse()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>",
                                                unk_token="<unk>")  # fmt: skip
