@@ -420,3 +420,14 @@ def group_advantage_tol(group, scale="std", eps=1e-6) -> float:
     std = torch.tensor(group, dtype=F64).std().item()
     std_err = math.sqrt(2) * dev_err + gamma(G + 3, torch.float32) * std
     return (dev_err + math.sqrt(G) * std_err) / (std + eps) + unit_roundoff(torch.float32) * math.sqrt(G)
+
+
+# ----------------------------------------------------------------------------------------------
+# CI (issue 48): what may skip locally must fail there
+# ----------------------------------------------------------------------------------------------
+
+
+def in_ci() -> bool:
+    """The CI variable is set (GitHub Actions and .ci/run set CI=true): a test that would skip for want of a
+    tool (torchrun, a browser) fails instead, and hypothesis draws CI's fixed examples (tests/conftest.py)."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
