@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from helpers import needs_torchrun, torchrun_cmd  # noqa: E402
 from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
 
 import common  # noqa: E402
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m
 
 CPU = torch.device("cpu")
 TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
-needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
 def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
@@ -188,7 +187,8 @@ SCRIPT_FLAGS = {  # small runs that reach every sharded forward: grpo's referenc
 
 
 def torchrun(algo, out, *flags, nproc=WORLD, check=True):
-    cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), str(ROOT / f"{algo}.py"),
+    cmd = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+           str(ROOT / f"{algo}.py"),
            "--device", "cpu", "--prompts-per-step", "8", "--minibatches", "2", "--max-new-tokens", "6",
            "--eval-size", "7", "--eval-every", "2", "--trace-every", "2", "--no-anneal-lr", "--out", str(out),
            *SCRIPT_FLAGS[algo],

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
-from helpers import entropy_tol, gamma, logit_scale, logit_tol, logprob_tol  # noqa: E402
+from helpers import entropy_tol, gamma, logit_scale, logit_tol, logprob_tol, needs_torchrun, torchrun_cmd  # noqa: E402
 from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
 from test_real_checkpoints import build_tiny_qwen2  # noqa: E402
 from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
@@ -267,10 +267,10 @@ def test_two_ranks_lora_update_equals_one_process(qwen2_dir, tmp_path):
             assert torch.equal(single[k], before[k]) != ("lora_" in k), f"{case}: {k}"  # only the adapters move
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@needs_torchrun
 def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
     out = tmp_path / "gspo"
-    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
+    cmd = [*torchrun_cmd(), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
            "--lora-rank", "4", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2",
            "--max-new-tokens", "4", "--eval-size", "2", "--device", "cpu", "--save-every", "2",
            "--out", str(out)]  # fmt: skip
