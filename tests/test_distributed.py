@@ -22,7 +22,7 @@ for p in (ROOT, Path(__file__).parent):
         sys.path.insert(0, str(p))
 
 from helpers import SCRIPTS, assert_within, forward_roundings, needs_torchrun, probable_gamma, torchrun_cmd  # noqa: E402
-from test_real_checkpoints import GSM8K, build_tiny_qwen2  # noqa: E402
+from test_real_checkpoints import GSM8K, assert_trained, build_tiny_qwen2, graded_reward  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
@@ -166,6 +166,9 @@ def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
         "cpu",
         "--save-every",
         "2",
+        "--reward",
+        "exact",
+        graded_reward(tmp_path),
         "--out",
         str(out),
     ]
@@ -176,6 +179,7 @@ def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
     assert [r["step"] for r in rows] == [1, 2]  # one writer: rank 0
     assert (out / "final" / "config.json").is_file() and (out / "checkpoint" / "meta.json").is_file()
     assert "eval_accuracy_after" in json.loads((out / "summary.json").read_text())
+    assert_trained(out, Path(model_dir), rows)
 
 
 RANK_ONE_FAILS = """
@@ -271,18 +275,12 @@ torch.optim.AdamW = RecordingAdamW
 common.main(algo.train, algo.Args, argv=sys.argv[2:])
 """
 
-GRADED_REWARD = """
-def graded(prompts, completions, **kwargs):
-    return [(sum(map(ord, c)) % 11) / 10 for c in completions]  # varies within groups: advantages not all 0
-"""
-
 
 def _fixed_rollout_run(tmp_path, algo, nproc):
     """One update of `algo`'s train() on the fixed rollout of 4 prompts x 4; nproc 0: one plain process.
     Returns the record directory."""
     run = tmp_path / "fixed_rollout_run.py"
     run.write_text(FIXED_ROLLOUT_RUN.format(root=str(ROOT)))
-    (tmp_path / "graded.py").write_text(GRADED_REWARD)
     record = tmp_path / f"record-{nproc}"
     record.mkdir()
     launcher = (
@@ -292,7 +290,7 @@ def _fixed_rollout_run(tmp_path, algo, nproc):
     )
     cmd = [*launcher, str(run), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step", "4", "--group-size",
            "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", "8", "--max-grad-norm", "1e30",
-           "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward", f"{tmp_path / 'graded.py'}:graded",
+           "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward", graded_reward(tmp_path),
            "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
