@@ -345,9 +345,14 @@ def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
     # sums <= 3 tokens' differences
     length, max_z = logit_scale(policy, roll)
     max_z = max(max_z, logit_scale(init, roll)[1])
-    assert got == pytest.approx(expected, abs=3 * 2 * logprob_tol(policy.config, length, max_z))
-    with_padding = (logp - init_logp).sum(1).mean().item()
-    assert abs(with_padding - expected) > 1e-3  # the padding positions do differ: the mask matters here
+    tol = 3 * 2 * logprob_tol(policy.config, length, max_z)
+    assert got == pytest.approx(expected, abs=tol)
+    # the self-check: the padding positions differ enough that a sum letting in any one of them (it would move
+    # the figure by its difference / rows) fails the comparison above by a margin
+    pad = roll.completion_mask == 0
+    assert pad.sum() == 2  # rows 1 and 3, at their third position
+    leaks = (logp - init_logp)[pad].abs() / len(prompts)
+    assert leaks.min().item() > 2 * tol, (leaks.tolist(), tol)
 
 
 FAST_RM_RECIPE = dict(recipes.TINY_RM_RECIPE, prompts=16, policy_prompts=4, policy_samples=2, steps=2, batch=4)
