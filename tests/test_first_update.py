@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from helpers import SCRIPTS, logit_scale, logprob_tol
+import torch
+from helpers import SCRIPTS, assert_within, forward_roundings, logit_scale, logprob_tol, probable_gamma
 from test_real_checkpoints import graded_reward
 
 import common
@@ -65,3 +66,54 @@ def test_pi_old_is_taken_before_any_update_and_the_first_update_has_ratio_one(na
     first, second = seen["updates"]
     assert first <= tol, f"first update: |log pi - log pi_old| reaches {first:.3g}, rounding allows {tol:.3g}"
     assert second > 100 * tol, f"second update: log-ratios within {second:.3g} of 0: was pi_old taken again?"
+
+
+# A reward that depends on the row alone: 1 for the first row of every even group of 4, else 0, so that half the
+# groups are constant (advantage exactly 0) whatever the model samples
+ROW_REWARD = """
+def rows(prompts, completions, **kwargs):
+    return [float(i % 8 == 0) for i in range(len(completions))]
+"""
+SKIPPING = {"gspo": [], "grpo": ["--kl-coef", "0"]}  # scripts that leave zero-advantage rows out of the update
+
+
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if s in SKIPPING])
+def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp_path, monkeypatch):
+    """train() forwards only the rows whose advantage is not 0 (the slow tier's twin runs 2 steps from the
+    command line). One update on the same rollout, once skipping half the rows and once with every advantage
+    shifted by 1e-30 (none exactly 0, so none skipped; 1e-30 is lost next to a real advantage): the gradients
+    the optimizer is stepped with agree to rounding, and the skipping run did forward fewer rows."""
+    module = importlib.import_module(name)
+    reward = tmp_path / "rows.py"
+    reward.write_text(ROW_REWARD)
+    grads, forwarded = {}, {}
+    exact_advantages = module.group_advantages
+    loss = getattr(module, loss_name(module, name))
+
+    class RecordingAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            grads[run] = [p.grad.detach().clone() for group in self.param_groups for p in group["params"]]
+            return super().step(closure)
+
+    def counting_loss(logp, *args, **kwargs):
+        forwarded[run] = forwarded.get(run, 0) + logp.shape[0]
+        return loss(logp, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
+    monkeypatch.setattr(module, loss_name(module, name), counting_loss)
+    # --max-grad-norm 1e30: no clipping, which would scale a wrongly normalised gradient back to the same norm
+    argv = [*TINY_BATCH, "--minibatches", "1", "--max-grad-norm", "1e30", *DEFAULT_GROUPS, *SKIPPING[name],
+            "--reward", f"{reward}:rows"]  # fmt: skip
+    for run in ("skip", "every"):
+        if run == "every":
+            monkeypatch.setattr(module, "group_advantages", lambda *a, **k: exact_advantages(*a, **k) + 1e-30)
+        common.main(module.train, module.Args, argv=[*argv, "--out", str(tmp_path / run)])
+    assert forwarded == {"skip": 8, "every": 16}, forwarded  # 2 of the 4 groups constant
+    model, tok = common.load_model(common.tiny_checkpoint(), torch.device("cpu"))
+    # one update's gradient, two float32 sums in other orders (8 rows or 16 with 8 contributing 0): the
+    # first-order bound of test_distributed.sgd_step_tol, with the longest sequence the tiny run can have
+    prompt = max(len(tok(e["prompt"])["input_ids"]) for e in common.arith_split()[0])
+    n = forward_roundings(model.config, prompt + 6) + 16 * (prompt + 6) + 1
+    for i, (a, b) in enumerate(zip(grads["skip"], grads["every"])):
+        assert_within(a, b, 2 * probable_gamma(n) * b.abs().max().item(), f"gradient {i}")
+    assert any(g.any() for g in grads["skip"])
