@@ -283,7 +283,7 @@ class FixedSampler(common.Sampler):
         roll = common.Rollout.from_lists(prompts, completions, self.pad_id)
         with torch.no_grad():  # the sampling distribution's entropy, which sample() records
             roll.entropy = common.CompletionLogprobs(self.model)(roll, self.args.temperature)[1]
-        roll.seconds = 1.0  # tokens_per_s divides by it
+        roll.seconds, roll.sampled_tokens = 1.0, int(roll.completion_mask.sum())  # what tokens_per_s reads
         return roll
 
 
