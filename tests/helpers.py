@@ -445,3 +445,40 @@ def group_advantage_tol(group, scale="std", eps=1e-6) -> float:
     std = torch.tensor(group, dtype=F64).std().item()
     std_err = math.sqrt(2) * dev_err + gamma(G + 3, torch.float32) * std
     return (dev_err + math.sqrt(G) * std_err) / (std + eps) + unit_roundoff(torch.float32) * math.sqrt(G)
+
+
+# ----------------------------------------------------------------------------------------------
+# CI (issue 48): what may skip locally must fail there
+# ----------------------------------------------------------------------------------------------
+
+
+def in_ci() -> bool:
+    """The CI variable is set (GitHub Actions and .ci/run set CI=true): a test that would skip for want of a
+    tool (torchrun, a browser) fails instead, and hypothesis draws CI's fixed examples (tests/conftest.py)."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def _has_torchrun() -> bool:
+    import importlib.util
+
+    return torch.distributed.is_available() and importlib.util.find_spec("torch.distributed.run") is not None
+
+
+def torchrun_cmd() -> list[str]:
+    """The torchrun of the Python running the tests, `python -m torch.distributed.run` (what the `torchrun`
+    beside sys.executable runs), not a `torchrun` on PATH, which may belong to another environment or be
+    missing from an unactivated one. Fails the test where this torch has none (needs_torchrun skipped it
+    already, except under CI)."""
+    import pytest
+
+    if not _has_torchrun():
+        pytest.fail("this torch has no torch.distributed.run (torchrun), and CI must run the torchrun tests")
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def needs_torchrun(test):
+    """Skip a test that launches torchrun where this torch has none; under CI (in_ci()) it runs, and fails in
+    torchrun_cmd(): a CI whose torchrun tests all skipped would pass without testing data parallelism."""
+    import pytest
+
+    return pytest.mark.skipif(not _has_torchrun() and not in_ci(), reason="this torch has no torchrun")(test)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,16 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
+from helpers import assert_within, needs_torchrun, torchrun_cmd  # noqa: E402
+from test_distributed import (  # noqa: E402
+    CASES,
+    WORLD,
+    _free_port,
+    fixed_batch,
+    grad_norm_tol,
+    loss_for,
+    sgd_step_tol,
+)
 
 import common  # noqa: E402
 import ppo  # noqa: E402
@@ -36,8 +44,8 @@ from extras import fsdp as fsdp_extra  # noqa: E402
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
 CPU = torch.device("cpu")
+BF16_REL = 2**-2  # test_bf16_gathered_weights_...: why this is not derived from bfloat16's roundoff
 TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
-needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
 
 def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
@@ -142,26 +150,37 @@ def sharded_results(tmp_path_factory, tiny_path):
 @pytest.mark.parametrize("case", CASES)
 def test_a_sharded_step_equals_one_process(sharded_results, tiny_path, case):
     tok = common.load_model(tiny_path, CPU)[1]
-    single = sgd_step(case, tiny_path, fixed_batch(tok), slice(None), fsdp=False)
+    batch = fixed_batch(tok)
+    single = sgd_step(case, tiny_path, batch, slice(None), fsdp=False)
     sharded = sharded_results[case]
+    model = common.load_model(tiny_path, CPU)[0]
+    before, config = model.state_dict(), model.config
+    # the loss: a literal, not derived (its terms' sizes, which a bound would scale, are not at hand), and the
+    # gradient and weights below are what the step depends on
     torch.testing.assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=1e-5, atol=1e-6)
+    norm_tol = grad_norm_tol(config, batch["roll"], before, single["weights"], single["grad_norm"].item())
+    assert_within(sharded["grad_norm"], single["grad_norm"], norm_tol, "gradient norm")
     assert single["grad_norm"] > 1e-3  # the step moves the weights
     assert sorted(sharded["weights"]) == sorted(single["weights"])
     for k, v in single["weights"].items():
-        torch.testing.assert_close(sharded["weights"][k], v, rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
+        assert_within(sharded["weights"][k], v, sgd_step_tol(config, batch["roll"], before[k], v), f"{case}: {k}")
 
 
 def test_a_sharded_critic_step_equals_one_process(sharded_results, tiny_path):
     tok = common.load_model(tiny_path, CPU)[1]
-    single = critic_step(tiny_path, fixed_batch(tok), slice(None), fsdp=False)
+    batch = fixed_batch(tok)
+    single = critic_step(tiny_path, batch, slice(None), fsdp=False)
     sharded = sharded_results["critic"]
-    torch.testing.assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=1e-5, atol=1e-6)
-    before = ppo.Critic(tiny_path, CPU).state_dict()
+    torch.testing.assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-6)  # literal: as the policy's
+    critic = ppo.Critic(tiny_path, CPU)
+    with torch.no_grad():  # critic_step's head
+        critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    before, config = critic.state_dict(), common.load_model(tiny_path, CPU)[0].config
+    norm_tol = grad_norm_tol(config, batch["roll"], before, single["weights"], single["grad_norm"].item())
+    assert_within(sharded["grad_norm"], single["grad_norm"], norm_tol, "gradient norm")
     assert any(not torch.equal(single["weights"][k], v) for k, v in before.items() if "layers" in k)  # trunk moved
     for k, v in single["weights"].items():
-        torch.testing.assert_close(sharded["weights"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+        assert_within(sharded["weights"][k], v, sgd_step_tol(config, batch["roll"], before[k], v), k)
 
 
 def test_sharded_rollouts_and_uneven_evaluation_equal_unsharded(sharded_results, tiny_path):
@@ -188,7 +207,8 @@ SCRIPT_FLAGS = {  # small runs that reach every sharded forward: grpo's referenc
 
 
 def torchrun(algo, out, *flags, nproc=WORLD, check=True):
-    cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), str(ROOT / f"{algo}.py"),
+    cmd = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+           str(ROOT / f"{algo}.py"),
            "--device", "cpu", "--prompts-per-step", "8", "--minibatches", "2", "--max-new-tokens", "6",
            "--eval-size", "7", "--eval-every", "2", "--trace-every", "2", "--no-anneal-lr", "--out", str(out),
            *SCRIPT_FLAGS[algo],
@@ -290,13 +310,32 @@ def test_bf16_gathered_weights_sample_as_the_bf16_sampler_and_train_to_bf16_prec
     assert torch.equal(sharded_bf16, bf16)
     torch.testing.assert_close(sharded_bf16_logp, bf16_logp, rtol=0, atol=0)
     batch = fixed_batch(tok)
-    for name, single in (
-        ("bf16 step", sgd_step("grpo-token-mean", tiny_path, batch, slice(None), fsdp=False)),
-        ("bf16 critic", critic_step(tiny_path, batch, slice(None), fsdp=False)),
+    policy_before = common.load_model(tiny_path, CPU)[0].state_dict()
+    critic = ppo.Critic(tiny_path, CPU)
+    with torch.no_grad():  # critic_step's head
+        critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    for name, single, before in (
+        ("bf16 step", sgd_step("grpo-token-mean", tiny_path, batch, slice(None), fsdp=False), policy_before),
+        ("bf16 critic", critic_step(tiny_path, batch, slice(None), fsdp=False), critic.state_dict()),
     ):
         sharded = sharded_results[name]
-        torch.testing.assert_close(sharded["loss"], single["loss"], rtol=0.05, atol=0.01, msg=name)
-        torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=0.05, atol=0.01, msg=name)
+        # Not derivable as the float32 bounds are: with bfloat16's u = 2^-8 the probabilistic gamma of the
+        # forward's thousands of roundings (probable_gamma(forward_roundings(...), torch.bfloat16)) exceeds 1.
+        # What is checked instead is relative to the quantity's own size, so that a missing, halved or doubled
+        # update fails: loss and gradient norm to BF16_REL, and each tensor's update (lr 1: minus its gradient)
+        # to BF16_REL of that tensor's largest update; the former tolerance on the weights, 0.05 + 5%, passed a
+        # step that lost the RMSNorm weights' update. Measured on the 2-core Xeon (issue 48): updates within
+        # 0.091 (policy) and 0.072 (critic) of their largest element, loss within 0.017, gradient norm 0.0056, all
+        # relative; BF16_REL = 2^-2 (64 u_bf16) leaves room for other kernels, and a missing update (1.0),
+        # a halved one (0.5) or a doubled one (1.0) still fails.
+        torch.testing.assert_close(sharded["loss"], single["loss"], rtol=BF16_REL, atol=0, msg=name)
+        torch.testing.assert_close(sharded["grad_norm"], single["grad_norm"], rtol=BF16_REL, atol=0, msg=name)
+        assert single["grad_norm"] > 1e-3, name  # the step moves the weights
         for k, v in single["weights"].items():
             assert sharded["weights"][k].dtype == torch.float32, k  # the master weights stay float32
-            torch.testing.assert_close(sharded["weights"][k], v, rtol=0.05, atol=0.05, msg=f"{name}: {k}")
+            step, sharded_step = v - before[k], sharded["weights"][k] - before[k]
+            if not step.any():
+                assert not sharded_step.any(), f"{name}: {k}"
+                continue
+            scale = step.abs().max().item()
+            assert_within(sharded_step, step, BF16_REL * scale, f"{name}: the update of {k}")

@@ -33,8 +33,17 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
-from helpers import entropy_tol, gamma, logit_scale, logit_tol, logprob_tol  # noqa: E402
-from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_within,
+    entropy_tol,
+    gamma,
+    logit_scale,
+    logit_tol,
+    logprob_tol,
+    needs_torchrun,
+    torchrun_cmd,
+)
+from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for, sgd_step_tol  # noqa: E402
 from test_real_checkpoints import build_tiny_qwen2  # noqa: E402
 from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
 
@@ -259,18 +268,21 @@ def test_two_ranks_lora_update_equals_one_process(qwen2_dir, tmp_path):
     mp.spawn(_worker, args=(_free_port(), qwen2_dir, str(out)), nprocs=WORLD, join=True)
     ddp = torch.load(out)
     batch = fixed_batch(common.load_model(qwen2_dir, CPU)[1])
-    before = {k: v.detach().clone() for k, v in lora_policy(qwen2_dir).named_parameters()}
+    policy = lora_policy(qwen2_dir)
+    before = {k: v.detach().clone() for k, v in policy.named_parameters()}
+    config = common.load_model(qwen2_dir, CPU)[0].config
     for case in CASES:
         single = one_lora_step(case, qwen2_dir, batch, slice(None), ddp=False)
         for k in single:
-            torch.testing.assert_close(ddp[case][k], single[k], rtol=1e-5, atol=1e-6, msg=f"{case}: {k}")
+            bound = sgd_step_tol(config, batch["roll"], before[k], single[k])  # the adapters' path is shorter
+            assert_within(ddp[case][k], single[k], bound, f"{case}: {k}")
             assert torch.equal(single[k], before[k]) != ("lora_" in k), f"{case}: {k}"  # only the adapters move
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@needs_torchrun
 def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
     out = tmp_path / "gspo"
-    cmd = ["torchrun", "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
+    cmd = [*torchrun_cmd(), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
            "--lora-rank", "4", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2",
            "--max-new-tokens", "4", "--eval-size", "2", "--device", "cpu", "--save-every", "2",
            "--out", str(out)]  # fmt: skip

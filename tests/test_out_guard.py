@@ -122,7 +122,8 @@ def test_resume_in_place_replaces_nothing(tmp_path):
 
 def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
     """A run started with --overwrite and resumed into another --out does not inherit it."""
-    resume = pytest.importorskip("extras.resume")
+    from extras import resume  # a project module: an ImportError is a failure, not a skip
+
     out = make_run(tmp_path / "out", summary_algo="gspo")
     meta = {"algo": "gspo", "step": 1, "model": "tiny", "config": {}, "args": {"overwrite": True, "lr": 0.1}}
     (out / "checkpoint").mkdir()

@@ -66,6 +66,34 @@ def build_tiny_qwen2(path: Path) -> Path:
     return path
 
 
+# A reward that varies within a group whatever a random model writes (`--reward exact <file>:graded`): the exact
+# answer alone scores every completion of a random model 0, so every advantage would be 0 and no update run,
+# and a test of training could not tell a run that trains from one that never steps its optimizer.
+GRADED_REWARD = """
+def graded(prompts, completions, **kwargs):
+    return [(sum(map(ord, c)) % 11) / 10 for c in completions]
+"""
+
+
+def graded_reward(folder: Path) -> str:
+    path = folder / "graded.py"
+    path.write_text(GRADED_REWARD)
+    return f"{path}:graded"
+
+
+def assert_trained(out: Path, model_dir: Path, rows: list[dict]):
+    """The run trained: no update was skipped, each step's gradient was nonzero, and every weight tensor of
+    out/final differs from model_dir's (AdamW moves every element with a gradient by about lr)."""
+    from transformers import AutoModelForCausalLM
+
+    assert all(r["skipped_updates"] == 0 and r["grad_norm"] > 0 for r in rows), rows
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert sorted(final) == sorted(start)
+    unchanged = [k for k in start if torch.equal(final[k], start[k])]
+    assert not unchanged, f"weights the run did not update: {unchanged}"
+
+
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:
     return build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "model")
@@ -157,6 +185,9 @@ def test_script_trains_real_checkpoint_on_gsm8k(qwen2_dir, gsm8k_file, tmp_path,
         "cpu",
         "--out",
         str(out),
+        "--reward",
+        "exact",
+        graded_reward(tmp_path),
         *flags,
     ]
     if algo != "ppo":
@@ -168,3 +199,4 @@ def test_script_trains_real_checkpoint_on_gsm8k(qwen2_dir, gsm8k_file, tmp_path,
     assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer_config.json").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "gsm8k" and summary["args"]["grad_checkpointing"]
+    assert_trained(out, qwen2_dir, rows)

@@ -68,7 +68,6 @@ def fake_run(d: Path, algo: str, seed: int, before: float, after: float, step_ti
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.mark.slow
 def test_report_from_hand_made_runs(tmp_path, monkeypatch):
     befores = {0: 0.222, 1: 0.270}
     afters = {(0, 0): 0.700, (0, 1): 0.610, (1, 0): 0.500, (1, 1): 0.580}
@@ -107,7 +106,6 @@ def test_report_from_hand_made_runs(tmp_path, monkeypatch):
     assert "| grpo | 2 | +28 | +3 | +22 | 4 |" in md  # stride 1: both lengths listed
 
 
-@pytest.mark.slow
 def test_annealed_runs_get_no_per_length_table(tmp_path, monkeypatch):
     # under --anneal-lr the rate at step 2 of a 3-step run is not that of a 2-step run's step 2
     for seed, anneal in ((0, False), (1, True)):
@@ -125,7 +123,6 @@ def test_annealed_runs_get_no_per_length_table(tmp_path, monkeypatch):
     assert "| gspo | 2 | +30 | n/a | +30 | 2 |" in (tmp_path / "warmstart_results.md").read_text()
 
 
-@pytest.mark.slow
 def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monkeypatch):
     fake_run(ws.run_dir(tmp_path, "gspo", 0, 0), "gspo", 0, 0.2, 0.6, [1.0])
     for k, v in {"OUT": str(tmp_path), "SCRIPTS": "gspo", "SFT_SEEDS": "0 2", "SEEDS": "0"}.items():
@@ -137,7 +134,6 @@ def test_a_partial_study_reports_what_finished_and_lists_the_rest(tmp_path, monk
     assert "(target +40: met), n/a from the others (target +30: NOT met)" in md
 
 
-@pytest.mark.slow
 def test_no_finished_run_is_an_error(tmp_path, monkeypatch, capsys):
     for k, v in {"OUT": str(tmp_path), "SCRIPTS": "gspo", "SFT_SEEDS": "0", "SEEDS": "0"}.items():
         monkeypatch.setenv(k, v)

@@ -58,7 +58,8 @@ def build_char_tokenizer():
 
     vocab = {tok: i for i, tok in enumerate([PAD, EOS] + TINY_CHARS + ["<unk>"])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # one piece per character: "[\s\S]", not ".", which skips "\n" and left "\n\n" one unknown piece (issue 48)
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token="<unk>", padding_side="left"
