@@ -12,7 +12,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_within, forward_roundings, logit_scale, logprob_tol, probable_gamma
+from helpers import SCRIPTS, assert_within, forward_roundings, logit_scale, logprob_tol, probable_gamma, traits
 from test_real_checkpoints import graded_reward
 
 import common
@@ -74,10 +74,9 @@ ROW_REWARD = """
 def rows(prompts, completions, **kwargs):
     return [float(i % 8 == 0) for i in range(len(completions))]
 """
-SKIPPING = {"gspo": [], "grpo": ["--kl-coef", "0"]}  # scripts that leave zero-advantage rows out of the update
 
 
-@pytest.mark.parametrize("name", [s for s in SCRIPTS if s in SKIPPING])
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if traits(s).skips_zero_advantage])  # (at their defaults)
 def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp_path, monkeypatch):
     """train() forwards only the rows whose advantage is not 0 (the slow tier's twin runs 2 steps from the
     command line). One update on the same rollout, once skipping half the rows and once with every advantage
@@ -102,7 +101,7 @@ def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     monkeypatch.setattr(module, loss_name(module, name), counting_loss)
     # --max-grad-norm 1e30: no clipping, which would scale a wrongly normalised gradient back to the same norm
-    argv = [*TINY_BATCH, "--minibatches", "1", "--max-grad-norm", "1e30", *DEFAULT_GROUPS, *SKIPPING[name],
+    argv = [*TINY_BATCH, "--minibatches", "1", "--max-grad-norm", "1e30", *DEFAULT_GROUPS, *traits(name).test_flags,
             "--reward", f"{reward}:rows"]  # fmt: skip
     for run in ("skip", "every"):
         if run == "every":
