@@ -182,15 +182,38 @@ RECIPE_FIELDS = {
 }
 
 
-def run_fork(tmp_path, fields: dict, *argv):
-    """`python fork.py ARGV` for a minimal fork (its Args `fields`) in a temporary folder, importing common."""
-    import os
-
+def write_fork(tmp_path, fields: dict):
+    """fork.py, a minimal fork whose Args has `fields`, in a temporary folder."""
     body = "\n".join(f"    {name}: {decl}" for name, decl in fields.items()) or "    pass"
     (tmp_path / "fork.py").write_text(FORK.format(fields=body))
+    return tmp_path / "fork.py"
+
+
+def run_fork(tmp_path, fields: dict, *argv):
+    """`python fork.py ARGV` in its own process, importing common (as a user runs it)."""
+    import os
+
+    write_fork(tmp_path, fields)
     env = {**os.environ, "PYTHONPATH": str(common.SHIPPED_CHECKPOINTS.parent)}
     return subprocess.run([sys.executable, "fork.py", *argv], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env=env)  # fmt: skip
+
+
+def fork_in_process(tmp_path, fields: dict, capsys, *argv):
+    """The same fork's common.main in this process (no interpreter start-up): (exit status, stdout, stderr)."""
+    import importlib.util
+
+    from helpers import main_in_process
+
+    path = write_fork(tmp_path, fields)
+    spec = importlib.util.spec_from_file_location("fork", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fork"] = module  # dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+        return main_in_process(module, argv, capsys)
+    finally:
+        sys.modules.pop("fork", None)
 
 
 def one_error_line(proc) -> str:
@@ -204,11 +227,17 @@ def test_recipe_is_the_fields_the_issue_names():
     assert set(common.RECIPE) == set(RECIPE_FIELDS)
 
 
-@pytest.mark.parametrize("missing", ["lr", "minibatches", "steps"])
-def test_a_fork_without_a_recipe_field_stops_at_start_up_naming_it(tmp_path, missing):
-    fields = {k: v for k, v in RECIPE_FIELDS.items() if k != missing}
+def test_a_fork_without_a_recipe_field_stops_at_start_up_naming_it(tmp_path):
+    """In its own process, as a user meets it: one line, exit status 2."""
+    fields = {k: v for k, v in RECIPE_FIELDS.items() if k != "lr"}
     line = one_error_line(run_fork(tmp_path, fields))
-    assert f"fork.py's Args lacks the recipe field {common._flag(missing)}" in line
+    assert "fork.py's Args lacks the recipe field --lr" in line
+
+
+@pytest.mark.parametrize("missing", sorted(RECIPE_FIELDS))
+def test_each_recipe_field_is_required(tmp_path, capsys, missing):
+    status, _, err = fork_in_process(tmp_path, {k: v for k, v in RECIPE_FIELDS.items() if k != missing}, capsys)
+    assert status == 2 and f"lacks the recipe field {common._flag(missing)}:" in err, err
 
 
 def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path):
@@ -221,11 +250,12 @@ def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path):
 @pytest.mark.parametrize(
     "decl", ["bool | None = arg(None, 'x')", "tuple[int, int] = arg((1, 2), 'x')", "dict = arg({}, 'x')"]
 )
-def test_an_annotation_the_parser_cannot_read_stops_at_start_up(tmp_path, decl):
+def test_an_annotation_the_parser_cannot_read_stops_at_start_up(tmp_path, capsys, decl):
     """Refused even when the flag is not given: the parser used to guess by substring ("false" kept as a
     truthy string for bool | None, a tuple[int, int] read as one int)."""
-    line = one_error_line(run_fork(tmp_path, {**RECIPE_FIELDS, "odd": decl}))
-    assert "field odd is annotated" in line and "supported: bool, int, float" in line
+    status, _, err = fork_in_process(tmp_path, {**RECIPE_FIELDS, "odd": decl}, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "field odd is annotated" in err and "supported: bool, int, float" in err
 
 
 def test_annotations_are_read_exactly_whether_strings_or_types():

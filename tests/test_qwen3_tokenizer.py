@@ -237,7 +237,8 @@ def test_chunked_logprobs_equal_the_plain_ones_at_the_real_vocabulary(model, tok
 REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-@pytest.mark.parametrize("thinking", ["off", "on"])
+# thinking on: the slow tier (13 s here; the quick tier keeps the default, off, under its 120 s budget)
+@pytest.mark.parametrize("thinking", ["off", pytest.param("on", marks=pytest.mark.slow)])
 def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
     """gspo.py, one step at 151,936 words, thinking off and on: 16 completions of 16 tokens, a reward that
     differs between them (so most rows carry an advantage and are forwarded: more tokens than one
