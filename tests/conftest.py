@@ -13,6 +13,8 @@ for folder in (ROOT, ROOT / "tools", ROOT / "experiments"):  # the tests of the 
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from helpers import in_ci  # noqa: E402
+
 import common  # noqa: E402
 
 # The models under test are tiny: intra-op threads only add synchronisation, and on a shared 2-core
@@ -27,8 +29,7 @@ torch.set_num_threads(int(os.environ.get("RLREF_TEST_THREADS", "1")))
 # HYPOTHESIS_PROFILE=ci replays CI's draws here.
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")  # tests/helpers.py: in_ci(), the same
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if IN_CI else "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if in_ci() else "dev"))
 
 
 @pytest.fixture(scope="session")

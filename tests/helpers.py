@@ -193,6 +193,18 @@ def group_mean_std(adv, group_size):
     return out
 
 
+def import_file(path: Path):
+    """The Python file `path` imported as a module named by its stem (a generated fork of a script), kept in
+    sys.modules, where dataclasses look their module up by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main_in_process(module, argv, capsys) -> tuple:
     """common.main of a script module in this process: (exit status, stdout, stderr)."""
     import common

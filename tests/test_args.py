@@ -201,17 +201,10 @@ def run_fork(tmp_path, fields: dict, *argv):
 
 def fork_in_process(tmp_path, fields: dict, capsys, *argv):
     """The same fork's common.main in this process (no interpreter start-up): (exit status, stdout, stderr)."""
-    import importlib.util
+    from helpers import import_file, main_in_process
 
-    from helpers import main_in_process
-
-    path = write_fork(tmp_path, fields)
-    spec = importlib.util.spec_from_file_location("fork", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fork"] = module  # dataclasses look their module up by name
     try:
-        spec.loader.exec_module(module)
-        return main_in_process(module, argv, capsys)
+        return main_in_process(import_file(write_fork(tmp_path, fields)), argv, capsys)
     finally:
         sys.modules.pop("fork", None)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, entropy_tol, logit_scale, main_in_process, traits
+from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, traits
 
 import common
 import grpo
@@ -505,11 +504,7 @@ def fork_module(tmp_path, name: str, edit) -> object:
     assert changed != source, "the edit no longer matches the script's text"
     path = tmp_path / f"{name}_fork.py"
     path.write_text(changed)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path)
 
 
 @pytest.mark.parametrize("name", GROUP_SCRIPTS)
