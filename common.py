@@ -343,11 +343,11 @@ def _parser_of(f, algo: str) -> tuple:
     t = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # "int | None" whether string or type
     t = re.sub(r"^Optional\[(.*)\]$", r"\1|None", t.replace("typing.", "").replace(" ", ""))
     t = "|".join(sorted(t.split("|"), key=lambda part: part == "None"))  # None | int -> int|None
+    if t == "bool":
+        return "bool", None
     base, optional = (t[: -len("|None")], True) if t.endswith("|None") else (t, False)
     listed = re.fullmatch(r"list\[(\w+)\]", base)
     kind = _KINDS.get(listed[1] if listed else base)
-    if t == "bool":
-        return "bool", None
     if kind is None or (listed and optional):
         raise UsageError(f"{algo}.py's Args field {f.name} is annotated {f.type}, which the command line cannot "
                          f"parse; supported: {SUPPORTED_TYPES}")  # fmt: skip
@@ -1036,13 +1036,12 @@ class Rollout:
         left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
         right = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
 
-        def cat(name, pad, value):
+        def joined(name, combine):  # None when a part lacks the field
             xs = [getattr(r, name) for r in rolls]
-            return None if any(x is None for x in xs) else torch.cat([pad(x, value) for x in xs])
+            return None if any(x is None for x in xs) else combine(xs)
 
-        def total(name):
-            xs = [getattr(r, name) for r in rolls]
-            return None if any(x is None for x in xs) else sum(xs)
+        cat = lambda name, pad, v: joined(name, lambda xs: torch.cat([pad(x, v) for x in xs]))  # noqa: E731
+        total = lambda name: joined(name, sum)  # noqa: E731
 
         return Rollout(cat("prompt_ids", left, pad_id), cat("prompt_mask", left, 0),
                        cat("completion_ids", right, pad_id), cat("completion_mask", right, 0),
@@ -1982,7 +1981,7 @@ class SampleRounds:
 
     def __init__(self, args, world: int, pad_id: int):
         self.args, self.share, self.pad_id = args, args.prompts_per_step // world, pad_id
-        self.rounds, self.agreed = [], 0  # agreed: the fewest groups with signal any rank holds so far
+        self.rounds, self.held, self.agreed = [], 0, 0  # groups with signal held here; the fewest any rank holds
         self._joined = None
 
     def wanted(self) -> bool:
@@ -1996,8 +1995,8 @@ class SampleRounds:
         self.rounds.append((roll, records, rewards, parts))
         self._joined = None
         if self.args.filter_groups:
-            held = sum(int((~constant_groups(r[2], self.args.group_size)).sum()) for r in self.rounds)
-            self.agreed = int(all_reduce_sum(torch.tensor(float(held)), op="MIN").item())
+            self.held += int((~constant_groups(rewards, self.args.group_size)).sum())
+            self.agreed = int(all_reduce_sum(torch.tensor(float(self.held)), op="MIN").item())
 
     def joined(self) -> tuple:
         """(roll, records, rewards, parts) of every round, concatenated (the one round itself if only one)."""
@@ -2217,7 +2216,7 @@ class Run:
         if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
-        self.roll, self.rewards, self.parts, self.old_logp, self.updates = roll, rewards, parts, old_logp, []
+        self.roll, self.rewards, self.old_logp, self.updates = roll, rewards, old_logp, []
         self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
         precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
         self.mismatch = precision.rollout_mismatch(roll, old_logp, plan, weights, args) if precision else {}
