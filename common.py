@@ -817,8 +817,7 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
         torch.set_num_threads(1)
     if "RLREF_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    use_tf32(device)
     tok = load_tokenizer(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -829,6 +828,13 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tok
+
+
+def use_tf32(device: torch.device) -> None:
+    """On CUDA, float32 matmuls (those outside the training forward's bf16 autocast: the sampler's, the
+    critic's head) may use TF32, a 10-bit mantissa; a CPU has no such mode (the flag is left as it is)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
@@ -1067,6 +1073,14 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
+# The decode loop reads the device after EARLY_READS tokens, then once per READ_EVERY tokens (6 reads in a
+# 64-token rollout, the last one for the width): on a GPU each read waits for every queued kernel, so reading
+# per token (is any row alive? how many?) keeps the GPU idle between steps. Rows that end between two reads
+# decode padding until the next one (masked out; their random draws rewound). The early reads stop short
+# completions (a few tokens here) about as soon as a per-token check would.
+READ_EVERY, EARLY_READS = 16, (4, 8)
+
+
 def sample(
     model,
     prompts: list[list[int]],
@@ -1087,8 +1101,10 @@ def sample(
     the distribution it was drawn from and under the untruncated one (Rollout.sample_logp*).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once), dropping the rows that have finished whenever half of the batch is done. Any other
-    model runs through its own HF forward."""
+    once), dropping the rows that have finished when a read (after EARLY_READS tokens, then every
+    READ_EVERY) finds half of the batch done. Any other model runs through its own HF forward. Those
+    reads and one for the width are the loop's only reads of the device; the tokens, the draws left in
+    `generator` and the width are those of a loop that read it every step (tests/test_gpu_paths.py)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lora = _loaded("lora")
@@ -1099,21 +1115,20 @@ def sample(
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(B, max_new_tokens, device=device)
     roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
+    if not greedy and generator is None:  # the device's default stream, as an explicit generator (rewound below)
+        generator = default_generator(device)
     # --fsdp: whole weights while sampling (gathered outside inference mode: FSDP2 reuses their storage)
     with gathered(model), torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         fast = _StaticKVDecoder.supports(model)
         if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
-            distinct, copies = torch.unique(
-                torch.cat([roll.prompt_ids, roll.prompt_mask], 1), dim=0, return_inverse=True
-            )
-            first = torch.empty(len(distinct), dtype=torch.long, device=device).scatter_(
-                0, copies, rows
-            )  # a row of each
-            shared = len(distinct) < B
-            decoder = _StaticKVDecoder(model, roll[first] if shared else roll, max_new_tokens)
+            first, copies = _distinct_rows(prompts, pad_id)
+            shared = len(first) < B
+            decoder = _StaticKVDecoder(model, roll[torch.tensor(first, device=device)] if shared else roll,
+                                       max_new_tokens)  # fmt: skip
             logits = decoder.prefill()
             if shared:
+                copies = torch.tensor(copies, device=device)
                 logits = logits.index_select(0, copies)
                 decoder.keep(copies)
         else:
@@ -1121,10 +1136,14 @@ def sample(
             logits = decoder.prefill()
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
+        width = torch.zeros((), dtype=torch.long, device=device)  # steps that some row was alive for
         entropy = None if greedy else torch.zeros(B, max_new_tokens, device=device)
         if record_logp:
             sample_logp, sample_logp_full = torch.zeros(2, B, max_new_tokens, device=device)
+        draws = []  # (step, generator state before its draw) since the last read
         for t in range(max_new_tokens):
+            if not greedy:
+                draws.append((t, generator.get_state()))
             token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
             token = torch.where(alive, token, pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
@@ -1135,20 +1154,59 @@ def sample(
                 full = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
                 kept = _top_p_filter(scaled, top_p).log_softmax(-1) if top_p < 1.0 else None
                 sampled = full if kept is None else kept.gather(-1, token[:, None]).squeeze(-1)
-                sample_logp_full[rows, t], sample_logp[rows, t] = full * alive, sampled * alive
+                # where, not *: a finished row's padding may lie outside the nucleus (-inf * 0 is nan)
+                sample_logp_full[rows, t], sample_logp[rows, t] = full.where(alive, 0.0), sampled.where(alive, 0.0)
+            width += alive.any()
             alive &= ~torch.isin(token, eos)
-            if t == max_new_tokens - 1 or not alive.any():
+            if t == max_new_tokens - 1:
                 break
-            if fast and 2 * int(alive.sum()) <= len(rows):  # half done: drop finished rows
-                keep = alive.nonzero().squeeze(1)
-                decoder.keep(keep)
-                rows, alive, token = rows[keep], alive[keep], token[keep]
+            if (t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS:  # the loop's one read of the device
+                alive_now = _host(alive)
+                if not any(alive_now):
+                    break
+                draws.clear()
+                if fast and 2 * sum(alive_now) <= len(rows):  # half done: drop finished rows
+                    keep = torch.tensor([i for i, a in enumerate(alive_now) if a], device=device)
+                    decoder.keep(keep)
+                    rows, alive, token = rows[keep], alive[keep], token[keep]
             logits = decoder.step(token)
-    entropy = None if entropy is None else entropy[:, : t + 1]
-    roll = Rollout(roll.prompt_ids, roll.prompt_mask, out[:, : t + 1], mask[:, : t + 1], entropy)
+        width = _host(width)  # every row had ended by then: the completions' width
+    for step, state in draws:  # undo the draws of steps past the last row's end, as if the loop had stopped there
+        if step == width:
+            generator.set_state(state)
+            break
+    entropy = None if entropy is None else entropy[:, :width]
+    roll = Rollout(roll.prompt_ids, roll.prompt_mask, out[:, :width], mask[:, :width], entropy)
     if record_logp:
-        roll.sample_logp, roll.sample_logp_full = sample_logp[:, : t + 1], sample_logp_full[:, : t + 1]
+        roll.sample_logp, roll.sample_logp_full = sample_logp[:, :width], sample_logp_full[:, :width]
     return roll
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator a random call on `device` draws from when given none."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    return torch.default_generator
+
+
+def _host(x: torch.Tensor):
+    """`x` as Python values: the decode loop's one way to read the device (on a GPU it waits for every
+    queued kernel; the tests count its calls)."""
+    return x.tolist()
+
+
+def _distinct_rows(prompts: list[list[int]], pad_id: int) -> tuple[list[int], list[int]]:
+    """(first, copies): `first` holds a row index of each distinct prompt, ordered as the rows of its
+    left-padded ids and mask sort (torch.unique's order), and copies[i] is the place of row i's prompt in
+    `first`: prompts[first[copies[i]]] == prompts[i]. Computed on the host, from the lists."""
+    P = max(map(len, prompts))
+    key = lambda p: ([pad_id] * (P - len(p)) + list(p), len(p))  # noqa: E731 (ids left-padded, then the mask)
+    places = {}
+    for i, p in enumerate(prompts):
+        places.setdefault(tuple(p), i)
+    first = sorted(places.values(), key=lambda i: key(prompts[i]))
+    place = {tuple(prompts[i]): n for n, i in enumerate(first)}
+    return first, [place[tuple(p)] for p in prompts]
 
 
 def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
@@ -1203,6 +1261,7 @@ class _StaticKVDecoder:
     rotated together (both exact), and the attention done directly (float rounding differs)."""
 
     GROW = 16  # cache slots added at a time (fewer slots per step than allocating all P + T at once)
+    FUSED_ON = ("cpu",)  # device types whose q, k, v and gate, up projections run as one matmul each (below)
 
     MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -1255,7 +1314,7 @@ class _StaticKVDecoder:
         # one, over weights concatenated here, save a few percent of a small model's decode step
         # (a copy of those weights, made per sample() call as they change between training steps;
         # on CUDA the copy would cost memory)
-        fuse = device.type == "cpu"
+        fuse = device.type in self.FUSED_ON
         self.qkv = [
             _concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
             for a in (layer.self_attn for layer in self.base.layers)
@@ -1328,7 +1387,8 @@ class _StaticKVDecoder:
                     1,
                 )
             out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
-            h = h + attn.o_proj(out.view(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
+            # reshape, not view: SDPA's output on CUDA is strided ([B, Hkv, M, D] laid out as [B, M, Hkv, D])
+            h = h + attn.o_proj(out.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
             x = _rms_norm(h, layer.post_attention_layernorm)
             if gate_up is None:
                 h = h + layer.mlp(x)
@@ -1360,11 +1420,12 @@ def _is_gated_mlp(mlp) -> bool:
     return type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")
 
 
-def _attention(q, k, v, bias, scale: float):
+def _attention(q, k, v, bias, scale: float, fused: bool | None = None):
     """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias
-    broadcastable to [B, Hkv, M, N]. On CUDA the fused kernel (float32 scores for a bf16 model);
-    on CPU plain matmuls, which beat it for one-token queries."""
-    if q.is_cuda:
+    broadcastable to [B, Hkv, M, N]. `fused` (default: on CUDA) the fused kernel (float32 scores for a
+    bf16 model), whose output may come back strided (laid out [B, M, Hkv, D]); else plain matmuls, which
+    beat it on CPU for one-token queries. Tests run both on a CPU."""
+    if q.is_cuda if fused is None else fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * scale + bias
     return scores.softmax(-1, dtype=torch.float32).to(v.dtype) @ v
@@ -1693,15 +1754,17 @@ class CompletionLogprobs(torch.nn.Module):
         return _completion_logprobs(self.model, roll, temperature, chunk_tokens, entropy_grad)
 
 
-def completion_hidden_states(backbone, roll: Rollout) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions that predict each completion token."""
+def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) -> torch.Tensor:
+    """[B, T, H] final hidden states at the positions that predict each completion token. `bf16` (default:
+    on CUDA) runs the forward under bf16 autocast, on whatever device the ids are (tests use a CPU's)."""
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
     positions = (attn.cumsum(1) - 1).clamp(min=0)
+    bf16 = ids.is_cuda if bf16 is None else bf16
     # bf16 compute, fp32 weights. Under --fsdp autocast's cache would keep every gathered layer's bf16 cast until
     # the forward ends, a whole copy of the model; uncached, --grad-checkpointing frees each with its layer
-    cache = ids.is_cuda and not sharded(backbone)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda, cache_enabled=cache):
+    cache = bf16 and not sharded(backbone)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=cache):
         hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=positions).last_hidden_state
     P, T = roll.prompt_ids.shape[1], roll.completion_ids.shape[1]
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
@@ -2852,9 +2915,15 @@ def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized()):
         return x
     device = x.device
-    x = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # NCCL: GPU tensors only
+    x = x.detach().to(collective_device(dist.get_backend()), copy=True)
     dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
     return x.to(device)
+
+
+def collective_device(backend: str) -> str:
+    """Where a collective's tensor must be: NCCL reduces GPU tensors only (this process's GPU, set by
+    init_distributed), gloo CPU ones."""
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def global_mean(x: torch.Tensor) -> float:
