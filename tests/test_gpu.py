@@ -1,0 +1,172 @@
+"""The gpu tier: the real CUDA paths, wherever a GPU is visible (`python -m pytest -q -m gpu`).
+
+It is the first thing `bash benchmarks/gpu.sh` runs, and it is meant to take under 3 minutes on one H200:
+the script runs (each script 3 steps at tiny and at Qwen2.5-0.5B's shape with random weights, a stop and
+resume, torchrun on one process with and without --fsdp) are launched together, as concurrent processes
+on the one GPU, by one fixture; the tests then read what each run left. Elsewhere (CI has no GPU) every
+test skips with one reason line. RLREF_GPU_TIER_DEVICE=cpu runs the tier's own logic on a CPU (at small
+shapes, a few minutes on 2 cores): a check of the tests, not of CUDA. tests/test_gpu_paths.py reaches
+each CUDA-only branch on a CPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import ROOT, assert_within, logit_scale, logprob_tol, torchrun_cmd
+from safetensors.torch import load_file
+
+import common
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+DEVICE = os.environ.get("RLREF_GPU_TIER_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE is None, reason="gpu tier: no CUDA device visible (CI has none)"),
+]
+SCRIPTS = ("gspo", "grpo", "ppo")
+TINY = ["--model", "tiny", "--eval-every", "0", "--eval-size", "8", "--prompts-per-step", "4", "--no-anneal-lr"]
+# at the 0.5B shape: 4 prompts x 4 samples x 32 new tokens, a reward with variance (a random model never answers)
+REAL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32", "--minibatches", "2",
+        "--eval-every", "0", "--eval-size", "4", "--lr", "1e-6"]  # fmt: skip
+if DEVICE == "cpu":  # RLREF_GPU_TIER_DEVICE=cpu: the tier's logic at a CPU's sizes
+    REAL[REAL.index("--max-new-tokens") + 1] = "8"
+RUN_LIMIT_S = 170 if DEVICE == "cuda" else 1500  # every run together: the tier's budget is 3 minutes
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch.device(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (exit status, out dir, output)} of every script run, launched at once and awaited together."""
+    import gpu  # benchmarks/gpu.py: the random Qwen2.5-0.5B-shaped checkpoint and its --data
+
+    work = tmp_path_factory.mktemp("gpu-tier")
+    shape = gpu.QWEN25_05B if DEVICE == "cuda" else gpu.SMOKE_SHAPE
+    checkpoint, data, _ = gpu.build_model_and_data(shape, work)
+    reward = f"{ROOT / 'benchmarks' / 'real_size.py'}:completion_length"
+    real = ["--model", str(checkpoint), "--data", str(data), "--reward", reward, *REAL]
+    py = [sys.executable]
+    cmds = {}
+    for s in SCRIPTS:
+        cmds[f"{s} tiny"] = [[*py, f"{s}.py", *TINY, "--steps", "3"]]
+        cmds[f"{s} 0.5b"] = [[*py, f"{s}.py", *real, "--steps", "3"]]
+    # stopped after step 1 (its checkpoint), then resumed to step 3: against "gspo tiny"
+    cmds["gspo resumed"] = [[*py, "gspo.py", *TINY, "--steps", "1", "--save-every", "1"],
+                            [*py, "gspo.py", "--resume", "{out}", "--steps", "3"]]  # fmt: skip
+    one = [*torchrun_cmd(), "--standalone", "--nproc_per_node", "1"]
+    cmds["torchrun gspo"] = [[*one, "gspo.py", *TINY, "--steps", "2"]]
+    cmds["torchrun gspo --fsdp"] = [[*one, "gspo.py", *TINY, "--steps", "2", "--fsdp"]]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    procs = {}
+    for name, steps in cmds.items():
+        out = work / name.replace(" ", "_")
+        shell = " && ".join(
+            subprocess.list2cmdline([*(a.replace("{out}", str(out)) for a in c), *(["--out", str(out)] if
+                                    "--resume" not in c else []), "--device", DEVICE])
+            for c in steps
+        )  # fmt: skip
+        log = open(work / f"{name.replace(' ', '_')}.log", "w")
+        procs[name] = (subprocess.Popen(shell, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
+                       out, log)  # fmt: skip
+    deadline, results = time.monotonic() + RUN_LIMIT_S, {}
+    for name, (proc, out, log) in procs.items():
+        try:
+            status = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = f"timeout after {RUN_LIMIT_S} s"
+        log.close()
+        results[name] = (status, out, (work / f"{name.replace(' ', '_')}.log").read_text())
+    return results
+
+
+def finished(runs, name, steps):
+    status, out, output = runs[name]
+    assert status == 0, f"{name}: exit {status}\n{output[-3000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)), name
+    assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in trained), name
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("size", ["tiny", "0.5b"])
+def test_three_steps_of_each_script(runs, script, size):
+    out = finished(runs, f"{script} {size}", 3)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peak_mem_mb"] > 0
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_stop_and_resume_is_bit_for_bit(runs):
+    straight, resumed = finished(runs, "gspo tiny", 3), finished(runs, "gspo resumed", 3)
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (straight, resumed))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: the resumed run's final weights differ from the straight run's"
+
+
+@pytest.mark.parametrize("name", ["torchrun gspo", "torchrun gspo --fsdp"])
+def test_torchrun_on_one_process(runs, name):
+    out = finished(runs, name, 2)
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# in process: the sampler against HF generate, and the bf16-autocast training forward
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(device):
+    model, tok = common.load_model("tiny", device)
+    return model.eval(), tok
+
+
+def test_greedy_samples_equal_hf_generate_in_float32(tiny):
+    """The tiny checkpoint's greedy completions, rows stopping at different steps, are generate's token for
+    token (float32: the fused kernels' roundings do not flip a trained model's greedy choices)."""
+    model, tok = tiny
+    train, _ = common.arith_split()
+    prompts = common.encode_prompts(tok, train[:32])
+    eos, pad, T = common.eos_token_ids(model, tok), tok.pad_token_id, 24
+    ours = common.sample(model, prompts, T, eos, pad, greedy=True).completion_lists()
+    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad, device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
+    theirs = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    assert ours == theirs
+
+
+def test_bf16_autocast_training_logprobs_against_float32(tiny):
+    """The training forward's bf16 autocast (the default on CUDA) against the same forward in float32:
+    within logprob_tol at bfloat16's roundoff (capped: see test_gpu_paths.py), and not equal to it."""
+    model, tok = tiny
+    train, _ = common.arith_split()
+    prompts = common.encode_prompts(tok, train[:16])
+    roll = common.sample(model, prompts, 16, common.eos_token_ids(model, tok), tok.pad_token_id,
+                         generator=torch.Generator(model.device).manual_seed(0))  # fmt: skip
+    base, head = model.get_decoder(), model.get_output_embeddings().weight
+    autocast = None if model.device.type == "cuda" else True  # CUDA's default; asked for on a CPU
+    with torch.no_grad():
+        low = common.logprobs_from_hidden(common.completion_hidden_states(base, roll, bf16=autocast), head,
+                                          roll.completion_ids)[0]  # fmt: skip
+        high = common.logprobs_from_hidden(common.completion_hidden_states(base, roll, bf16=False), head,
+                                           roll.completion_ids)[0]  # fmt: skip
+    mask = roll.completion_mask.bool()
+    assert not torch.equal(low[mask], high[mask]), "the default CUDA forward ran in float32: no autocast"
+    length, max_logit = logit_scale(model, roll)
+    bound = min(logprob_tol(model.config, length, max_logit, torch.bfloat16), 0.5 * max_logit)
+    assert_within(low[mask].cpu(), high[mask].cpu(), bound, "bf16-autocast log-probs against float32")
