@@ -392,3 +392,16 @@ def test_fsdp_gathers_bf16_on_cuda_with_a_bf16_rollout_only():
     assert fsdp_extra.gathered_dtype(torch.device("cuda:0"), bf16) == torch.bfloat16
     assert fsdp_extra.gathered_dtype(torch.device("cuda:0"), fp32) == torch.float32
     assert fsdp_extra.gathered_dtype(CPU, bf16) == torch.float32
+
+
+@given(prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=12))
+@example(prompts=[[1, 2], [1, 2], [2], [0, 2], [2]])  # pad id 0 inside a prompt: its mask tells it from padding
+@settings(max_examples=60, deadline=None)
+def test_distinct_prompts_found_on_the_host_as_torch_unique_finds_them(prompts):
+    """The prefill's distinct prompts, found from the lists (no read of the device), in torch.unique's order
+    of the left-padded ids and mask, and each row's place among them its inverse index."""
+    first, copies = common._distinct_rows(prompts, pad_id=0)
+    ids, mask = common._left_pad(prompts, 0, CPU)
+    rows, inverse = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    assert torch.equal(torch.cat([ids, mask], 1)[first], rows)
+    assert copies == inverse.tolist()
