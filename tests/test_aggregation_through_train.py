@@ -96,7 +96,7 @@ def test_each_aggregation_through_train_gives_the_closed_form_gradient(shape, ag
         roll = fixed_rollout(self, prompts, ROWS[shape], torch.Generator().manual_seed(0))
         roll.entropy = torch.zeros(roll.completion_mask.shape)
         roll.seconds, roll.sampled_tokens, roll.draws = real.seconds, real.sampled_tokens, real.draws
-        seen["roll"], seen["eos"] = roll, self.eos_ids
+        seen["roll"], seen["eos"], seen["prompts"] = roll, self.eos_ids, prompts
         return roll
 
     class RecordingAdamW(torch.optim.AdamW):
@@ -115,6 +115,10 @@ def test_each_aggregation_through_train_gives_the_closed_form_gradient(shape, ag
             "0", "--loss-agg", agg, "--reward", f"{reward}:fixed", "--out", str(tmp_path / "out")]  # fmt: skip
     common.main(grpo.train, grpo.Args, argv=argv + (["--mask-truncated"] if mask_truncated else []))
 
+    # the groups that group_advantages takes, consecutive blocks of --group-size rows, are each one prompt's
+    # completions (a layout that interleaved the groups would give each advantage another prompt's baseline)
+    prompts = seen["prompts"]
+    assert [prompts[i - i % 2] for i in range(len(prompts))] == prompts and prompts[0] != prompts[2] != prompts[4]
     roll = seen["roll"]
     T = roll.completion_mask.shape[1]
     assert T == (4 if shape == "short" else MAX_NEW_TOKENS)  # the case is what it is named for
