@@ -165,6 +165,18 @@ def script_name(args_cls) -> str:
 # The training recipe: fields every script's own Args declares with its defaults (CleanRL's Args); checked at start
 RECIPE = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "weight_decay",
           "max_grad_norm", "anneal_lr", "minibatches", "epochs")  # fmt: skip
+# The flags that do not change what a step trains, each with why: every other field of a script's Args must change
+# its update when set (tests/test_flags_reach_update.py runs one step per flag). A script adds its own such flags
+# in a NOT_IN_UPDATE dict of its own beside its Args.
+NOT_IN_UPDATE = {
+    "eval_every": "when to evaluate", "eval_size": "how many prompts to evaluate on",
+    "eval_samples": "what evaluation samples", "report_to": "where metrics go", "trace_every": "when to trace",
+    "trace_groups": "what a trace keeps", "out": "where outputs go", "overwrite": "whether --out may be replaced",
+    "save_every": "when to checkpoint", "resume": "where a run starts (resume is exact: test_reliability.py)",
+    "max_consecutive_skips": "a guard: when non-finite updates stop the run", "device": "where, not what",
+    "grad_checkpointing": "recomputes the same activations in backward", "merge_lora": "writes a merged copy",
+    "fsdp": "shards what DDP replicates (the same update: test_fsdp.py)",
+}  # fmt: skip
 
 
 @dataclass

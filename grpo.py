@@ -6,7 +6,8 @@ loss aggregation as a choice):
     J(theta) = E[ agg_{i,t} ( min( r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i ) - beta KL_it ) ]
     r_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)          (one ratio per *token*)
     A_i  = (R_i - mean_j R_j) / std_j R_j       (Dr. GRPO: R_i - mean_j R_j, --scale-rewards none)
-    KL_it = k3 = exp(ref - logp) - (ref - logp) - 1   (only with --kl-coef > 0: a frozen reference)
+    KL_it = k3 = exp(ref - logp) - (ref - logp) - 1   (only with --kl-coef > 0: a frozen reference; its value
+            estimates KL(pi || ref), its gradient as a loss is that of KL(ref || pi): `kl_k3`)
 
 No critic: the other completions of the same prompt are the baseline. The aggregation decides how
 tokens of different sequences are weighted: "seq-mean-token-mean" (the paper: every sequence
@@ -107,6 +108,8 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """[B] -> [B]: R - group mean, divided by (group std + eps) when scale="std" (Bessel's std).
     Rewards come group by group. A group whose rewards are all equal gets exactly 0."""
+    if group_size < 2:  # a completion alone is its own baseline: every advantage would be 0 and nothing would train
+        raise ValueError(f"group_size must be >= 2 (the group is the baseline), got {group_size}")
     r = rewards.float().view(-1, group_size)  # [B/G, G]
     adv = r - r.mean(1, keepdim=True)
     if scale == "std":
@@ -118,8 +121,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std",
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """[B, T]: k3 = exp(x) - x - 1 with x = ref - logp, an unbiased, non-negative estimate of
-    KL(pi || ref) (Schulman's k3). expm1 keeps it >= 0 in float32 where exp(x) - 1 would not."""
+    """[B, T]: k3 = exp(x) - x - 1 with x = ref - logp (Schulman's k3), non-negative: its value over tokens
+    sampled from pi is an unbiased estimate of KL(pi || ref), but as a loss term (the sampling not
+    differentiated) its expected gradient is that of KL(ref || pi), the reverse direction (pi - ref weighs
+    grad log pi: tests/test_kl_direction.py enumerates it). expm1 keeps it >= 0 in float32 where exp(x) - 1
+    would not."""
     x = (ref_logp - logp).clamp(*LOG_RATIO_CLAMP)
     return (torch.expm1(x) - x).clamp(min=0)
 

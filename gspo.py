@@ -84,6 +84,8 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """[B] -> [B]: R - group mean, divided by (group std + eps) when scale="std" (Bessel's std).
     Rewards come group by group. A group whose rewards are all equal gets exactly 0."""
+    if group_size < 2:  # a completion alone is its own baseline: every advantage would be 0 and nothing would train
+        raise ValueError(f"group_size must be >= 2 (the group is the baseline), got {group_size}")
     r = rewards.float().view(-1, group_size)  # [B/G, G]
     adv = r - r.mean(1, keepdim=True)
     if scale == "std":

@@ -540,10 +540,13 @@ def test_constant_groups_are_a_real_trap():
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_extreme_log_ratios_are_finite(variant, dtype):
+    """Mean log-ratios of +-100, beyond float32's exp overflow (exp(x) = inf from x ~ 88.72): without the
+    log-ratio clamps the float32 loss or gradient is inf or nan (an advantage 0 times inf: nan)."""
     old = torch.zeros(4, 3, dtype=dtype)
-    logp = torch.tensor([[50.0] * 3, [-50.0] * 3, [50.0, -50.0, 50.0], [-50.0, 50.0, 0.0]], dtype=dtype)
+    logp = torch.tensor([[100.0] * 3, [-100.0] * 3, [100.0, -100.0, 100.0], [-100.0, 100.0, 0.0]], dtype=dtype)
+    assert dtype != torch.float32 or torch.isinf(logp.exp()).any()  # (beyond the overflow, where it applies)
     mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=dtype)
-    for adv in ([1.0, 1.0, -1.0, -1.0], [-1.0, -1.0, 1.0, 1.0]):
+    for adv in ([1.0, 1.0, -1.0, -1.0], [-1.0, -1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]):
         x = logp.clone().requires_grad_(True)
         loss, stats = gspo.gspo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, variant=variant)
         g = _grad(loss, x)

@@ -370,8 +370,20 @@ def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
     grouped = [name for name in SCRIPTS if traits(name).grouped]
     assert grouped and all(hasattr(MODULES[name], "group_advantages") for name in grouped), grouped
     for name, scale in [(name, scale) for name in grouped for scale in ("std", "none")]:
+        if group_size == 1:  # every group of one is constant, and group_advantages refuses it (below)
+            assert all(expected)
+            continue
         adv = MODULES[name].group_advantages(rewards, group_size, scale).view(-1, group_size)
         assert (adv == 0).all(1).tolist() == expected, (name, scale, flat)
+
+
+@pytest.mark.parametrize("name", [name for name in SCRIPTS if traits(name).grouped])
+def test_group_advantages_refuse_a_group_of_one(name):
+    """A completion alone is its own baseline: every advantage 0, silently, and nothing trains. The command line
+    refuses --group-size 1; the function, which a fork may call with a group size of its own, refuses it too."""
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        MODULES[name].group_advantages(torch.tensor([1.0, 0.0, 0.5]), 1)
+    assert MODULES[name].group_advantages(torch.tensor([1.0, 0.0]), 2).abs().min() > 0  # G = 2 still works
 
 
 def loss_functions():

@@ -1,0 +1,88 @@
+"""A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
+grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
+each. The rollout is test_distributed's fixed one (completions fixed by each prompt, so both runs train the same
+rows), with every third row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave
+out and the ranks hold unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token
+count) gives each rank's tokens another weight than one process does, and fails here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_within, forward_roundings, needs_torchrun, probable_gamma, torchrun_cmd
+from test_distributed import FIXED_ROLLOUT_RUN, ROOT, WORLD, _free_port
+from test_real_checkpoints import graded_reward
+
+import common
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW_TOKENS = 8
+# test_distributed's sampler with every third row of a prompt cut (MAX_NEW_TOKENS tokens, no EOS), and each rank's
+# rollout written down: (its completion tokens, those of rows that end with an EOS)
+ENDS = "completions.append(torch.randint(2, 97, (n,), generator=g).tolist() + [self.eos_ids[0]])"
+CUT = """cut = k % 3 == 2
+            ids = torch.randint(2, 97, (self.args.max_new_tokens if cut else n,), generator=g).tolist()
+            completions.append(ids if cut else ids + [self.eos_ids[0]])"""
+RETURN = "        return roll\n"
+RECORD = """        ends = common.completion_ends(roll, self.eos_ids)
+        mask = roll.completion_mask
+        torch.save((int(mask.sum()), int((mask * ends[:, None]).sum())), os.path.join(OUT, f"tokens-rank{{RANK}}.pt"))
+        return roll
+"""
+
+CASES = {
+    "grpo-token-mean": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated"]),
+    "grpo-sum-norm": ("grpo", ["--loss-agg", "seq-mean-token-sum-norm", "--mask-truncated"]),
+    "ppo-lam": ("ppo", ["--lam", "0.5", "--missing-eos-penalty", "0.5"]),
+    "gspo-token": ("gspo", ["--variant", "token", "--mask-truncated"]),
+}
+
+
+def run(tmp_path, algo, flags, nproc):
+    """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
+    process. Returns the record directory (each optimizer step's gradients and weights, each rank's tokens)."""
+    assert ENDS in FIXED_ROLLOUT_RUN and RETURN in FIXED_ROLLOUT_RUN  # (test_distributed's sampler, as read here)
+    script = tmp_path / "fixed_cut_rollout_run.py"
+    script.write_text(FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT)))
+    record = tmp_path / f"record-{nproc}"
+    record.mkdir()
+    launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())] if nproc else []
+    cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
+           "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
+           "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
+           graded_reward(tmp_path), *flags, "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return record
+
+
+@needs_torchrun
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    from transformers import AutoConfig
+
+    algo, flags = CASES[case]
+    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD)
+    total, ended = torch.load(single / "tokens-rank0.pt")
+    ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]
+    assert 0 < ended < total  # some rows cut, some not
+    assert [sum(r[i] for r in ranks) for i in (0, 1)] == [total, ended]  # the ranks split the same rollout
+    assert ranks[0][1] != ranks[1][1] and ranks[0][0] != ranks[1][0]  # ... into unequal token counts
+    records = sorted(f.name.removesuffix("-rank0.pt") for f in single.glob("opt*-rank0.pt"))
+    assert records == [f"opt{i}-step0" for i in range(len(records))] and records, records  # ppo: policy, critic
+    # test_distributed's bound: the first-order model of logit_tol over the backward's chains and the B x L
+    # positions a weight's gradient collects, two such sums in other orders
+    B, L = 16, max(len(e["prompt"]) for e in common.arith_split()[0]) + MAX_NEW_TOKENS
+    n = forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1
+    for r in records:
+        one, two = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
+        assert all(torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r  # one averaged gradient
+        assert any(g.abs().max() > 0 for g in one["grads"]), r
+        for i, (g1, g2) in enumerate(zip(one["grads"], two[0]["grads"])):
+            assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
