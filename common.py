@@ -9,8 +9,8 @@ A script's train() calls into it in this order, and the sections follow that ord
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
   7b. The sampler      Sampler (the policy as the rollout samples it), --is-correction's weights
-   8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
-   9. The run          Run: pi_old, every measurement, metrics.jsonl, evaluation when due, checkpoints
+   8. Updates          plan_updates, rows_with_signal, logprobs_of_rows (pi_old's forward), the non-finite guard
+   9. The run          Run: every measurement, metrics.jsonl, evaluation when due, checkpoints
   10. Checkpoints      atomic save, SIGINT / SIGTERM
   11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
 
@@ -1794,7 +1794,7 @@ class Sampler:
 
 
 def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
-    """[n] bool: the rows some update of `plan` forwards (they have pi_old); plan None: every row."""
+    """[n] bool: the rows some update of `plan` (plan_updates' list) forwards; plan None: every row."""
     if plan is None:
         return torch.ones(n, dtype=torch.bool, device=device)
     rows = torch.zeros(n, dtype=torch.bool, device=device)
@@ -1802,13 +1802,14 @@ def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
     return rows
 
 
-def is_weights(old_logp: torch.Tensor, roll: Rollout, plan: list[tuple] | None, args, per: str = "token"):
+def is_weights(old_logp: torch.Tensor, roll: Rollout, has_old: torch.Tensor | None, args, per: str = "token"):
     """--is-correction: detached [B, T] loss weights pi_old / mu, truncated at --is-cap (tis) or a sequence
-    mask (extras/rollout_precision.py), over the rows the updates of `plan` forward (1 elsewhere); per=
-    "sequence": one weight per sequence (GSPO). None without a correction (the default)."""
+    mask (extras/rollout_precision.py), over the rows `has_old` ([B] bool: where `old_logp` holds pi_old;
+    None: every row), 1 elsewhere; per="sequence": one weight per sequence (GSPO). None without a
+    correction (the default)."""
     if args.is_correction == "none" or roll.sample_logp is None:
         return None
-    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
     precision = extra("rollout_precision", "--is-correction")
     return precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
 
@@ -1835,16 +1836,14 @@ def plan_updates(n: int, epochs: int, n_minibatches: int, device, advantages=Non
     return plan
 
 
-def logprobs_of_forwarded_rows(model, roll: Rollout, plan: list[tuple], temperature: float = 1.0, every_row=False):
-    """[B, T] log-probs of pi_old (call it before any update, under no_grad) for the rows that the
-    updates of `plan` (from `minibatches`) forward, 0 on the others: a row whose advantage is 0
-    is never forwarded, so its log-probs are never needed. every_row: all rows (an MoE model
-    records every row's experts in this pass)."""
-    rows = torch.arange(len(roll), device=roll.completion_ids.device)
-    if not every_row:
-        rows = forwarded_rows(plan, len(roll), rows.device).nonzero().squeeze(1)  # sorted, each once
+def logprobs_of_rows(model, roll: Rollout, rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T] log-probs of `model` on the rows where `rows` ([B] bool) is True, 0 on the others: a script's
+    pi_old forward (under no_grad, at the weights that sampled `roll`) over the rows its updates read."""
+    if bool(rows.all()):
+        return completion_logprobs(model, roll, temperature)[0]
+    picked = rows.nonzero().squeeze(1)  # sorted, each once
     logp = torch.zeros(roll.completion_ids.shape, device=roll.completion_ids.device)
-    logp[rows] = completion_logprobs(model, roll if every_row else roll[rows], temperature)[0]
+    logp[picked] = completion_logprobs(model, roll[picked], temperature)[0]
     return logp
 
 
@@ -2052,7 +2051,7 @@ def trace_due(args, step: int) -> bool:
 class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
-    progress bar, pi_old (`old_logprobs`), every measurement (`rollout`, `update`, `log`: the
+    progress bar, every measurement (`rollout`, `update`, `log`: the
     metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
     the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
     completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
@@ -2075,6 +2074,11 @@ class Run:
       `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
       under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
       verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
+    - pi_old is the script's: `rollout` is handed it (`old_logp`, over the rows `has_old`) and every number
+      compared against it (the mismatch, the trace, the updates' ratio statistics) reads what was handed; Run
+      recomputes none of it. Under --old-logp rollout the mismatch comes from the update the script marks
+      `on_policy` (none marked: not logged). Where a measurement needs pi_old on every row, `reads_every_row`
+      says so and `rollout` refuses fewer.
     - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
     `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
 
@@ -2177,19 +2181,17 @@ class Run:
             if self.stopping:
                 return
 
-    def old_logprobs(self, roll: Rollout, plan: list[tuple] | None = None, every_row: bool = False) -> torch.Tensor:
-        """[B, T] log-probs of pi_old, the policy that sampled `roll`, without gradient: call it before any
-        update. --old-logp recompute (the default): the policy's forward over the rows the updates of
-        `plan` forward, 0 on the others (plan None, or `every_row`: every row; every row too when a
-        measurement needs them: an MoE model's routing record, --reward-model's kl_to_init). --old-logp
-        rollout: the sampler's own log-probs, no forward, as engines without a recompute do; those of its
-        untruncated distribution (`sample_logp_full`), so that with --top-p < 1 the ratio compares like
-        with like."""
-        if self.args.old_logp == "rollout":
-            return roll.sample_logp_full * roll.completion_mask
-        every_row = every_row or self.routing is not None or self.reference is not None
-        with torch.no_grad(), self.routing.record() if self.routing else contextlib.nullcontext():
-            return logprobs_of_forwarded_rows(self.model, roll, plan, self.args.temperature, every_row)
+    @property
+    def reads_every_row(self) -> bool:
+        """Whether a measurement reads pi_old on every row of the rollout, not only the rows the updates
+        forward: an MoE model's routing record (drift, --routing-replay) and --reward-model's kl_to_init.
+        A script's pi_old forward then covers every row; `rollout` refuses one that does not."""
+        return self.routing is not None or self.reference is not None
+
+    def recording_routing(self):
+        """Context for the script's pi_old forward: an MoE model records each token's experts in it (drift,
+        grpo.py's --routing-replay: extras/moe.py); otherwise nothing."""
+        return self.routing.record() if self.routing is not None else contextlib.nullcontext()
 
     def replayed_routing(self, rows: torch.Tensor, on: bool = True):
         """Context for an update's forward and backward on rows `rows` of the rollout: with `on` (grpo.py's
@@ -2199,48 +2201,50 @@ class Run:
             return contextlib.nullcontext()
         return self.routing.replay(self.routing.indices, rows)
 
-    def rollout(self, roll, records, rewards, parts, advantages, old_logp, plan=None, weights=None, sampled=None,
+    def rollout(self, roll, records, rewards, parts, advantages, old_logp, has_old=None, weights=None, sampled=None,
                 **per_token):  # fmt: skip
         """The step's measurements before its updates (every rank calls it once a step): `roll`, the rows the
         updates train, their `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for
-        PPO), pi_old, `plan` (plan_updates' list: the rows that have pi_old; None: every row), the
-        --is-correction `weights`, and `per_token`, the script's other [B, T] values that a trace keeps
-        (ref_logp, value, token_reward). A loop that trains on part of what it sampled (--filter-groups'
-        SampleRounds, or a fork's own sampling loop) passes `sampled`, (roll, rewards, parts) of everything it
-        sampled this step (Rollout.concat of its draws): reward, its parts, truncated_frac, entropy,
-        response_len, tokens_per_s, zero_std_* and the collapse watch read that, the updates' statistics,
-        the mismatch and the trace read what is trained. It measures how far the sampler mu is from pi_old,
-        when mu is recorded (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace
-        when one is due."""
+        PPO), `old_logp` [B, T], pi_old as the script computed it (the log-probs of the weights that sampled
+        `roll`), `has_old` [B] bool, the rows where `old_logp` holds it (None: every row), the --is-correction
+        `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
+        token_reward). A loop that trains on part of what it sampled (--filter-groups' SampleRounds, or a
+        fork's own sampling loop) passes `sampled`, (roll, rewards, parts) of everything it sampled this step
+        (Rollout.concat of its draws): reward, its parts, truncated_frac, entropy, response_len, tokens_per_s,
+        zero_std_* and the collapse watch read that; the updates' statistics, groups_kept, the mismatch,
+        kl_to_init and the trace read what is trained (docs/metrics.md). Nothing here recomputes pi_old: the
+        mismatch (mu against pi_old, when mu is recorded: mismatch_*, is_*, extras/rollout_precision.py) and
+        the trace's old_logp read `old_logp` on the rows `has_old`, and a trace is started when one is due."""
         self.sampled = sampled = (roll, rewards, parts) if sampled is None else tuple(sampled)
         if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
+        if has_old is not None and self.reads_every_row and not bool(has_old.all()):
+            raise ValueError("Run.rollout: pi_old is needed on every row (Run.reads_every_row: an MoE model's routing "
+                             "record or --reward-model's kl_to_init), but has_old leaves rows out")  # fmt: skip
         self.roll, self.rewards, self.old_logp, self.updates = roll, rewards, old_logp, []
         self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
         precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
-        self.mismatch = precision.rollout_mismatch(roll, old_logp, plan, weights, args) if precision else {}
-        if not trace_due(args, self.step_now):
+        self.mismatch = precision.rollout_mismatch(roll, old_logp, has_old, weights, args) if precision else {}
+        if not trace_due(args, self.step_now) or self.env.rank > 0:
             return
         if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
             return  # the default (a trace at each evaluation), in a copy of the project without extras/traces.py
-        traces = extra("traces", "--trace-every")
-        if self.env.rank > 0:
-            if sharded(self.model):  # --fsdp: rank 0's forward for its trace gathers from every rank
-                traces.traced_forward(self, roll[:1])
-            return
         per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
-        self.trace = traces.Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
-                                  per_token)  # fmt: skip
+        self.trace = extra("traces", "--trace-every").Trace(self, self.step_now, roll, records, rewards, parts,
+                                                            advantages, old_logp, has_old, per_token)  # fmt: skip
 
-    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None):
+    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None, on_policy=False):
         """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
         False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
         [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
-        of which the clip fractions become shares (the class docstring). Its numbers are averaged over the
-        step's updates (those that stepped) and logged; its tensors (the ratio and the clip decisions)
-        go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
-        if self.mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+        of which the clip fractions become shares (the class docstring). `on_policy`: the script says this
+        update's forward ran at the weights that sampled the rollout (no optimizer step since: the first
+        update of an on-policy loop); under --old-logp rollout, which has no pi_old forward, mismatch_* is
+        measured on that forward (no such update: not logged). Its numbers are averaged over the step's
+        updates (those that stepped) and logged; its tensors (the ratio and the clip decisions) go to the
+        trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
+        if self.mismatch is None and on_policy:  # --old-logp rollout: the trainer at the sampler's weights
             mu = self.roll.sample_logp[rows]
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
@@ -2304,7 +2308,6 @@ class Run:
             raise ValueError(f"Run.log: the script's metrics {sorted(measured.keys() & row.keys())} are measured by "
                              "Run too; name them otherwise (a measured metric is never overridden)")  # fmt: skip
         row = {**measured, **row}
-        row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
         self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
@@ -2323,6 +2326,7 @@ class Run:
         # the step had no signal)
         flat = row["zero_std_low_frac"] if self.env.needs_group else float(no_signal)
         self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
+        row["step_time_s"] = time.perf_counter() - self.step_started  # the whole step, its evaluation included
         self.logger.log(row)
         if self.trace is not None:
             self.logger.log_traces(self.trace.records())

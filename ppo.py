@@ -259,7 +259,13 @@ def train(args: Args):
 
         # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout, on every row;
         #    then the per-token rewards (score - beta * KL) and their GAE advantages.
-        old_logp = run.old_logprobs(roll)  # [B, T]; --old-logp rollout: the sampler's, no forward
+        #    pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
+        #    weights), without gradient; --old-logp rollout: the sampler's own (of its whole distribution), no forward.
+        if args.old_logp == "rollout":
+            old_logp = roll.sample_logp_full * mask  # [B, T]
+        else:
+            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+                old_logp = common.completion_logprobs(model, roll, args.temperature)[0]  # [B, T]
         is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
         with torch.no_grad():  # (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
@@ -273,7 +279,7 @@ def train(args: Args):
         # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
-        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+        for k, idx in enumerate(common.minibatches(len(roll), args.epochs, args.minibatches, env.device)):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
@@ -296,7 +302,8 @@ def train(args: Args):
                 critic_optimizer.step()
             info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
                         critic_grad_norm=critic_grad_norm.item())  # fmt: skip
-            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped)
+            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
+            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped, on_policy=k == 0)
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C). No
         #    signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike).

@@ -532,8 +532,8 @@ def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok,
 @pytest.mark.numeric
 def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_roll):
     """plan_updates: every row once per epoch, each update forwarding its rows with A != 0 (or its
-    first row when it has none); logprobs_of_forwarded_rows fills exactly those rows, with the
-    full pass's values, and leaves the others 0."""
+    first row when it has none); logprobs_of_rows over forwarded_rows fills exactly those rows, with
+    the full pass's values, and leaves the others 0; over every row it is the full pass itself."""
     B = len(sampled_roll)
     advantages = torch.tensor([0.0, 1.0] * (B // 2) + [0.0] * (B % 2))
     advantages[:4] = 0.0  # the first rows: groups without signal
@@ -548,8 +548,8 @@ def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_
     forwarded = sorted(set(torch.cat([rows for _, rows in plan]).tolist()))
     with torch.no_grad():
         full, _ = common.completion_logprobs(rand_model, sampled_roll)
-        logp = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan)
-        every = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan, every_row=True)
+        logp = common.logprobs_of_rows(rand_model, sampled_roll, common.forwarded_rows(plan, B, "cpu"))
+        every = common.logprobs_of_rows(rand_model, sampled_roll, torch.ones(B, dtype=torch.bool))
     others = [i for i in range(B) if i not in forwarded]
     length, max_z = logit_scale(rand_model, sampled_roll)  # a batch of some rows or of all: float32 forwards
     assert_within(logp[forwarded], full[forwarded], logprob_tol(rand_model.config, length, max_z), "forwarded rows")

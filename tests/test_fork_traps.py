@@ -511,7 +511,7 @@ def fork_module(tmp_path, name: str, edit) -> object:
 def test_skipped_updates_counts_skips_not_the_updates_a_fork_left_out(tmp_path, capsys, name):
     """A fork that runs only the first planned update of each step skips nothing: skipped_updates is 0
     (it used to be epochs x minibatches minus the updates that stepped: 1 here, a skip that never happened)."""
-    module = fork_module(tmp_path, name, lambda s: s.replace("for idx, rows in plan:", "for idx, rows in plan[:1]:"))
+    module = fork_module(tmp_path, name, lambda s: s.replace("in enumerate(plan):", "in enumerate(plan[:1]):"))
     argv = [*TINY_RUN, "--minibatches", 2, "--steps", 1, "--out", tmp_path / "out"]
     status, _, err = main_in_process(module, argv, capsys)
     assert status == 0, err

@@ -504,7 +504,7 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     assert all(r["zero_std_frac"] == 0.5 for r in skip)  # by construction: half the rows are left out
     # literal tolerances, not derived: after two AdamW steps (the first about lr * sign(g)) no roundoff bound on
     # the weights is at hand; the first update's gradient is checked to a derived bound in the quick tier
-    # (test_first_update.py's zero-advantage test)
+    # (test_pi_old.py's zero-advantage test)
     for a, b in zip(skip, every):
         for key in ("reward", "eval_accuracy", "entropy", "grad_norm", "loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

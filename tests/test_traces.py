@@ -112,9 +112,11 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
             assert len(c["tokens"]) == n and c["mu"] is None and c["entropy"] is not None
             assert c["eos"] == (c["ids"][-1] in eos_ids) and (c["eos"] or n == 4)  # no EOS: cut at 4 tokens
             assert c["tokens"] == [tok.decode([i]) for i in c["ids"]]
+            if c["old_logp"] is None:  # the script computed no pi_old for it: a row that no update forwards
+                assert c["updates"] is None, "a forwarded row's trace has no old_logp"
             # pi_old: the policy's log-probs at that step, recomputed from the token ids
-            old = torch.tensor(c["old_logp"])
-            assert torch.allclose(old, logprobs(weights[record["step"]], record, c), atol=2e-5)
+            old = torch.tensor(c["old_logp"] or [float("nan")] * n)
+            assert c["old_logp"] is None or torch.allclose(old, logprobs(weights[record["step"]], record, c), atol=2e-5)
             if name == "grpo":
                 assert torch.allclose(torch.tensor(c["ref_logp"]), logprobs(reference, record, c), atol=2e-5)
             if name == "ppo":
