@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,12 +37,14 @@ class Traits:
     grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
+    own_choices: dict = field(default_factory=dict)  # its own fixed-set flags and their values (test_fork_traps)
 
 
+AGGS, SCALES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), ("std", "none")  # grpo.py's
 TRAITS = {
     "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0")),
-    "grpo": Traits(grouped=True, skips_zero_advantage=True),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True),
+    "grpo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"loss_agg": AGGS, "scale_rewards": SCALES}),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"variant": ("sequence", "token")}),
 }
 
 

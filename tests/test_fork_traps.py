@@ -352,13 +352,6 @@ SHARED_SETS = {  # common.SharedArgs' fixed-set flags, in every script (rollout 
     "old_logp": ("recompute", "rollout"),
     "is_correction": ("none", "tis", "mask"),
 }
-OWN_SETS = {  # each script's own (a script without any has no entry)
-    "grpo": {
-        "loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
-        "scale_rewards": ("std", "none"),
-    },
-    "gspo": {"variant": ("sequence", "token")},
-}
 
 
 def declared_choices(args_cls) -> dict:
@@ -371,7 +364,7 @@ def test_every_shared_fixed_set_flag_declares_its_choices():
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_fixed_set_flag_declares_its_choices(name):
-    assert declared_choices(MODULES[name].Args) == SHARED_SETS | OWN_SETS.get(name, {})
+    assert declared_choices(MODULES[name].Args) == SHARED_SETS | traits(name).own_choices  # helpers.TRAITS
 
 
 @pytest.mark.slow

@@ -20,8 +20,11 @@ import common
 # every group, so that no row is left out for a zero advantage and both minibatches update
 TINY_BATCH = ["--steps", "1", "--minibatches", "2", "--epochs", "1", "--max-new-tokens", "6", "--eval-size", "1",
               "--eval-every", "0", "--no-anneal-lr"]  # fmt: skip
-GROUPS = {"ppo": ["--prompts-per-step", "16", "--group-size", "1"]}
-DEFAULT_GROUPS = ["--prompts-per-step", "4", "--group-size", "4"]
+DEFAULT_GROUPS = ["--prompts-per-step", "4", "--group-size", "4"]  # (PPO's baseline is no group: 16 prompts x 1)
+
+
+def group_flags(name: str) -> list:
+    return DEFAULT_GROUPS if traits(name).grouped else ["--prompts-per-step", "16", "--group-size", "1"]
 
 
 def loss_name(module, name: str) -> str:
@@ -54,7 +57,7 @@ def test_the_loss_receives_the_log_probs_of_the_weights_that_sampled_its_rows(na
 
     monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
     monkeypatch.setattr(module, loss_name(module, name), recording_loss)
-    argv = [*TINY_BATCH, "--steps", "2", *GROUPS.get(name, DEFAULT_GROUPS)]
+    argv = [*TINY_BATCH, "--steps", "2", *group_flags(name)]
     argv += ["--reward", "exact", graded_reward(tmp_path)]
     common.main(module.train, module.Args, argv=[*argv, "--out", str(tmp_path / "out")])
 
