@@ -151,6 +151,7 @@ def grpo_loss(
     old_logp,
     advantages,
     mask,
+    *,
     eps_low=0.2,
     eps_high=0.2,
     ref_logp=None,
@@ -164,7 +165,10 @@ def grpo_loss(
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T].
     `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.
     Returns (loss, info): info holds each token's ratio and clip decision, detached, the shares of
-    tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL."""
+    tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL.
+    Argument order: (logp, old_logp, ...), then keywords only. verl's compute_policy_loss_vanilla takes
+    (old_log_prob, log_prob, advantages, response_mask, ...): pi_old first; TRL computes it inside
+    GRPOTrainer._compute_loss from named inputs (old_per_token_logps, advantages). Port by name."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
     ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()  # [B, T]
@@ -281,9 +285,10 @@ def train(args: Args):
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: step 4's experts in backward too
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
-                loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                       args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
-                                       denominator, weights)  # fmt: skip
+                loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
+                                       eps_high=args.eps_high, ref_logp=ref, kl_coef=args.kl_coef, agg=args.loss_agg,
+                                       max_len=args.max_new_tokens, denominator=denominator,
+                                       weights=weights)  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus

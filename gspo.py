@@ -107,6 +107,7 @@ def gspo_loss(
     old_logp,
     advantages,
     mask,
+    *,
     eps_low=3e-4,
     eps_high=4e-4,
     variant="sequence",
@@ -122,7 +123,10 @@ def gspo_loss(
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
     aggregated as the mean over sequences of the mean over each sequence's tokens.
     Returns (loss, info): info holds the ratio and the clip decisions, detached ([B] or [B, T]), the
-    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token) and ratio statistics."""
+    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token) and ratio statistics.
+    Argument order: (logp, old_logp, ...), then keywords only. verl's compute_policy_loss_gspo takes
+    (old_log_prob, log_prob, advantages, response_mask, ...): pi_old first; TRL computes it inside
+    GRPOTrainer._compute_loss (importance_sampling_level="sequence") from named inputs. Port by name."""
     mask = mask.bool()
     raw_log_s = seq_log_ratio(logp, old_logp, mask)  # [B]
     log_s = raw_log_s.clamp(*LOG_RATIO_CLAMP)
@@ -232,8 +236,9 @@ def train(args: Args):
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[rows]
             # divided by the whole minibatch's size, len(idx)
-            loss, info = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                   args.eps_high, args.variant, len(idx), weights)  # fmt: skip
+            loss, info = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
+                                   eps_high=args.eps_high, variant=args.variant, denominator=len(idx),
+                                   weights=weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
                 loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)

@@ -139,11 +139,13 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
+def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
     """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
     [B, T], detached (--is-correction), multiply each token's term. Returns (loss, info): info holds
     each token's ratio and clip decision, detached, the shares of tokens clipped and dual-clipped,
-    approx_kl and the mean ratio."""
+    approx_kl and the mean ratio. Argument order: (logp, old_logp, ...), then keywords only. verl's
+    compute_policy_loss_vanilla takes (old_log_prob, log_prob, advantages, response_mask, ...): pi_old
+    first; TRL's PPOTrainer computes it inline in its training loop. Port by name."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()
@@ -168,8 +170,11 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
     return loss, info
 
 
-def value_loss(values, old_values, returns, mask, clip=0.2):
-    """0.5 * token-mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
+def value_loss(values, old_values, returns, mask, *, clip=0.2):
+    """0.5 * token-mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). Argument order: (values,
+    old_values, returns, mask), then keywords only; verl's compute_value_loss takes (vpreds, returns,
+    values, response_mask, cliprange_value): returns before the old values; TRL's PPOTrainer computes it
+    inline. Port by name."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     loss_plain = (values - returns) ** 2
     loss_clipped = (clipped_values - returns) ** 2
@@ -285,12 +290,13 @@ def train(args: Args):
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
             # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a time
             values = value(roll[idx])  # [b, T]
-            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
+            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], clip=args.cliprange_value)
             (args.vf_coef * v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[idx]
-            pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                            args.eps_high, args.dual_clip, weights)  # fmt: skip
+            pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], eps_low=args.eps_low,
+                                            eps_high=args.eps_high, dual_clip=args.dual_clip,
+                                            weights=weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()

@@ -83,7 +83,7 @@ def loss_for(case, train_model, batch, rows):
         loss = grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
         return loss - c * grpo.aggregate(entropy, mask, agg, None, denominator)
     if case == "gspo":
-        loss = gspo.gspo_loss(logp, old, batch["adv"][rows], mask, 0.05, 0.05)[0]
+        loss = gspo.gspo_loss(logp, old, batch["adv"][rows], mask, eps_low=0.05, eps_high=0.05)[0]
         return loss - c * masked_mean(entropy, mask, dim=1).sum() / mask.shape[0]
     adv = ppo.whiten(batch["token_adv"][rows], mask)  # whitened over all ranks' tokens
     loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0] - c * masked_mean(entropy, mask)

@@ -86,13 +86,13 @@ def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, 
         t64(b["old"]),
         adv,
         t64(b["mask"]),
-        eps[0],
-        eps[1],
-        None if ref is None else t64(ref),
-        kl_coef,
-        agg,
-        max_len,
-        denominator,
+        eps_low=eps[0],
+        eps_high=eps[1],
+        ref_logp=None if ref is None else t64(ref),
+        kl_coef=kl_coef,
+        agg=agg,
+        max_len=max_len,
+        denominator=denominator,
     )
     return loss, _grad(loss, logp), stats
 
@@ -211,7 +211,13 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
     if per_token_adv:
         logp = t64([lr]).requires_grad_(True)
         loss, stats = grpo.grpo_loss(
-            logp, torch.zeros(1, n, dtype=torch.float64), t64([adv]), torch.ones(1, n), 0.2, eps_high, agg="token-mean"
+            logp,
+            torch.zeros(1, n, dtype=torch.float64),
+            t64([adv]),
+            torch.ones(1, n),
+            eps_low=0.2,
+            eps_high=eps_high,
+            agg="token-mean",
         )
         g = _grad(loss, logp)[0]
     else:
@@ -221,8 +227,8 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
             torch.zeros(n, 1, dtype=torch.float64),
             t64(adv),
             torch.ones(n, 1),
-            0.2,
-            eps_high,
+            eps_low=0.2,
+            eps_high=eps_high,
             agg="seq-mean-token-mean",
         )
         g = _grad(loss, logp)[:, 0]
@@ -378,13 +384,13 @@ def _accumulate(b, agg, pieces, max_len, ref, with_denominator):
             old[lo:hi],
             adv[lo:hi],
             mask[lo:hi],
-            0.2,
-            0.28,
-            None if refl is None else refl[lo:hi],
-            0.05,
-            agg,
-            max_len,
-            den,
+            eps_low=0.2,
+            eps_high=0.28,
+            ref_logp=None if refl is None else refl[lo:hi],
+            kl_coef=0.05,
+            agg=agg,
+            max_len=max_len,
+            denominator=den,
         )
         loss.backward()
         total += loss.item()
@@ -689,7 +695,18 @@ def test_extreme_log_ratios_are_finite(agg, dtype):
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=dtype)
     for adv in ([1.0, -1.0, 0.5], [-1.0, 1.0, -0.5]):
         x = logp.clone().requires_grad_(True)
-        loss, stats = grpo.grpo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, 0.2, 0.28, ref, 0.05, agg, max_len=4)
+        loss, stats = grpo.grpo_loss(
+            x,
+            old,
+            torch.tensor(adv, dtype=dtype),
+            mask,
+            eps_low=0.2,
+            eps_high=0.28,
+            ref_logp=ref,
+            kl_coef=0.05,
+            agg=agg,
+            max_len=4,
+        )
         g = _grad(loss, x)
         assert torch.isfinite(loss), (adv, loss)
         assert torch.isfinite(g).all(), (adv, g)

@@ -262,14 +262,14 @@ def test_reference_example(variant):
     assert gspo.seq_log_ratio(logp0, old, mask).exp().item() == pytest.approx(s, rel=gamma_n(12))
 
     logp = logp0.clone().requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, EPS_LOW, EPS_HIGH, variant)
+    loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
     assert loss.item() == pytest.approx(-(1 + EPS_HIGH), rel=gamma_n(4))  # 1 + eps (1), -A (1), mean (2)
     assert torch.equal(_grad(loss, logp), torch.zeros(1, 3, dtype=torch.float64))
     assert clip_frac(stats, variant) == 1.0
 
     for a in (-1.0, -0.37):
         logp = logp0.clone().requires_grad_(True)
-        loss, stats = gspo.gspo_loss(logp, old, t64([a]), mask, EPS_LOW, EPS_HIGH, variant)
+        loss, stats = gspo.gspo_loss(logp, old, t64([a]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
         assert loss.item() == pytest.approx(-a * s, rel=gamma_n(24))  # s's 12 (above), each side
         expected = torch.full((1, 3), -a * s / 3, dtype=torch.float64)
         torch.testing.assert_close(_grad(loss, logp), expected, rtol=gamma_n(32), atol=0)  # + 4 per gradient
@@ -287,7 +287,7 @@ def test_clip_zero_gradient_both_sides(variant):
     old = -torch.rand(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     logp0 = old + t64([[x] * 4 for x in lr]) * mask
     logp = logp0.clone().requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, variant)
+    loss, stats = gspo.gspo_loss(logp, old, t64(adv), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
     g = _grad(loss, logp)
     assert torch.equal(g[0], torch.zeros(4, dtype=torch.float64))
     assert torch.equal(g[1], torch.zeros(4, dtype=torch.float64))
@@ -311,7 +311,7 @@ def test_clip_frac_hand_counted_sequence_variant():
     adv = [1.0, -1.0, 1.0, -1.0, 1.0]  # clipped: A>0 & s>1+4e-4 (row 0); A<0 & s<1-3e-4 (row 3)
     old = torch.zeros(5, 3, dtype=torch.float64)
     logp = t64([[x] * 3 for x in lr]) * mask
-    _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, "sequence")
+    _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence")
     assert clip_frac(stats, "sequence") == pytest.approx(2 / 5, abs=FRAC_TOL)
     assert stats["clipped"].tolist() == [True, False, False, True, False]
     expected_ratio_mean = sum(math.exp(x) for x in lr) / 5
@@ -322,8 +322,8 @@ def test_clip_frac_hand_counted_sequence_variant():
     # equal lengths: a per-sequence and a per-token fraction agree, so GSPO-token must say 2/5 too
     full = torch.ones(5, 3, dtype=torch.float64)
     logp_full = t64([[x] * 3 for x in lr])
-    _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "token")
-    _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "sequence")
+    _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="token")
+    _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence")
     assert clip_frac(st_tok, "token") == pytest.approx(2 / 5, abs=FRAC_TOL)
     assert clip_frac(st_seq, "sequence") == pytest.approx(2 / 5, abs=FRAC_TOL)
 
@@ -337,7 +337,9 @@ def test_info_holds_each_ratio_and_clip_decision(b, eps, variant):
     s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
     assume(_away_from_clip_edges(s, *eps))
     logp = t64(b["logp"]).requires_grad_(True)
-    _, info = gspo.gspo_loss(logp, t64(b["old"]), t64(b["adv"]), t64(b["mask"]), *eps, variant)
+    _, info = gspo.gspo_loss(
+        logp, t64(b["old"]), t64(b["adv"]), t64(b["mask"]), eps_low=eps[0], eps_high=eps[1], variant=variant
+    )
     ratio, clipped = info["ratio"], info["clipped"]
     assert not ratio.requires_grad and clipped.dtype == torch.bool
     rule = [is_clipped(a, si, *eps) for a, si in zip(b["adv"], s)]
@@ -708,12 +710,16 @@ def test_ratio_statistics_leave_empty_rows_out():
     mask = t64([[1, 1], [0, 0], [1, 0]])
     lr = [0.002, 0.5, -0.004]  # row 1's log-ratio is masked out entirely
     logp, old = t64([[x, x] for x in lr]), torch.zeros(3, 2, dtype=torch.float64)
-    _, stats = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask, EPS_LOW, EPS_HIGH, "sequence")
+    _, stats = gspo.gspo_loss(
+        logp, old, t64([1.0, 1.0, -1.0]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence"
+    )
     real = [math.exp(0.002), math.exp(-0.004)]
     mean = sum(real) / 2
     # a mean of 2 exact values (1 rounding), exp (2): gamma_4 relative
     assert stats["ratio_mean"] == pytest.approx(mean, rel=gamma_n(4))
     assert stats["ratio_std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in real) / 2), rel=1e-9)
     assert stats["ratio_max_dev"] == pytest.approx(1 - math.exp(-0.004), rel=1e-9)
-    _, none_real = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask * 0, EPS_LOW, EPS_HIGH, "sequence")
+    _, none_real = gspo.gspo_loss(
+        logp, old, t64([1.0, 1.0, -1.0]), mask * 0, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence"
+    )
     assert none_real["ratio_mean"] == 1.0 and none_real["ratio_std"] == 0.0  # no row: no movement to report

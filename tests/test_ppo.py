@@ -642,7 +642,9 @@ def test_policy_loss_all_masked_row_is_harmless():
 
 def run_value_loss(values, old, returns, mask, clip):
     v = torch.as_tensor(values, dtype=F64).clone().requires_grad_(True)
-    loss, stats = ppo.value_loss(v, torch.as_tensor(old, dtype=F64), torch.as_tensor(returns, dtype=F64), mask, clip)
+    loss, stats = ppo.value_loss(
+        v, torch.as_tensor(old, dtype=F64), torch.as_tensor(returns, dtype=F64), mask, clip=clip
+    )
     loss.backward()
     return loss, v.grad, stats
 
@@ -714,13 +716,13 @@ def test_value_loss_all_masked():
     values = torch.tensor([[1.0, 2.0], [1e6, -1e6]], requires_grad=True)
     old = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
     returns = torch.tensor([[0.0, 0.0], [1e6, 1e6]])
-    loss, _ = ppo.value_loss(values, old, returns, as_mask([2, 0], 2), 0.2)
+    loss, _ = ppo.value_loss(values, old, returns, as_mask([2, 0], 2), clip=0.2)
     loss.backward()
     # row 0: 0.5 * (1 + 4) / 2 = 1.25; gradients (V - R) / 2
     assert loss.item() == 1.25  # 0.5 * (1 + 4) / 2 and its gradient (v - r) / 2: exact in float32
     close(values.grad, [[0.5, 1.0], [0.0, 0.0]], atol=0)
     values.grad = None
-    loss, stats = ppo.value_loss(values, old, returns, torch.zeros(2, 2), 0.2)
+    loss, stats = ppo.value_loss(values, old, returns, torch.zeros(2, 2), clip=0.2)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(values.grad, torch.zeros(2, 2))
     assert math.isfinite(stats["vf_clip_frac"])

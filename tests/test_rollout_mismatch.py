@@ -285,9 +285,9 @@ def losses(case, logp, old, adv, mask, weights):
     if case == "grpo":
         return grpo.grpo_loss(logp, old, adv, mask, weights=weights)[0]
     if case == "gspo":
-        return gspo.gspo_loss(logp, old, adv, mask, 0.05, 0.05, weights=weights)[0]
+        return gspo.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05, weights=weights)[0]
     if case == "gspo-token":
-        return gspo.gspo_loss(logp, old, adv, mask, 0.05, 0.05, "token", weights=weights)[0]
+        return gspo.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05, variant="token", weights=weights)[0]
     return ppo.ppo_policy_loss(logp, old, adv[:, None].expand_as(logp), mask, weights=weights)[0]
 
 
