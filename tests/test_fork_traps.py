@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, traits
+from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, probable_gamma, traits
 
 import common
 import grpo
@@ -222,6 +222,57 @@ def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
         # stays the one measured: a few 1e-6 of rounding (4.7e-6 in the embedding on an AMD EPYC of family 25,
         # 2.3e-5 on a 2-core Intel Xeon, where the tensor's largest |g| is 0.62)
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
+
+
+# each script's bonus in float64 from one update's per-token entropy [b][t] (its completion tokens): gspo per
+# sequence then over the minibatch's sequences; grpo as its default --loss-agg (seq-mean-token-mean), the same;
+# ppo (Eq. 9) a token mean
+BONUS_F64 = {
+    "gspo": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
+    "grpo": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
+    "ppo": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
+}
+
+
+@pytest.mark.parametrize("name", BONUS_F64)
+def test_each_scripts_entropy_bonus_through_the_script(tmp_path, capsys, name, monkeypatch):
+    """train() itself with --entropy-coef c: the loss each update steps with (info["loss"]) is the script's loss
+    function's value minus c x the bonus aggregated as the paper's loss is (BONUS_F64), from the entropy of the
+    training forward before it. Completions of different lengths (up to 6 tokens): a token mean where a
+    per-sequence mean belongs (or the reverse) is off by far more than rounding. Bound: the float32 sums of the
+    bonus (probable_gamma over the minibatch's tokens, relative to the entropies' sum) and the two float32
+    roundings of loss - c x bonus, relative to the loss's size, divided by c."""
+    module, coef = MODULES[name], 0.5
+    seen = {"forward": None, "updates": []}
+    forward = common.CompletionLogprobs.forward
+    loss_name = f"{name}_policy_loss" if hasattr(module, f"{name}_policy_loss") else f"{name}_loss"
+    loss_fn = getattr(module, loss_name)
+
+    def recording_forward(self, roll, *args, **kwargs):
+        logp, entropy = forward(self, roll, *args, **kwargs)
+        seen["forward"] = (roll.completion_mask.clone(), entropy.detach().clone())
+        return logp, entropy
+
+    def recording_loss(*args, **kwargs):
+        loss, info = loss_fn(*args, **kwargs)
+        seen["updates"].append((loss.item(), info, *seen["forward"]))
+        return loss, info
+
+    monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
+    monkeypatch.setattr(module, loss_name, recording_loss)
+    argv = ["--prompts-per-step", 4, "--group-size", 2, "--minibatches", 1, "--max-new-tokens", 6, "--steps", 1,
+            "--eval-every", 0, "--eval-size", 1, "--entropy-coef", coef, *traits(name).test_flags,
+            "--out", tmp_path]  # fmt: skip
+    status, _, err = main_in_process(module, argv, capsys)
+    assert status == 0 and seen["updates"], err
+    for base, info, mask, entropy in seen["updates"]:
+        rows = [[float(e) for e, m in zip(er, mr) if m] for er, mr in zip(entropy.double(), mask)]
+        assert len({len(r) for r in rows}) > 1, "every completion of one length: the aggregations would agree"
+        expected = BONUS_F64[name](rows)
+        n = sum(len(r) for r in rows)
+        u = 2.0**-24
+        tol = probable_gamma(n) * sum(map(sum, rows)) + 4 * u * (abs(base) + abs(info["loss"])) / coef
+        assert abs((base - info["loss"]) / coef - expected) <= tol, (name, (base - info["loss"]) / coef, expected)
 
 
 def test_the_entropy_is_detached_unless_asked_for(tiny):
