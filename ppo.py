@@ -63,7 +63,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
     epochs: int = arg(1, "passes over each rollout")
     # PPO's own
-    critic_lr: float = arg(1e-3, "critic AdamW learning rate")
+    critic_lr: float = arg(1e-3, "critic AdamW learning rate (the value loss's only knob: its AdamW is its own)")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
     dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
@@ -72,13 +72,12 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     )
     gamma: float = arg(1.0, "discount")
     lam: float = arg(0.95, "GAE lambda")
-    vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
     cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
-        for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
+        for name in ("critic_lr", "kl_coef", "cliprange_value", "missing_eos_penalty"):
             if getattr(self, name) < 0:
                 raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -288,10 +287,11 @@ def train(args: Args):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
-            # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a time
+            # loss = pg_loss + v_loss: no shared parameter, so a backward each, one model's activations at a time. No
+            # weight on v_loss: the critic's own AdamW would normalise it away (its step is --critic-lr's)
             values = value(roll[idx])  # [b, T]
             v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], clip=args.cliprange_value)
-            (args.vf_coef * v_loss * scale).backward()
+            (v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[idx]
             pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], eps_low=args.eps_low,

@@ -818,8 +818,8 @@ def test_critic_gradients_reach_head_and_trunk(critic):
 
 
 def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
-    # train() backpropagates vf_coef * value loss before the policy's forward (one model's activations at
-    # a time); the two share no parameter, so its gradients are those of one backward of the sum
+    # train() backpropagates the value loss before the policy's forward (one model's activations at a time);
+    # the two share no parameter, so its gradients are those of one backward of the sum
     import copy
 
     torch.manual_seed(0)
@@ -832,7 +832,7 @@ def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
     g = torch.Generator().manual_seed(1)
     old_logp = common.completion_logprobs(policy, roll)[0].detach() + 0.1 * torch.randn(mask.shape, generator=g)
     advantages, old_values, returns = (torch.randn(mask.shape, generator=g) for _ in range(3))
-    scale, vf_coef = common.token_mean_scale(mask), 0.1
+    scale = common.token_mean_scale(mask)
 
     def losses():
         v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
@@ -845,10 +845,10 @@ def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
         return out
 
     pg_loss, v_loss = losses()
-    ((pg_loss + vf_coef * v_loss) * scale).backward()
+    ((pg_loss + v_loss) * scale).backward()
     together = grads()
     v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
-    (vf_coef * v_loss * scale).backward()
+    (v_loss * scale).backward()
     pg_loss = ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0]
     (pg_loss * scale).backward()
     apart = grads()
