@@ -1,6 +1,7 @@
-"""common.py: what ppo.py, grpo.py and gspo.py run by default that is not the algorithm.
+"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm: what their default runs
+execute, with the flag checks and error paths around it (the capabilities a flag switches on: extras/).
 
-A script's train() calls into it in this order, and the sections follow that order:
+Its sections (a script's train() reaches into several of them each step, in no one order):
    1. Command line     SharedArgs (the flags every script shares) -> argparse, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
@@ -179,7 +180,7 @@ class SharedArgs:
     )
     task: str = arg(
         None,
-        "arith, sums (long; sets --model, --max-new-tokens), gsm8k or jsonl",
+        "arith, sums (long; sets --model, --max-new-tokens, --lr), gsm8k or jsonl",
         choices=TASKS,
         shown="arith; jsonl with --data alone",
     )
@@ -303,7 +304,7 @@ def parse_args(args_cls, argv=None):
     )
     shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
     recipe = parser.add_argument_group(f"{algo}.py's training recipe")
-    own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
+    own = parser.add_argument_group(f"{algo}.py's own flags")
     groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
         group = groups[shared[f.name]] if f.name in shared else recipe if f.name in RECIPE else own
@@ -2063,9 +2064,12 @@ class Run:
       state and the RNG states, else evaluates `model` (step 0). Only then does it delete the run --out held
       (check_out) and open OUT.
     - Exact resume: a checkpoint holds the policy's weights, each `**state` object (its state_dict(), a
-      torch.Generator's get_state()) and each rank's torch / numpy / random RNG states, nothing else: pass
-      whatever else moves during the run (a new generator, a scheduler), or a resumed run differs
-      (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit for bit).
+      torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
+      tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else:
+      pass whatever else moves during the run (a new generator, a scheduler, a batch carried to the next step),
+      or a resumed run differs (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit
+      for bit). Under torchrun every object but the modules and optimizers is saved by each rank, for itself
+      (tests/test_distributed.py: a fork's per-rank carried batch); anything else is refused in one line.
     - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
       seconds and sampled_tokens). A loop that samples more than it trains (--filter-groups' SampleRounds, a
       fork's own sampling loop) also passes `sampled=(roll, rewards, parts)` of everything it sampled, its
@@ -2093,6 +2097,10 @@ class Run:
         moe = is_moe(model)
         self.routing = extra("moe", f"--model {args.model} (MoE)").RoutingReplay(model) if moe else None
         self.progress = Progress()
+        for name, obj in state.items():
+            if not checkpointable(obj):
+                what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
+                raise ValueError(f"Run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
         self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
         self.sample_cap_warned = False  # --filter-groups' cap (watch_sample_cap)
         self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
@@ -2100,7 +2108,8 @@ class Run:
         self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world)
+            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world,
+                                                        env.device)  # fmt: skip
         else:
             self.progress.eval_before, samples = self.evaluate(0)
             self.progress.last_eval = self.progress.eval_before
@@ -2714,7 +2723,45 @@ def rng_state() -> dict:
 
 
 def _state_of(obj):
-    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+    """What a checkpoint keeps of one of Run's `state` objects: a generator's state, a state_dict(), or the value
+    of a list, dict or dataclass (a fork's carried batch, say: `_plain`)."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    return obj.state_dict() if hasattr(obj, "state_dict") else _plain(obj)
+
+
+STATE_DATACLASSES = {"Rollout": Rollout}  # the dataclasses a checkpoint can hold, by name (loaded weights_only)
+
+
+def _plain(x):
+    """`x` with each dataclass in it (STATE_DATACLASSES) as a tagged dict, so that trainer.pt loads weights_only
+    (extras/resume.py turns them back, their tensors onto the run's device); another class is refused."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if type(x).__name__ not in STATE_DATACLASSES:
+            raise ValueError(f"a checkpoint cannot hold a {type(x).__name__}: give it state_dict() / load_state_dict()")
+        return {
+            "__dataclass__": type(x).__name__,
+            **{f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)},
+        }
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return {k: _plain(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
+def checkpointable(obj) -> bool:
+    """Whether Run can keep `obj` in a checkpoint: a generator, an object with state_dict() and
+    load_state_dict(), or a list, dict or dataclass, restored in place."""
+    return (
+        isinstance(obj, (torch.Generator, list, dict))
+        or hasattr(obj, "load_state_dict")
+        or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
+    )
+
+
+def same_on_every_rank(obj) -> bool:
+    """Modules and optimizers: the same on every rank under DDP (--fsdp gathers them), so rank 0 saves them once;
+    every other state object is saved by each rank (its generator, a fork's carried batch, ...)."""
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or getattr(obj, "same_on_every_rank", False)
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
@@ -2723,8 +2770,9 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
-      rank<r>.pt     under torchrun, each rank's own random streams: its RNG states and generators
-                     (each rank samples its own completions), so that every rank resumes exactly
+      rank<r>.pt     under torchrun, each rank's own: its RNG states and every `state` object that is not a
+                     module or an optimizer (its generators, the stream, a fork's carried batch), so that
+                     every rank resumes exactly
       metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
                      and traces.jsonl, --trace-every's records)
       meta.json      algorithm, step, number of processes, model name and config essentials, args
@@ -2739,8 +2787,8 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
         tmp.mkdir(parents=True)
     if world > 1:  # every rank's own streams, once rank 0 has made checkpoint.tmp/
         barrier()
-        generators = {name: obj.get_state() for name, obj in state.items() if isinstance(obj, torch.Generator)}
-        torch.save({"rng": trainer["rng"], "generators": generators}, tmp / f"rank{rank}.pt")
+        own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
+        torch.save({"rng": trainer["rng"], "state": own}, tmp / f"rank{rank}.pt")
         barrier()
     if rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy)

@@ -15,7 +15,8 @@ The critic is a *separate* transformer initialised from the policy checkpoint, w
 as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
 loss's scale then tunes the other) and makes the policy checkpoint non-standard. The price is a
 second model's weights, gradients and AdamW state (about 4x the parameter bytes again) plus its
-activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0). That
+activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0, unless
+--reward-model loads it for kl_to_init). That
 memory is what GRPO and GSPO save by using the group as the baseline.
 
 Why the KL penalty is 0.1, and how the critic meets LoRA: docs/ppo_design.md.
@@ -26,7 +27,7 @@ docs/scope.md.
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
 
-Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python ppo.py
+Run (CPU, embedded tiny Qwen3; 531 s on 2 cores, docs/results.md):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
 A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
@@ -51,7 +52,7 @@ LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp:
 @dataclass
 class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then PPO's own
     # The training recipe: batch shape, sampling, optimiser and schedule
-    steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    steps: int = arg(500, "number of rollout + update steps")
     prompts_per_step: int = arg(128, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")

@@ -7,6 +7,7 @@ round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
 """
 
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -1183,3 +1184,32 @@ def test_rollout_rows_keep_the_draws_seconds_and_sampled_tokens():
     for rows in (torch.tensor([1]), torch.tensor([True, False]), slice(0, 2)):
         part = roll[rows]
         assert (part.seconds, part.sampled_tokens) == (0.5, 4)
+
+
+def test_a_list_of_rollouts_is_checkpoint_state_restored_in_place_on_the_runs_device(tmp_path):
+    """A fork's carried batch (a list holding a Rollout, tensors, records) is a `state` object: saved as plain
+    values that trainer.pt loads weights_only, restored into the same list, every tensor on the run's device
+    (the meta device here stands in for a GPU: the tensors must follow the device asked for, not stay on the
+    CPU they were saved from). A class a checkpoint cannot rebuild is refused by name."""
+    resume = common.extra("resume", "--resume")
+    roll = common.Rollout.from_lists([[5, 6], [7]], [[8, 9], [10]], pad_id=0)
+    roll.seconds, roll.sampled_tokens, roll.draws = 0.5, 3, 1
+    carried = [(roll, [{"prompt": "1+1", "answer": "2"}], torch.tensor([1.0, 0.0]), None)]
+    torch.save(common._state_of(carried), tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    restored = []
+    resume._restore(restored, saved, torch.device("cpu"))
+    ((back, records, rewards, nothing),) = restored
+    assert isinstance(back, common.Rollout) and records == carried[0][1] and nothing is None
+    assert torch.equal(back.completion_ids, roll.completion_ids) and torch.equal(rewards, carried[0][2])
+    assert (back.seconds, back.sampled_tokens, back.draws) == (0.5, 3, 1)
+    on_meta = []
+    resume._restore(on_meta, saved, torch.device("meta"))
+    assert on_meta[0][0].completion_ids.device.type == "meta" and on_meta[0][2].device.type == "meta"
+
+    @dataclasses.dataclass
+    class Unknown:
+        x: int = 1
+
+    with pytest.raises(ValueError, match="cannot hold a Unknown"):
+        common._state_of([Unknown()])

@@ -79,8 +79,9 @@ def one_step_off_policy(source: str, broken: bool = False) -> str:
         )
     text = source[:start] + fork + source[end:]
     for old, new in [
-        ("    for step in run.steps():\n", "    carried = []  # batches sampled, with their pi_old, not yet trained\n"
-                                        "    for step in run.steps():\n"),
+        ("    run = common.Run(", "    carried = []  # batches sampled, with their pi_old, not yet trained (per rank)\n"
+                                "    run = common.Run("),
+        ("guard=guard)  # fmt: skip", "guard=guard, carried=carried)  # fmt: skip"),  # checkpointed: exact --resume
         ("is_weights, rounds.sampled(),", "is_weights, sampled,"),
         ("on_policy=k == 0)", "on_policy=False)"),  # no update runs at the weights that sampled its batch
         ("grpo_loss", f"{OFF_POLICY}_loss"),  # a fork names its loss after itself

@@ -2,7 +2,7 @@
 micro-batch accumulation, the k3 KL term, group advantages, numerics, stats, and 2-step runs.
 
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
 """
 
 import math
@@ -33,7 +33,7 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 EPS_PAIRS = [(0.2, 0.2), (0.2, 0.28)]
 F32 = torch.float32
 U32 = unit_roundoff(F32)
-KL_CLAMP = 20.0  # REFERENCE.md (verl): a token log-ratio is clamped to [-20, 20] before exp
+KL_CLAMP = 20.0  # as verl: a token log-ratio is clamped to [-20, 20] before exp
 
 # Tolerances (issue 42). grpo_loss in float64 against helpers' float64 loops: both evaluate one formula, so each
 # is within gamma_n of the exact value, relative to the sizes of its terms, and the two within twice that. One
@@ -292,7 +292,7 @@ def test_clip_fractions_hand_counted_with_padding():
 
 
 def test_aggregation_anchors():
-    """REFERENCE: per-sequence losses [1, -1], lengths [10, 30]: seq-mean-token-mean 0,
+    """Worked by hand: per-sequence losses [1, -1], lengths [10, 30]: seq-mean-token-mean 0,
     token-mean -0.5; sum-norm with L_max = 30: (10 - 30) / (2 * 30) = -1/3."""
     T = 30
     per_token = t64([[1.0] * T, [-1.0] * T])
@@ -358,7 +358,7 @@ def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
 
 
 # ----------------------------------------------------------------------------------------------
-# Micro-batch accumulation (REFERENCE mistake 5)
+# Micro-batch accumulation (a classic mistake: averaging micro-batch means instead of the batch's)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -526,7 +526,7 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kl_k3_reference_value(dtype):
-    """REFERENCE: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
+    """Worked by hand: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
     logp = torch.tensor([[0.5, -1.0]], dtype=dtype)
     ref = torch.tensor([[0.0, -1.5]], dtype=dtype)
     k = grpo.kl_k3(logp, ref)
@@ -535,7 +535,7 @@ def test_kl_k3_reference_value(dtype):
     tol = gamma_n(3, dtype) * (abs(math.expm1(-0.5)) + exact) + gamma_n(2)
     assert k[0, 0].item() == pytest.approx(exact, abs=tol)
     assert k[0, 1].item() == pytest.approx(exact, abs=tol)
-    assert exact == pytest.approx(0.1065307, abs=5e-8)  # REFERENCE's figure, rounded to 7 decimals
+    assert exact == pytest.approx(0.1065307, abs=5e-8)  # the hand-worked figure, rounded to 7 decimals
 
 
 @pytest.mark.numeric
@@ -557,7 +557,7 @@ def test_kl_k3_never_negative_and_matches_loop(logp, diff):
     k = grpo.kl_k3(lp32, ref32).item()
     assert k >= 0.0 and math.isfinite(k)
     x = ref32.double().item() - lp32.double().item()  # the difference the float32 inputs hold
-    c = min(max(x, -KL_CLAMP), KL_CLAMP)  # REFERENCE.md: a log-ratio is clamped to [-20, 20] before exp
+    c = min(max(x, -KL_CLAMP), KL_CLAMP)  # as verl: a log-ratio is clamped to [-20, 20] before exp
     event("clamped" if abs(x) > KL_CLAMP else "|x| > 1" if abs(x) > 1 else "|x| <= 1")
     expected = math.expm1(c) - c
     # x rounds once (u |x|, moving k3 by e^c u |c|, the clamp being 1-Lipschitz), expm1 within 2u |e^c - 1|,

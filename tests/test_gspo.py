@@ -2,7 +2,7 @@
 advantages, numerics, stats, and a 2-step end-to-end run.
 
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
 """
 
 import json
@@ -177,7 +177,7 @@ def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bad", [float("-inf"), float("inf")])
 def test_inf_in_padded_logp_gives_finite_loss(variant, bad):
-    """Padding positions may hold anything (REFERENCE: inf * 0 must not poison the loss).
+    """Padding positions may hold anything (inf * 0 must not poison the loss).
     Token log-ratios [0.01, -0.02, 0.04] then a padded column holding +-inf."""
     logp = t64([[0.01, -0.02, 0.04, bad]]).requires_grad_(True)
     old = torch.zeros(1, 4, dtype=torch.float64)
@@ -249,7 +249,7 @@ def test_zero_advantage_rows_can_be_left_out(b, variant, data):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reference_example(variant):
-    """REFERENCE: token log-ratios [0.01, -0.02, 0.04] -> s = 1.0100502; with eps 3e-4 / 4e-4 it is
+    """Worked by hand: token log-ratios [0.01, -0.02, 0.04] -> s = exp(0.03 / 3) = 1.0100502; with eps 3e-4 / 4e-4 it is
     clipped for A > 0 (zero gradient, loss -A (1 + eps_high)) and not for A < 0 (gradient on each
     token's logp -A s / 3, loss -A s)."""
     old = t64([[-1.0, -2.0, -0.5]])
@@ -257,7 +257,7 @@ def test_reference_example(variant):
     logp0 = old + t64([d])
     mask = torch.ones(1, 3, dtype=torch.float64)
     s = math.exp(sum(d) / 3)
-    assert s == pytest.approx(1.0100502, abs=5e-8)  # REFERENCE's figure, rounded to 7 decimals
+    assert s == pytest.approx(1.0100502, abs=5e-8)  # the hand-worked figure, rounded to 7 decimals
     # logp0 - old gives d back to within u |old| each (old + d rounded once): a mean off by 2u, exp 2u more
     assert gspo.seq_log_ratio(logp0, old, mask).exp().item() == pytest.approx(s, rel=gamma_n(12))
 
@@ -417,7 +417,7 @@ def test_token_variant_with_per_token_advantages(b, eps, data):
 
 @pytest.mark.parametrize("mean_log_ratio", [12.0, 50.0])
 def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_log_ratio):
-    """A < 0 with a large ratio is the unclipped branch of GSPO. REFERENCE: with A_it = A_i,
+    """A < 0 with a large ratio is the unclipped branch of GSPO. Worked by hand: with A_it = A_i,
     GSPO-token's loss AND gradient equal GSPO's exactly; this must also hold once the sequence
     log-ratio passes the <= 10 clamp."""
     old = torch.zeros(2, 3, dtype=torch.float64)
@@ -570,7 +570,7 @@ def test_all_masked_row_gives_no_nan(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_all_masked_row_contributes_zero_to_the_loss(variant):
-    """REFERENCE: 'An all-masked row must give 0'. Row 1 has no tokens; the loss must be row 0's
+    """An all-masked row must give 0. Row 1 has no tokens; the loss must be row 0's
     term over B = 2 whatever row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
     old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]])

@@ -431,7 +431,7 @@ def run_policy_loss(logp, old, adv, mask, **kw):
 
 
 def test_policy_loss_reference_dual_clip_case():
-    # REFERENCE: A = -1, r = 5, eps 0.2. Plain clipped loss max(5, 1.2) = 5 with d/dlogp = -A r = 5;
+    # Worked by hand: A = -1, r = 5, eps 0.2. Plain clipped loss max(5, 1.2) = 5 with d/dlogp = -A r = 5;
     # dual-clip c = 3 caps it at -c A = 3, a constant: zero gradient.
     logp, old, adv, m = [[math.log(5.0)]], [[0.0]], [[-1.0]], torch.ones(1, 1)
     loss, grad, stats = run_policy_loss(logp, old, adv, m, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
