@@ -2078,11 +2078,8 @@ class Run:
       `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
       under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
       verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
-    - pi_old is the script's: `rollout` is handed it (`old_logp`, over the rows `has_old`) and every number
-      compared against it (the mismatch, the trace, the updates' ratio statistics) reads what was handed; Run
-      recomputes none of it. Under --old-logp rollout the mismatch comes from the update the script marks
-      `on_policy` (none marked: not logged). Where a measurement needs pi_old on every row, `reads_every_row`
-      says so and `rollout` refuses fewer.
+    - pi_old is the script's (`rollout`'s `old_logp` over the rows `has_old`): the mismatch, the trace and the
+      ratio statistics read what was handed, never a recomputation; `reads_every_row` says when every row needs it.
     - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
     `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
 
@@ -2192,14 +2189,12 @@ class Run:
 
     @property
     def reads_every_row(self) -> bool:
-        """Whether a measurement reads pi_old on every row of the rollout, not only the rows the updates
-        forward: an MoE model's routing record (drift, --routing-replay) and --reward-model's kl_to_init.
-        A script's pi_old forward then covers every row; `rollout` refuses one that does not."""
+        """Whether a measurement reads pi_old on every row, not only those the updates forward: an MoE model's
+        routing record (drift, --routing-replay), --reward-model's kl_to_init. `rollout` refuses fewer rows."""
         return self.routing is not None or self.reference is not None
 
     def recording_routing(self):
-        """Context for the script's pi_old forward: an MoE model records each token's experts in it (drift,
-        grpo.py's --routing-replay: extras/moe.py); otherwise nothing."""
+        """Context for the script's pi_old forward: an MoE model records each token's experts in it (extras/moe.py)."""
         return self.routing.record() if self.routing is not None else contextlib.nullcontext()
 
     def replayed_routing(self, rows: torch.Tensor, on: bool = True):
@@ -2217,13 +2212,10 @@ class Run:
         PPO), `old_logp` [B, T], pi_old as the script computed it (the log-probs of the weights that sampled
         `roll`), `has_old` [B] bool, the rows where `old_logp` holds it (None: every row), the --is-correction
         `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
-        token_reward). A loop that trains on part of what it sampled (--filter-groups' SampleRounds, or a
-        fork's own sampling loop) passes `sampled`, (roll, rewards, parts) of everything it sampled this step
-        (Rollout.concat of its draws): reward, its parts, truncated_frac, entropy, response_len, tokens_per_s,
-        zero_std_* and the collapse watch read that; the updates' statistics, groups_kept, the mismatch,
-        kl_to_init and the trace read what is trained (docs/metrics.md). Nothing here recomputes pi_old: the
-        mismatch (mu against pi_old, when mu is recorded: mismatch_*, is_*, extras/rollout_precision.py) and
-        the trace's old_logp read `old_logp` on the rows `has_old`, and a trace is started when one is due."""
+        token_reward). A loop that trains other rows than it sampled this step (--filter-groups, a fork training
+        an older batch) passes `sampled`, (roll, rewards, parts) of everything it sampled (Rollout.concat of its
+        draws): which metric reads which, docs/metrics.md. The mismatch (mu against pi_old: mismatch_*, is_*)
+        and the trace read `old_logp` on the rows `has_old`; nothing here recomputes it."""
         self.sampled = sampled = (roll, rewards, parts) if sampled is None else tuple(sampled)
         if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
@@ -2247,12 +2239,10 @@ class Run:
         """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
         False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
         [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
-        of which the clip fractions become shares (the class docstring). `on_policy`: the script says this
-        update's forward ran at the weights that sampled the rollout (no optimizer step since: the first
-        update of an on-policy loop); under --old-logp rollout, which has no pi_old forward, mismatch_* is
-        measured on that forward (no such update: not logged). Its numbers are averaged over the step's
-        updates (those that stepped) and logged; its tensors (the ratio and the clip decisions) go to the
-        trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
+        of which the clip fractions become shares (the class docstring). `on_policy`: this forward ran at the
+        weights that sampled the rollout (--old-logp rollout measures mismatch_* on it; none: not logged). Its
+        numbers are averaged over the step's updates (those that stepped) and logged; its tensors (the ratio,
+        the clip decisions) go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
         if self.mismatch is None and on_policy:  # --old-logp rollout: the trainer at the sampler's weights
             mu = self.roll.sample_logp[rows]
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
@@ -2724,43 +2714,22 @@ def rng_state() -> dict:
 
 def _state_of(obj):
     """What a checkpoint keeps of one of Run's `state` objects: a generator's state, a state_dict(), or the value
-    of a list, dict or dataclass (a fork's carried batch, say: `_plain`)."""
+    of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
-    return obj.state_dict() if hasattr(obj, "state_dict") else _plain(obj)
-
-
-STATE_DATACLASSES = {"Rollout": Rollout}  # the dataclasses a checkpoint can hold, by name (loaded weights_only)
-
-
-def _plain(x):
-    """`x` with each dataclass in it (STATE_DATACLASSES) as a tagged dict, so that trainer.pt loads weights_only
-    (extras/resume.py turns them back, their tensors onto the run's device); another class is refused."""
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        if type(x).__name__ not in STATE_DATACLASSES:
-            raise ValueError(f"a checkpoint cannot hold a {type(x).__name__}: give it state_dict() / load_state_dict()")
-        return {
-            "__dataclass__": type(x).__name__,
-            **{f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)},
-        }
-    if isinstance(x, (list, tuple)):
-        return type(x)(_plain(v) for v in x)
-    return {k: _plain(v) for k, v in x.items()} if isinstance(x, dict) else x
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    return extra("resume", "a list, dict or dataclass as Run's state").plain_value(obj)
 
 
 def checkpointable(obj) -> bool:
-    """Whether Run can keep `obj` in a checkpoint: a generator, an object with state_dict() and
-    load_state_dict(), or a list, dict or dataclass, restored in place."""
-    return (
-        isinstance(obj, (torch.Generator, list, dict))
-        or hasattr(obj, "load_state_dict")
-        or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
-    )
+    """A generator, an object with load_state_dict(), or a list, dict or dataclass (restored in place)."""
+    dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    return isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict") or dataclass_instance
 
 
 def same_on_every_rank(obj) -> bool:
-    """Modules and optimizers: the same on every rank under DDP (--fsdp gathers them), so rank 0 saves them once;
-    every other state object is saved by each rank (its generator, a fork's carried batch, ...)."""
+    """Modules and optimizers (the same on every rank; --fsdp gathers them): rank 0 saves them, each rank the rest."""
     return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or getattr(obj, "same_on_every_rank", False)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from common import (
     RESUME_MAY_CHANGE,
-    STATE_DATACLASSES,
+    Rollout,
     UsageError,
     _describe,
     _flag,
@@ -42,7 +42,7 @@ def set_rng_state(state: dict):
 
 def _restore(obj, state, device):
     """Load `state` into `obj` in place: a generator's state, load_state_dict(), or a list's, dict's or
-    dataclass's value (common._state_of), its tensors onto `device`."""
+    dataclass's value (plain_value), its tensors onto `device`."""
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif hasattr(obj, "load_state_dict"):
@@ -57,8 +57,24 @@ def _restore(obj, state, device):
             setattr(obj, f.name, getattr(_value(state, device), f.name))
 
 
+STATE_DATACLASSES = {"Rollout": Rollout}  # the dataclasses a checkpoint can hold, by name (loaded weights_only)
+
+
+def plain_value(x):
+    """`x` with each dataclass in it (STATE_DATACLASSES) as a tagged dict, so that trainer.pt loads weights_only
+    (`_value` turns them back, their tensors onto the run's device); another class is refused."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if type(x).__name__ not in STATE_DATACLASSES:
+            raise ValueError(f"a checkpoint cannot hold a {type(x).__name__}: give it state_dict() / load_state_dict()")
+        fields = {f.name: plain_value(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {"__dataclass__": type(x).__name__, **fields}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain_value(v) for v in x)
+    return {k: plain_value(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
 def _value(x, device):
-    """The inverse of common._plain: tagged dicts back to their dataclass, tensors onto `device`."""
+    """The inverse of plain_value: tagged dicts back to their dataclass, tensors onto `device`."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, dict) and "__dataclass__" in x:
