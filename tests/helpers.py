@@ -38,11 +38,12 @@ class Traits:
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
     own_choices: dict = field(default_factory=dict)  # its own fixed-set flags and their values (test_fork_traps)
+    entropy_bonus: str = "sequence-mean"  # how --entropy-coef's bonus averages at the defaults: or "token-mean"
 
 
 AGGS, SCALES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), ("std", "none")  # grpo.py's
 TRAITS = {
-    "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0")),
+    "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
     "grpo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"loss_agg": AGGS, "scale_rewards": SCALES}),
     "gspo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"variant": ("sequence", "token")}),
 }

@@ -224,17 +224,16 @@ def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
 
 
-# each script's bonus in float64 from one update's per-token entropy [b][t] (its completion tokens): gspo per
-# sequence then over the minibatch's sequences; grpo as its default --loss-agg (seq-mean-token-mean), the same;
-# ppo (Eq. 9) a token mean
+# a script's bonus in float64 from one update's per-token entropy [b][t] (its completion tokens), as helpers.TRAITS
+# says it averages: gspo per sequence then over the minibatch's sequences, grpo as its default --loss-agg
+# (seq-mean-token-mean), the same; ppo (Eq. 9) a token mean
 BONUS_F64 = {
-    "gspo": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
-    "grpo": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
-    "ppo": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
+    "sequence-mean": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
+    "token-mean": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
 }
 
 
-@pytest.mark.parametrize("name", BONUS_F64)
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_each_scripts_entropy_bonus_through_the_script(tmp_path, capsys, name, monkeypatch):
     """train() itself with --entropy-coef c: the loss each update steps with (info["loss"]) is the script's loss
     function's value minus c x the bonus aggregated as the paper's loss is (BONUS_F64), from the entropy of the
@@ -268,7 +267,7 @@ def test_each_scripts_entropy_bonus_through_the_script(tmp_path, capsys, name, m
     for base, info, mask, entropy in seen["updates"]:
         rows = [[float(e) for e, m in zip(er, mr) if m] for er, mr in zip(entropy.double(), mask)]
         assert len({len(r) for r in rows}) > 1, "every completion of one length: the aggregations would agree"
-        expected = BONUS_F64[name](rows)
+        expected = BONUS_F64[traits(name).entropy_bonus](rows)
         n = sum(len(r) for r in rows)
         u = 2.0**-24
         tol = probable_gamma(n) * sum(map(sum, rows)) + 4 * u * (abs(base) + abs(info["loss"])) / coef
