@@ -38,7 +38,8 @@ def test_every_script_has_its_traits_and_its_file():
 
 
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK) -> Path:
-    """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged), registered in the copy's
+    """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged but for its loss's name, as
+    the README says: `<fork>_loss`), registered in the copy's
     tests/helpers.py: its name added to SCRIPTS and its parent's TRAITS line copied, by lines appended after
     both are defined, so that it works however the SCRIPTS line is written."""
     root = tmp_path / "project"
@@ -47,7 +48,7 @@ def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str
     source = (root / f"{parent}.py").read_text()
     text = source if edit is None else edit(source)
     assert edit is None or text != source, f"the edit no longer matches {parent}.py's text"
-    (root / f"{fork}.py").write_text(text)
+    (root / f"{fork}.py").write_text(text.replace(f"{parent}_loss", f"{fork}_loss"))  # its loss named after it
     helpers = root / "tests" / "helpers.py"
     registered = f'\nSCRIPTS = (*SCRIPTS, "{fork}")\nTRAITS["{fork}"] = TRAITS["{parent}"]\n'
     helpers.write_text(helpers.read_text() + registered)
