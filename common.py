@@ -1,6 +1,7 @@
-"""common.py: what ppo.py, grpo.py and gspo.py run by default that is not the algorithm.
+"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm: what their default runs
+execute, with the flag checks and error paths around it (the capabilities a flag switches on: extras/).
 
-A script's train() calls into it in this order, and the sections follow that order:
+Its sections (a script's train() reaches into several of them each step, in no one order):
    1. Command line     SharedArgs (the flags every script shares) -> argparse, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
@@ -9,8 +10,8 @@ A script's train() calls into it in this order, and the sections follow that ord
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
   7b. The sampler      Sampler (the policy as the rollout samples it), --is-correction's weights
-   8. Updates          plan_updates, rows_with_signal, pi_old's rows, the non-finite guard, update metrics
-   9. The run          Run: pi_old, every measurement, metrics.jsonl, evaluation when due, checkpoints
+   8. Updates          plan_updates, rows_with_signal, logprobs_of_rows (pi_old's forward), the non-finite guard
+   9. The run          Run: every measurement, metrics.jsonl, evaluation when due, checkpoints
   10. Checkpoints      atomic save, SIGINT / SIGTERM
   11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
 
@@ -191,7 +192,7 @@ class SharedArgs:
     )
     task: str = arg(
         None,
-        "arith, sums (long; sets --model, --max-new-tokens), gsm8k or jsonl",
+        "arith, sums (long; sets --model, --max-new-tokens, --lr), gsm8k or jsonl",
         choices=TASKS,
         shown="arith; jsonl with --data alone",
     )
@@ -315,7 +316,7 @@ def parse_args(args_cls, argv=None):
     )
     shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
     recipe = parser.add_argument_group(f"{algo}.py's training recipe")
-    own = parser.add_argument_group(f"{algo}.py's own flags (the paper's defaults)")
+    own = parser.add_argument_group(f"{algo}.py's own flags")
     groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for f in dataclasses.fields(args_cls):
         group = groups[shared[f.name]] if f.name in shared else recipe if f.name in RECIPE else own
@@ -1869,7 +1870,7 @@ class Sampler:
 
 
 def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
-    """[n] bool: the rows some update of `plan` forwards (they have pi_old); plan None: every row."""
+    """[n] bool: the rows some update of `plan` (plan_updates' list) forwards; plan None: every row."""
     if plan is None:
         return torch.ones(n, dtype=torch.bool, device=device)
     rows = torch.zeros(n, dtype=torch.bool, device=device)
@@ -1877,13 +1878,14 @@ def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
     return rows
 
 
-def is_weights(old_logp: torch.Tensor, roll: Rollout, plan: list[tuple] | None, args, per: str = "token"):
+def is_weights(old_logp: torch.Tensor, roll: Rollout, has_old: torch.Tensor | None, args, per: str = "token"):
     """--is-correction: detached [B, T] loss weights pi_old / mu, truncated at --is-cap (tis) or a sequence
-    mask (extras/rollout_precision.py), over the rows the updates of `plan` forward (1 elsewhere); per=
-    "sequence": one weight per sequence (GSPO). None without a correction (the default)."""
+    mask (extras/rollout_precision.py), over the rows `has_old` ([B] bool: where `old_logp` holds pi_old;
+    None: every row), 1 elsewhere; per="sequence": one weight per sequence (GSPO). None without a
+    correction (the default)."""
     if args.is_correction == "none" or roll.sample_logp is None:
         return None
-    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
     precision = extra("rollout_precision", "--is-correction")
     return precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
 
@@ -1910,16 +1912,14 @@ def plan_updates(n: int, epochs: int, n_minibatches: int, device, advantages=Non
     return plan
 
 
-def logprobs_of_forwarded_rows(model, roll: Rollout, plan: list[tuple], temperature: float = 1.0, every_row=False):
-    """[B, T] log-probs of pi_old (call it before any update, under no_grad) for the rows that the
-    updates of `plan` (from `minibatches`) forward, 0 on the others: a row whose advantage is 0
-    is never forwarded, so its log-probs are never needed. every_row: all rows (an MoE model
-    records every row's experts in this pass)."""
-    rows = torch.arange(len(roll), device=roll.completion_ids.device)
-    if not every_row:
-        rows = forwarded_rows(plan, len(roll), rows.device).nonzero().squeeze(1)  # sorted, each once
+def logprobs_of_rows(model, roll: Rollout, rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T] log-probs of `model` on the rows where `rows` ([B] bool) is True, 0 on the others: a script's
+    pi_old forward (under no_grad, at the weights that sampled `roll`) over the rows its updates read."""
+    if bool(rows.all()):
+        return completion_logprobs(model, roll, temperature)[0]
+    picked = rows.nonzero().squeeze(1)  # sorted, each once
     logp = torch.zeros(roll.completion_ids.shape, device=roll.completion_ids.device)
-    logp[rows] = completion_logprobs(model, roll if every_row else roll[rows], temperature)[0]
+    logp[picked] = completion_logprobs(model, roll[picked], temperature)[0]
     return logp
 
 
@@ -2127,7 +2127,7 @@ def trace_due(args, step: int) -> bool:
 class Run:
     """Everything around a training loop that is not the algorithm, so that the loop shows only
     the algorithm: evaluation (before training, every --eval-every steps and after the last), the
-    progress bar, pi_old (`old_logprobs`), every measurement (`rollout`, `update`, `log`: the
+    progress bar, every measurement (`rollout`, `update`, `log`: the
     metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
     the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
     completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
@@ -2139,9 +2139,12 @@ class Run:
       state and the RNG states, else evaluates `model` (step 0). Only then does it delete the run --out held
       (check_out) and open OUT.
     - Exact resume: a checkpoint holds the policy's weights, each `**state` object (its state_dict(), a
-      torch.Generator's get_state()) and each rank's torch / numpy / random RNG states, nothing else: pass
-      whatever else moves during the run (a new generator, a scheduler), or a resumed run differs
-      (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit for bit).
+      torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
+      tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else:
+      pass whatever else moves during the run (a new generator, a scheduler, a batch carried to the next step),
+      or a resumed run differs (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit
+      for bit). Under torchrun every object but the modules and optimizers is saved by each rank, for itself
+      (tests/test_distributed.py: a fork's per-rank carried batch); anything else is refused in one line.
     - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
       seconds and sampled_tokens). A loop that samples more than it trains (--filter-groups' SampleRounds, a
       fork's own sampling loop) also passes `sampled=(roll, rewards, parts)` of everything it sampled, its
@@ -2150,6 +2153,8 @@ class Run:
       `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
       under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
       verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
+    - pi_old is the script's (`rollout`'s `old_logp` over the rows `has_old`): the mismatch, the trace and the
+      ratio statistics read what was handed, never a recomputation; `reads_every_row` says when every row needs it.
     - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
     `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
 
@@ -2164,6 +2169,10 @@ class Run:
         moe = is_moe(model)
         self.routing = extra("moe", f"--model {args.model} (MoE)").RoutingReplay(model) if moe else None
         self.progress = Progress()
+        for name, obj in state.items():
+            if not checkpointable(obj):
+                what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
+                raise ValueError(f"Run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
         self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
         self.sample_cap_warned = False  # --filter-groups' cap (watch_sample_cap)
         self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
@@ -2171,7 +2180,8 @@ class Run:
         self.check_rewards()  # before anything is written to --out
         samples = []
         if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world)
+            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world,
+                                                        env.device)  # fmt: skip
         else:
             self.progress.eval_before, samples = self.evaluate(0)
             self.progress.last_eval = self.progress.eval_before
@@ -2252,19 +2262,15 @@ class Run:
             if self.stopping:
                 return
 
-    def old_logprobs(self, roll: Rollout, plan: list[tuple] | None = None, every_row: bool = False) -> torch.Tensor:
-        """[B, T] log-probs of pi_old, the policy that sampled `roll`, without gradient: call it before any
-        update. --old-logp recompute (the default): the policy's forward over the rows the updates of
-        `plan` forward, 0 on the others (plan None, or `every_row`: every row; every row too when a
-        measurement needs them: an MoE model's routing record, --reward-model's kl_to_init). --old-logp
-        rollout: the sampler's own log-probs, no forward, as engines without a recompute do; those of its
-        untruncated distribution (`sample_logp_full`), so that with --top-p < 1 the ratio compares like
-        with like."""
-        if self.args.old_logp == "rollout":
-            return roll.sample_logp_full * roll.completion_mask
-        every_row = every_row or self.routing is not None or self.reference is not None
-        with torch.no_grad(), self.routing.record() if self.routing else contextlib.nullcontext():
-            return logprobs_of_forwarded_rows(self.model, roll, plan, self.args.temperature, every_row)
+    @property
+    def reads_every_row(self) -> bool:
+        """Whether a measurement reads pi_old on every row, not only those the updates forward: an MoE model's
+        routing record (drift, --routing-replay), --reward-model's kl_to_init. `rollout` refuses fewer rows."""
+        return self.routing is not None or self.reference is not None
+
+    def recording_routing(self):
+        """Context for the script's pi_old forward: an MoE model records each token's experts in it (extras/moe.py)."""
+        return self.routing.record() if self.routing is not None else contextlib.nullcontext()
 
     def replayed_routing(self, rows: torch.Tensor, on: bool = True):
         """Context for an update's forward and backward on rows `rows` of the rollout: with `on` (grpo.py's
@@ -2274,48 +2280,45 @@ class Run:
             return contextlib.nullcontext()
         return self.routing.replay(self.routing.indices, rows)
 
-    def rollout(self, roll, records, rewards, parts, advantages, old_logp, plan=None, weights=None, sampled=None,
+    def rollout(self, roll, records, rewards, parts, advantages, old_logp, has_old=None, weights=None, sampled=None,
                 **per_token):  # fmt: skip
         """The step's measurements before its updates (every rank calls it once a step): `roll`, the rows the
         updates train, their `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for
-        PPO), pi_old, `plan` (plan_updates' list: the rows that have pi_old; None: every row), the
-        --is-correction `weights`, and `per_token`, the script's other [B, T] values that a trace keeps
-        (ref_logp, value, token_reward). A loop that trains on part of what it sampled (--filter-groups'
-        SampleRounds, or a fork's own sampling loop) passes `sampled`, (roll, rewards, parts) of everything it
-        sampled this step (Rollout.concat of its draws): reward, its parts, truncated_frac, entropy,
-        response_len, tokens_per_s, zero_std_* and the collapse watch read that, the updates' statistics,
-        the mismatch and the trace read what is trained. It measures how far the sampler mu is from pi_old,
-        when mu is recorded (mismatch_*, is_*: extras/rollout_precision.py), and starts the step's trace
-        when one is due."""
+        PPO), `old_logp` [B, T], pi_old as the script computed it (the log-probs of the weights that sampled
+        `roll`), `has_old` [B] bool, the rows where `old_logp` holds it (None: every row), the --is-correction
+        `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
+        token_reward). A loop that trains other rows than it sampled this step (--filter-groups, a fork training
+        an older batch) passes `sampled`, (roll, rewards, parts) of everything it sampled (Rollout.concat of its
+        draws): which metric reads which, docs/metrics.md. The mismatch (mu against pi_old: mismatch_*, is_*)
+        and the trace read `old_logp` on the rows `has_old`; nothing here recomputes it."""
         self.sampled = sampled = (roll, rewards, parts) if sampled is None else tuple(sampled)
         if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
             raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
                              "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
+        if has_old is not None and self.reads_every_row and not bool(has_old.all()):
+            raise ValueError("Run.rollout: pi_old is needed on every row (Run.reads_every_row: an MoE model's routing "
+                             "record or --reward-model's kl_to_init), but has_old leaves rows out")  # fmt: skip
         self.roll, self.rewards, self.old_logp, self.updates = roll, rewards, old_logp, []
         self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
         precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
-        self.mismatch = precision.rollout_mismatch(roll, old_logp, plan, weights, args) if precision else {}
-        if not trace_due(args, self.step_now):
+        self.mismatch = precision.rollout_mismatch(roll, old_logp, has_old, weights, args) if precision else {}
+        if not trace_due(args, self.step_now) or self.env.rank > 0:
             return
         if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
             return  # the default (a trace at each evaluation), in a copy of the project without extras/traces.py
-        traces = extra("traces", "--trace-every")
-        if self.env.rank > 0:
-            if sharded(self.model):  # --fsdp: rank 0's forward for its trace gathers from every rank
-                traces.traced_forward(self, roll[:1])
-            return
         per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
-        self.trace = traces.Trace(self, self.step_now, roll, records, rewards, parts, advantages, old_logp, plan,
-                                  per_token)  # fmt: skip
+        self.trace = extra("traces", "--trace-every").Trace(self, self.step_now, roll, records, rewards, parts,
+                                                            advantages, old_logp, has_old, per_token)  # fmt: skip
 
-    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None):
+    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None, on_policy=False):
         """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
         False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
         [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
-        of which the clip fractions become shares (the class docstring). Its numbers are averaged over the
-        step's updates (those that stepped) and logged; its tensors (the ratio and the clip decisions)
-        go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
-        if self.mismatch is None:  # --old-logp rollout: this first forward is the trainer at the rollout's weights
+        of which the clip fractions become shares (the class docstring). `on_policy`: this forward ran at the
+        weights that sampled the rollout (--old-logp rollout measures mismatch_* on it; none: not logged). Its
+        numbers are averaged over the step's updates (those that stepped) and logged; its tensors (the ratio,
+        the clip decisions) go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
+        if self.mismatch is None and on_policy:  # --old-logp rollout: the trainer at the sampler's weights
             mu = self.roll.sample_logp[rows]
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
@@ -2379,7 +2382,6 @@ class Run:
             raise ValueError(f"Run.log: the script's metrics {sorted(measured.keys() & row.keys())} are measured by "
                              "Run too; name them otherwise (a measured metric is never overridden)")  # fmt: skip
         row = {**measured, **row}
-        row["step_time_s"] = time.perf_counter() - self.step_started
         step, args = row["step"], self.args
         self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
         self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
@@ -2398,6 +2400,7 @@ class Run:
         # the step had no signal)
         flat = row["zero_std_low_frac"] if self.env.needs_group else float(no_signal)
         self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
+        row["step_time_s"] = time.perf_counter() - self.step_started  # the whole step, its evaluation included
         self.logger.log(row)
         if self.trace is not None:
             self.logger.log_traces(self.trace.records())
@@ -2785,7 +2788,24 @@ def rng_state() -> dict:
 
 
 def _state_of(obj):
-    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+    """What a checkpoint keeps of one of Run's `state` objects: a generator's state, a state_dict(), or the value
+    of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    return extra("resume", "a list, dict or dataclass as Run's state").plain_value(obj)
+
+
+def checkpointable(obj) -> bool:
+    """A generator, an object with load_state_dict(), or a list, dict or dataclass (restored in place)."""
+    dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    return isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict") or dataclass_instance
+
+
+def same_on_every_rank(obj) -> bool:
+    """Modules and optimizers (the same on every rank; --fsdp gathers them): rank 0 saves them, each rank the rest."""
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or getattr(obj, "same_on_every_rank", False)
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
@@ -2794,8 +2814,9 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
       policy/        the policy in Hugging Face format (loads like final/)
       trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
                      sampling generator, progress, ...) and the python / numpy / torch RNG states
-      rank<r>.pt     under torchrun, each rank's own random streams: its RNG states and generators
-                     (each rank samples its own completions), so that every rank resumes exactly
+      rank<r>.pt     under torchrun, each rank's own: its RNG states and every `state` object that is not a
+                     module or an optimizer (its generators, the stream, a fork's carried batch), so that
+                     every rank resumes exactly
       metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
                      and traces.jsonl, --trace-every's records)
       meta.json      algorithm, step, number of processes, model name and config essentials, args
@@ -2810,8 +2831,8 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
         tmp.mkdir(parents=True)
     if world > 1:  # every rank's own streams, once rank 0 has made checkpoint.tmp/
         barrier()
-        generators = {name: obj.get_state() for name, obj in state.items() if isinstance(obj, torch.Generator)}
-        torch.save({"rng": trainer["rng"], "generators": generators}, tmp / f"rank{rank}.pt")
+        own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
+        torch.save({"rng": trainer["rng"], "state": own}, tmp / f"rank{rank}.pt")
         barrier()
     if rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy)

@@ -157,6 +157,7 @@ def grpo_loss(
     old_logp,
     advantages,
     mask,
+    *,
     eps_low=0.2,
     eps_high=0.2,
     ref_logp=None,
@@ -170,7 +171,10 @@ def grpo_loss(
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T].
     `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.
     Returns (loss, info): info holds each token's ratio and clip decision, detached, the shares of
-    tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL."""
+    tokens clipped (clip_frac, _low, _high), ratio statistics and the mean KL.
+    Argument order: (logp, old_logp, ...), then keywords only. verl's compute_policy_loss_vanilla takes
+    (old_log_prob, log_prob, advantages, response_mask, ...): pi_old first; TRL computes it inside
+    GRPOTrainer._compute_loss from named inputs (old_per_token_logps, advantages). Port by name."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))  # padding never reaches exp
     ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()  # [B, T]
@@ -260,29 +264,37 @@ def train(args: Args):
         # 4. Advantages: each completion against its group.
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
 
-        # 5. Log-probs of pi_old (and of the reference), once per rollout, without gradient, for the rows the
-        #    updates will forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing
-        #    unless the KL term or the entropy bonus pulls it, so without them it is left out.
+        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
+        #    weights), without gradient, once per rollout (and the reference's), over the rows the updates will
+        #    forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing unless the KL
+        #    term or the entropy bonus pulls it, so without them it is left out (every row too where a measurement
+        #    reads them all: MoE routing, --reward-model's kl_to_init). --old-logp rollout: the sampler's own.
         skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
-        old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
-        is_weights = common.is_weights(old_logp, roll, plan, args)  # --is-correction; else None
+        has_old = common.forwarded_rows(plan, len(roll), env.device) | run.reads_every_row  # [B] bool
+        if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
+            old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
+        else:
+            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+                old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
+        is_weights = common.is_weights(old_logp, roll, has_old, args)  # --is-correction; else None
         with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, rounds.sampled(),
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old, is_weights, rounds.sampled(),
                     ref_logp=ref_logp)  # metrics (of everything sampled, and of what trains)  # fmt: skip
 
         # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
         model.train()
-        for idx, rows in plan:
+        for k, (idx, rows) in enumerate(plan):
             ref = ref_logp[rows] if args.kl_coef else None
             weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: step 4's experts in backward too
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
-                loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                       args.eps_high, ref, args.kl_coef, args.loss_agg, args.max_new_tokens,
-                                       denominator, weights)  # fmt: skip
+                loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
+                                       eps_high=args.eps_high, ref_logp=ref, kl_coef=args.kl_coef, agg=args.loss_agg,
+                                       max_len=args.max_new_tokens, denominator=denominator,
+                                       weights=weights)  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus
@@ -293,7 +305,8 @@ def train(args: Args):
             if stepped:
                 optimizer.step()
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
-            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, minibatch=idx)
+            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
+            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, idx, on_policy=k == 0)
 
         # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.

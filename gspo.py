@@ -109,6 +109,7 @@ def gspo_loss(
     old_logp,
     advantages,
     mask,
+    *,
     eps_low=3e-4,
     eps_high=4e-4,
     variant="sequence",
@@ -124,7 +125,10 @@ def gspo_loss(
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
     aggregated as the mean over sequences of the mean over each sequence's tokens.
     Returns (loss, info): info holds the ratio and the clip decisions, detached ([B] or [B, T]), the
-    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token) and ratio statistics."""
+    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token) and ratio statistics.
+    Argument order: (logp, old_logp, ...), then keywords only. verl's compute_policy_loss_gspo takes
+    (old_log_prob, log_prob, advantages, response_mask, ...): pi_old first; TRL computes it inside
+    GRPOTrainer._compute_loss (importance_sampling_level="sequence") from named inputs. Port by name."""
     mask = mask.bool()
     raw_log_s = seq_log_ratio(logp, old_logp, mask)  # [B]
     log_s = raw_log_s.clamp(*LOG_RATIO_CLAMP)
@@ -212,23 +216,31 @@ def train(args: Args):
         # 4. Advantages: each completion against its group (Eq. 6).
         advantages = group_advantages(rewards, args.group_size).to(env.device)  # [B]
 
-        # 5. Log-probs of pi_old, once per rollout, without gradient, for the rows the updates will forward:
-        #    the minibatches are drawn first, and a row whose advantage is 0 adds nothing, so it is left out
-        #    (--entropy-coef: the bonus has a gradient on every row, so every row is forwarded).
+        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
+        #    weights), without gradient, once per rollout, over the rows the updates will forward: the minibatches
+        #    are drawn first, and a row whose advantage is 0 adds nothing, so it is left out (--entropy-coef: the
+        #    bonus has a gradient on every row; every row too where a measurement reads them all: MoE routing,
+        #    --reward-model's kl_to_init). --old-logp rollout: the sampler's own log-probs, no forward.
         skip_by = advantages if args.entropy_coef == 0 else None
         plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
-        old_logp = run.old_logprobs(roll, plan)  # [B, T]; --old-logp rollout: the sampler's, no forward
-        is_weights = common.is_weights(old_logp, roll, plan, args, per=args.variant)  # --is-correction; else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, plan, is_weights, rounds.sampled())
+        has_old = common.forwarded_rows(plan, len(roll), env.device) | run.reads_every_row  # [B] bool
+        if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
+            old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
+        else:
+            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+                old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
+        is_weights = common.is_weights(old_logp, roll, has_old, args, per=args.variant)  # --is-correction; else None
+        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old, is_weights, rounds.sampled())
 
         # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         model.train()
-        for idx, rows in plan:
+        for k, (idx, rows) in enumerate(plan):
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[rows]
             # divided by the whole minibatch's size, len(idx)
-            loss, info = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], args.eps_low,
-                                   args.eps_high, args.variant, len(idx), weights)  # fmt: skip
+            loss, info = gspo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
+                                   eps_high=args.eps_high, variant=args.variant, denominator=len(idx),
+                                   weights=weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c x entropy, as the loss averages: per sequence, then over sequences
                 loss = loss - args.entropy_coef * masked_mean(entropy, loss_mask[rows], dim=1).sum() / len(idx)
             optimizer.zero_grad(set_to_none=True)
@@ -238,7 +250,8 @@ def train(args: Args):
             if stepped:
                 optimizer.step()
             info.update(loss=loss.item(), grad_norm=grad_norm.item())
-            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, minibatch=idx)
+            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
+            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, idx, on_policy=k == 0)
 
         # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
         #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.

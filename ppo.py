@@ -15,7 +15,8 @@ The critic is a *separate* transformer initialised from the policy checkpoint, w
 as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
 loss's scale then tunes the other) and makes the policy checkpoint non-standard. The price is a
 second model's weights, gradients and AdamW state (about 4x the parameter bytes again) plus its
-activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0). That
+activations; the frozen reference adds one more copy of the weights (none at --kl-coef 0, unless
+--reward-model loads it for kl_to_init). That
 memory is what GRPO and GSPO save by using the group as the baseline.
 
 Why the KL penalty is 0.1, and how the critic meets LoRA: docs/ppo_design.md.
@@ -26,7 +27,7 @@ docs/scope.md.
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
 `train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
 
-Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python ppo.py
+Run (CPU, embedded tiny Qwen3; 531 s on 2 cores, docs/results.md):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
 A real Qwen on a GPU:   python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
     --data gsm8k_train.jsonl --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
@@ -51,7 +52,7 @@ LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp:
 @dataclass
 class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then PPO's own
     # The training recipe: batch shape, sampling, optimiser and schedule
-    steps: int = arg(500, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
+    steps: int = arg(500, "number of rollout + update steps")
     prompts_per_step: int = arg(128, "prompts sampled per step")
     group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
     max_new_tokens: int = arg(8, "maximum completion length in tokens")
@@ -63,7 +64,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
     epochs: int = arg(1, "passes over each rollout")
     # PPO's own
-    critic_lr: float = arg(1e-3, "critic AdamW learning rate")
+    critic_lr: float = arg(1e-3, "critic AdamW learning rate (the value loss's only knob: its AdamW is its own)")
     eps_low: float = arg(0.2, "lower clip range of the token ratio")
     eps_high: float = arg(0.2, "upper clip range of the token ratio")
     dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
@@ -72,13 +73,12 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     )
     gamma: float = arg(1.0, "discount")
     lam: float = arg(0.95, "GAE lambda")
-    vf_coef: float = arg(0.1, "weight of the value loss (the critic has its own optimizer)")
     cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)
-        for name in ("critic_lr", "kl_coef", "vf_coef", "cliprange_value", "missing_eos_penalty"):
+        for name in ("critic_lr", "kl_coef", "cliprange_value", "missing_eos_penalty"):
             if getattr(self, name) < 0:
                 raise common.UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -139,11 +139,13 @@ def whiten(x, mask, eps=1e-8):
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
+def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, dual_clip=3.0, weights=None):
     """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
     [B, T], detached (--is-correction), multiply each token's term. Returns (loss, info): info holds
     each token's ratio and clip decision, detached, the shares of tokens clipped and dual-clipped,
-    approx_kl and the mean ratio."""
+    approx_kl and the mean ratio. Argument order: (logp, old_logp, ...), then keywords only. verl's
+    compute_policy_loss_vanilla takes (old_log_prob, log_prob, advantages, response_mask, ...): pi_old
+    first; TRL's PPOTrainer computes it inline in its training loop. Port by name."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.clamp(*LOG_RATIO_CLAMP).exp()
@@ -168,8 +170,11 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2,
     return loss, info
 
 
-def value_loss(values, old_values, returns, mask, clip=0.2):
-    """0.5 * token-mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
+def value_loss(values, old_values, returns, mask, *, clip=0.2):
+    """0.5 * token-mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). Argument order: (values,
+    old_values, returns, mask), then keywords only; verl's compute_value_loss takes (vpreds, returns,
+    values, response_mask, cliprange_value): returns before the old values; TRL's PPOTrainer computes it
+    inline. Port by name."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     loss_plain = (values - returns) ** 2
     loss_clipped = (clipped_values - returns) ** 2
@@ -259,7 +264,13 @@ def train(args: Args):
 
         # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout, on every row;
         #    then the per-token rewards (score - beta * KL) and their GAE advantages.
-        old_logp = run.old_logprobs(roll)  # [B, T]; --old-logp rollout: the sampler's, no forward
+        #    pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
+        #    weights), without gradient; --old-logp rollout: the sampler's own (of its whole distribution), no forward.
+        if args.old_logp == "rollout":
+            old_logp = roll.sample_logp_full * mask  # [B, T]
+        else:
+            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+                old_logp = common.completion_logprobs(model, roll, args.temperature)[0]  # [B, T]
         is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
         with torch.no_grad():  # (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
@@ -273,18 +284,20 @@ def train(args: Args):
         # 4. Updates of the policy and the critic: epochs x minibatches.
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
-        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+        for k, idx in enumerate(common.minibatches(len(roll), args.epochs, args.minibatches, env.device)):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
-            # loss = pg_loss + vf_coef * v_loss; no shared parameter: a backward each, one model's activations at a time
+            # loss = pg_loss + v_loss: no shared parameter, so a backward each, one model's activations at a time. No
+            # weight on v_loss: the critic's own AdamW would normalise it away (its step is --critic-lr's)
             values = value(roll[idx])  # [b, T]
-            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], args.cliprange_value)
-            (args.vf_coef * v_loss * scale).backward()
+            v_loss, v_info = value_loss(values, old_values[idx], returns[idx], mask[idx], clip=args.cliprange_value)
+            (v_loss * scale).backward()
             logp, entropy = policy(roll[idx], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[idx]
-            pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], args.eps_low,
-                                            args.eps_high, args.dual_clip, weights)  # fmt: skip
+            pg_loss, info = ppo_policy_loss(logp, old_logp[idx], advantages[idx], mask[idx], eps_low=args.eps_low,
+                                            eps_high=args.eps_high, dual_clip=args.dual_clip,
+                                            weights=weights)  # fmt: skip
             if args.entropy_coef > 0:  # minus c2 x entropy (Eq. 9), a token mean as the policy loss is
                 pg_loss = pg_loss - args.entropy_coef * masked_mean(entropy, mask[idx])
             (pg_loss * scale).backward()
@@ -296,7 +309,8 @@ def train(args: Args):
                 critic_optimizer.step()
             info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
                         critic_grad_norm=critic_grad_norm.item())  # fmt: skip
-            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped)
+            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
+            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped, on_policy=k == 0)
 
         # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C). No
         #    signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike).

@@ -126,6 +126,8 @@ class GatheredState:
     dict is its usual one; an optimizer's is keyed by parameter name (torch.distributed.checkpoint's
     format), not by position as optimizer.state_dict() is, so --fsdp keeps its value on --resume."""
 
+    same_on_every_rank = True  # (common.save_checkpoint: rank 0 saves it once)
+
     def __init__(self, module, optimizer=None):
         self.module, self.optimizer = module, optimizer
 

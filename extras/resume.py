@@ -9,6 +9,7 @@ uninterrupted one bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from common import (
     RESUME_MAY_CHANGE,
+    Rollout,
     UsageError,
     _describe,
     _flag,
@@ -38,8 +40,49 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _restore(obj, state):
-    obj.set_state(state) if isinstance(obj, torch.Generator) else obj.load_state_dict(state)
+def _restore(obj, state, device):
+    """Load `state` into `obj` in place: a generator's state, load_state_dict(), or a list's, dict's or
+    dataclass's value (plain_value), its tensors onto `device`."""
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif isinstance(obj, list):
+        obj[:] = _value(state, device)
+    elif isinstance(obj, dict):
+        obj.clear()
+        obj.update(_value(state, device))
+    else:  # a dataclass
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, getattr(_value(state, device), f.name))
+
+
+STATE_DATACLASSES = {"Rollout": Rollout}  # the dataclasses a checkpoint can hold, by name (loaded weights_only)
+
+
+def plain_value(x):
+    """`x` with each dataclass in it (STATE_DATACLASSES) as a tagged dict, so that trainer.pt loads weights_only
+    (`_value` turns them back, their tensors onto the run's device); another class is refused."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if type(x).__name__ not in STATE_DATACLASSES:
+            raise ValueError(f"a checkpoint cannot hold a {type(x).__name__}: give it state_dict() / load_state_dict()")
+        fields = {f.name: plain_value(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {"__dataclass__": type(x).__name__, **fields}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain_value(v) for v in x)
+    return {k: plain_value(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
+def _value(x, device):
+    """The inverse of plain_value: tagged dicts back to their dataclass, tensors onto `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict) and "__dataclass__" in x:
+        fields = {k: _value(v, device) for k, v in x.items() if k != "__dataclass__"}
+        return STATE_DATACLASSES[x["__dataclass__"]](**fields)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_value(v, device) for v in x)
+    return {k: _value(v, device) for k, v in x.items()} if isinstance(x, dict) else x
 
 
 def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
@@ -135,11 +178,12 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     return found
 
 
-def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1):
+def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1, device="cpu"):
     """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
     that open_checkpoint accepted (the inverse of save_checkpoint; every rank calls it). Under
     --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
-    tensors are read as they are needed) and keeps its shards of the optimizer state."""
+    tensors are read as they are needed) and keeps its shards of the optimizer state; under torchrun each rank
+    then loads its own objects (rank<r>.pt). Tensors in a list, dict or dataclass go to `device`."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -152,12 +196,12 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
             saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
             model.load_state_dict(saved_policy.state_dict())
         saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True, mmap=world > 1)
-        if world > 1:  # this rank's own random streams
+        if world > 1:  # this rank's own random streams and state objects
             own = torch.load(found / f"rank{rank}.pt", map_location="cpu", weights_only=True)
             saved["rng"] = own["rng"]
-            saved["state"].update(own["generators"])
+            saved["state"].update(own["state"])
         for name, obj in state.items():
-            _restore(obj, saved["state"][name])
+            _restore(obj, saved["state"][name], device)
     except Exception as e:  # a damaged checkpoint: one line, exit 2
         raise UsageError(f"--resume {found}: cannot restore it ({_describe(e)})") from e
     set_rng_state(saved["rng"])

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from common import IS_CORRECTIONS, UsageError, forwarded_rows
+from common import IS_CORRECTIONS, UsageError
 
 
 def check_args(args):
@@ -120,14 +120,14 @@ def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str,
             changed.float().mean().item()}  # fmt: skip
 
 
-def rollout_mismatch(roll, old_logp: torch.Tensor, plan, weights, args) -> dict | None:
-    """Run.rollout's mismatch_* and is_* metrics: mu (the sampler) against pi_old over the rows the updates
-    of `plan` forward; {} when mu was not recorded; None under --old-logp rollout, which has no trainer
-    pi_old before the updates (Run.update measures it on the first update's forward instead)."""
+def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> dict | None:
+    """Run.rollout's mismatch_* and is_* metrics: mu (the sampler) against the script's pi_old over the rows
+    `has_old` ([B] bool; None: every row); {} when mu was not recorded; None under --old-logp rollout, which
+    has no trainer pi_old (Run.update measures it on the forward the script marks `on_policy`)."""
     if roll.sample_logp is None:
         return {}
     if args.old_logp == "rollout":
         return None
-    mask = roll.completion_mask * forwarded_rows(plan, len(roll), roll.completion_ids.device)[:, None]
+    mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
     corrected = is_weight_stats(weights, mask, args.is_correction, args.is_cap)
     return {**mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}

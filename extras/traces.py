@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from common import Rollout, completion_ends, completion_logprobs, eos_token_ids, forwarded_rows, sharded
+from common import completion_ends, eos_token_ids
 
 
 def _values(x: torch.Tensor | None, n: int):
@@ -18,13 +18,6 @@ def _values(x: torch.Tensor | None, n: int):
     if x is None or x.dtype == torch.bool:
         return None if x is None else x[:n].tolist()
     return [float(f"{v:.8g}") for v in x[:n].tolist()]
-
-
-def traced_forward(run, roll: Rollout) -> torch.Tensor:
-    """[b, T] the policy's log-probs of `roll` for a trace, without gradient. Under --fsdp the forward is
-    a collective: on a traced step every rank runs one (Run.trace), rank 0 for its trace."""
-    with torch.no_grad():
-        return completion_logprobs(run.model, roll, run.args.temperature)[0]
 
 
 def groups_with_signal(advantages: torch.Tensor, mask: torch.Tensor, group_size: int) -> list[bool]:
@@ -50,22 +43,18 @@ class Trace:
     """One step's values for --trace-groups groups of this rank's rollout (`traced_groups`: groups with
     signal first): what sampling, scoring and the no-grad passes computed, given to the constructor,
     and what each update's loss used (`update`); `records()` makes traces.jsonl's records, one per group.
-    The only computation is a no-grad forward of traced rows that no update forwards (their pi_old
-    was never needed); no random stream moves, and the updates see the same tensors as untraced."""
+    It computes nothing: a row's old_logp is the script's pi_old where the script computed it (`has_old`,
+    [B] bool; None: every row), null on the rows it left out. No random stream moves."""
 
-    def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, plan, per_token):
+    def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, has_old, per_token):
         self.run, self.step, self.roll, self.examples = run, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
         G = run.args.group_size
         self.signal = groups_with_signal(advantages, roll.completion_mask, G)  # [groups of this rank]
         self.groups = traced_groups(self.signal, run.args.trace_groups, run.args.seed, step)
         self.rows = [g * G + i for g in self.groups for i in range(G)]  # the traced rows, in rollout order
-        forwarded = set(forwarded_rows(plan, len(roll), roll.completion_ids.device).nonzero().squeeze(1).tolist())
         self.old_logp = old_logp[self.rows].detach().clone()  # [n, T], n = len(self.rows)
-        skipped = [k for k, r in enumerate(self.rows) if r not in forwarded]  # positions in self.rows
-        if skipped or sharded(run.model):  # their pi_old: old_logp holds 0 there (--fsdp: a forward on every rank)
-            forward_rows = [self.rows[k] for k in skipped] or self.rows[:1]
-            self.old_logp[skipped] = traced_forward(run, roll[forward_rows])[: len(skipped)]
+        self.has_old = [True] * len(self.rows) if has_old is None else has_old[self.rows].tolist()  # [n]
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
     def update(self, rows, logp, entropy, info: dict):
@@ -109,7 +98,7 @@ class Trace:
                 "reward": float(self.rewards[r]),
                 "rewards": {name: float(v[r]) for name, v in components.items()},
                 "advantage": _values(adv, n) if adv.dim() else float(adv),
-                "old_logp": _values(self.old_logp[k], n),
+                "old_logp": _values(self.old_logp[k], n) if self.has_old[k] else None,  # null: no pi_old computed
                 "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
                 "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
                 **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},

@@ -7,12 +7,13 @@ Hypothesis strategies draw small batches (a few rows, a few tokens) so the suite
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,12 +37,15 @@ class Traits:
     grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
+    own_choices: dict = field(default_factory=dict)  # its own fixed-set flags and their values (test_fork_traps)
+    entropy_bonus: str = "sequence-mean"  # how --entropy-coef's bonus averages at the defaults: or "token-mean"
 
 
+AGGS, SCALES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), ("std", "none")  # grpo.py's
 TRAITS = {
-    "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0")),
-    "grpo": Traits(grouped=True, skips_zero_advantage=True),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True),
+    "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
+    "grpo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"loss_agg": AGGS, "scale_rewards": SCALES}),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"variant": ("sequence", "token")}),
 }
 
 
@@ -494,3 +498,56 @@ def needs_torchrun(test):
     import pytest
 
     return pytest.mark.skipif(not _has_torchrun() and not in_ci(), reason="this torch has no torchrun")(test)
+
+
+def row_key(roll, i: int) -> tuple:
+    """Row i of a Rollout as (prompt tokens, completion tokens) without padding: the same key wherever the row
+    moves (picked out, concatenated, carried to a later step)."""
+    prompt = roll.prompt_ids[i][roll.prompt_mask[i].bool()].tolist()
+    completion = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()
+    return tuple(prompt), tuple(completion)
+
+
+class SamplingWeights:
+    """The weights that sampled each row, recorded while a script runs in this process: `common.Sampler.sample`
+    is wrapped (monkeypatch) to copy the sampler's weights at each call and note each row it returns, so that a
+    test computes pi_old as it must be, the log-probs of the weights that sampled a row, whatever the loop's
+    shape (a fork may train a batch sampled steps ago). `expected(roll, temperature)`: per row of `roll`, the
+    log-probs [T] under each copy that sampled a row with its tokens (one, unless a step sampled it again)."""
+
+    def __init__(self, monkeypatch):
+        import common
+
+        self.copies, self.sampled_by, self.model = [], {}, None
+        sample = common.Sampler.sample
+
+        def recording_sample(sampler, prompts, generator):
+            if self.model is None:  # a scratch model that each copy is loaded into
+                self.model = copy.deepcopy(sampler.model)
+            weights = {k: v.detach().clone() for k, v in sampler.model.state_dict().items()}
+            roll = sample(sampler, prompts, generator)
+            self.copies.append(weights)
+            for i in range(len(roll)):
+                self.sampled_by.setdefault(row_key(roll, i), set()).add(len(self.copies) - 1)
+            return roll
+
+        monkeypatch.setattr(common.Sampler, "sample", recording_sample)
+
+    def expected(self, roll, temperature: float) -> tuple[list[list[torch.Tensor]], float]:
+        """(per row of `roll` the log-probs [T] of each copy that sampled it, logprob_tol of a forward of
+        these rows), all without gradient; a row that no sampling returned fails here."""
+        import common
+
+        keys = [row_key(roll, i) for i in range(len(roll))]
+        missing = [i for i, k in enumerate(keys) if k not in self.sampled_by]
+        assert not missing, f"rows {missing} of an update were never returned by Sampler.sample"
+        out, tol = [[] for _ in keys], 0.0
+        for c in sorted(set().union(*(self.sampled_by[k] for k in keys))):
+            rows = [i for i, k in enumerate(keys) if c in self.sampled_by[k]]
+            self.model.load_state_dict(self.copies[c])
+            with torch.no_grad():
+                logp = common.completion_logprobs(self.model, roll[rows], temperature)[0]
+            tol = max(tol, logprob_tol(self.model.config, *logit_scale(self.model, roll[rows], temperature)))
+            for j, i in enumerate(rows):
+                out[i].append(logp[j])
+        return out, tol

@@ -129,7 +129,7 @@ def test_each_aggregation_through_train_gives_the_closed_form_gradient(shape, ag
     expected, config = reference_gradient(roll, advantages, loss_mask, agg)
     assert len(expected) == len(seen["grads"])
     # the float32 gradient against the float64 one: one forward and backward's sums (helpers.forward_roundings, over
-    # the B x L positions a weight collects) to probable_gamma of the largest element, as test_first_update; and
+    # the B x L positions a weight collects) to probable_gamma of the largest element, as test_pi_old; and
     # the ratio, 1 to pi_old's forward against the update's (logprob_tol) on every token
     L = roll.prompt_ids.shape[1] + T
     n = forward_roundings(config, L) + len(REWARDS) * L + 1

@@ -79,7 +79,7 @@ def test_help_shows_titled_groups_in_the_same_order_each_flag_once():
     for name, module in MODULES.items():
         groups = help_groups(f"{name}.py")
         titles = [t for t, _ in groups]
-        assert titles == ["options", f"{name}.py's training recipe", f"{name}.py's own flags (the paper's defaults)",
+        assert titles == ["options", f"{name}.py's training recipe", f"{name}.py's own flags",
                           *common.HELP_GROUPS]  # fmt: skip
         flags = [f for _, fs in groups for f in fs]
         expected = ["-h"] + ["--" + f.name.replace("_", "-") for f in dataclasses.fields(module.Args)]

@@ -7,6 +7,7 @@ round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
 """
 
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -532,8 +533,8 @@ def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok,
 @pytest.mark.numeric
 def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_roll):
     """plan_updates: every row once per epoch, each update forwarding its rows with A != 0 (or its
-    first row when it has none); logprobs_of_forwarded_rows fills exactly those rows, with the
-    full pass's values, and leaves the others 0."""
+    first row when it has none); logprobs_of_rows over forwarded_rows fills exactly those rows, with
+    the full pass's values, and leaves the others 0; over every row it is the full pass itself."""
     B = len(sampled_roll)
     advantages = torch.tensor([0.0, 1.0] * (B // 2) + [0.0] * (B % 2))
     advantages[:4] = 0.0  # the first rows: groups without signal
@@ -548,8 +549,8 @@ def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_
     forwarded = sorted(set(torch.cat([rows for _, rows in plan]).tolist()))
     with torch.no_grad():
         full, _ = common.completion_logprobs(rand_model, sampled_roll)
-        logp = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan)
-        every = common.logprobs_of_forwarded_rows(rand_model, sampled_roll, plan, every_row=True)
+        logp = common.logprobs_of_rows(rand_model, sampled_roll, common.forwarded_rows(plan, B, "cpu"))
+        every = common.logprobs_of_rows(rand_model, sampled_roll, torch.ones(B, dtype=torch.bool))
     others = [i for i in range(B) if i not in forwarded]
     length, max_z = logit_scale(rand_model, sampled_roll)  # a batch of some rows or of all: float32 forwards
     assert_within(logp[forwarded], full[forwarded], logprob_tol(rand_model.config, length, max_z), "forwarded rows")
@@ -1183,3 +1184,32 @@ def test_rollout_rows_keep_the_draws_seconds_and_sampled_tokens():
     for rows in (torch.tensor([1]), torch.tensor([True, False]), slice(0, 2)):
         part = roll[rows]
         assert (part.seconds, part.sampled_tokens) == (0.5, 4)
+
+
+def test_a_list_of_rollouts_is_checkpoint_state_restored_in_place_on_the_runs_device(tmp_path):
+    """A fork's carried batch (a list holding a Rollout, tensors, records) is a `state` object: saved as plain
+    values that trainer.pt loads weights_only, restored into the same list, every tensor on the run's device
+    (the meta device here stands in for a GPU: the tensors must follow the device asked for, not stay on the
+    CPU they were saved from). A class a checkpoint cannot rebuild is refused by name."""
+    resume = common.extra("resume", "--resume")
+    roll = common.Rollout.from_lists([[5, 6], [7]], [[8, 9], [10]], pad_id=0)
+    roll.seconds, roll.sampled_tokens, roll.draws = 0.5, 3, 1
+    carried = [(roll, [{"prompt": "1+1", "answer": "2"}], torch.tensor([1.0, 0.0]), None)]
+    torch.save(common._state_of(carried), tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    restored = []
+    resume._restore(restored, saved, torch.device("cpu"))
+    ((back, records, rewards, nothing),) = restored
+    assert isinstance(back, common.Rollout) and records == carried[0][1] and nothing is None
+    assert torch.equal(back.completion_ids, roll.completion_ids) and torch.equal(rewards, carried[0][2])
+    assert (back.seconds, back.sampled_tokens, back.draws) == (0.5, 3, 1)
+    on_meta = []
+    resume._restore(on_meta, saved, torch.device("meta"))
+    assert on_meta[0][0].completion_ids.device.type == "meta" and on_meta[0][2].device.type == "meta"
+
+    @dataclasses.dataclass
+    class Unknown:
+        x: int = 1
+
+    with pytest.raises(ValueError, match="cannot hold a Unknown"):
+        common._state_of([Unknown()])

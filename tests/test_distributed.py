@@ -83,7 +83,7 @@ def loss_for(case, train_model, batch, rows):
         loss = grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg=agg, denominator=denominator)[0]
         return loss - c * grpo.aggregate(entropy, mask, agg, None, denominator)
     if case == "gspo":
-        loss = gspo.gspo_loss(logp, old, batch["adv"][rows], mask, 0.05, 0.05)[0]
+        loss = gspo.gspo_loss(logp, old, batch["adv"][rows], mask, eps_low=0.05, eps_high=0.05)[0]
         return loss - c * masked_mean(entropy, mask, dim=1).sum() / mask.shape[0]
     adv = ppo.whiten(batch["token_adv"][rows], mask)  # whitened over all ranks' tokens
     loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0] - c * masked_mean(entropy, mask)
@@ -365,3 +365,46 @@ def test_script_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, algo
         # the head has one)
         for i, (a, b, g) in enumerate(zip(ranks[0]["after"], ranks[0]["before"], ranks[0]["grads"])):
             assert torch.equal(a, b) == (not g.any()), (r, i)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank state in checkpoints (issue 52): a fork's carried batch resumes exactly on every rank
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_torchrun
+def test_a_forks_per_rank_carried_batch_resumes_bit_for_bit_on_two_ranks(tmp_path):
+    """The one-step off-policy fork of grpo.py (tests/test_forks.py) carries, on each rank, the batch that rank
+    sampled, a list of Rollouts and tensors passed to Run as state. On 2 gloo ranks, 3 steps then --resume to 6
+    against 6 straight: the same metrics rows and the same final weights, bit for bit. (Before issue 52 trainer.pt
+    kept rank 0's batch and loaded it on every rank.)"""
+    from test_forks import OFF_POLICY, one_step_off_policy
+
+    fork = tmp_path / f"{OFF_POLICY}.py"
+    fork.write_text(one_step_off_policy((ROOT / "grpo.py").read_text()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    flags = ["--device", "cpu", "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "4",
+             "--eval-size", "2", "--eval-every", "0", "--no-anneal-lr"]  # fmt: skip
+
+    def torchrun(*args):
+        cmd = [*torchrun_cmd(), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(fork), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    torchrun(*flags, "--steps", "6", "--out", str(tmp_path / "straight"))
+    torchrun(*flags, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "resumed"))
+    assert (tmp_path / "resumed" / "checkpoint" / "rank1.pt").is_file()
+    torchrun("--resume", str(tmp_path / "resumed"), "--steps", "6")
+
+    def rows(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        # (timings aside, and the evaluation that ends the 3-step run: --eval-every 0 evaluates only the last step)
+        return [{k: v for k, v in json.loads(line).items() if not (k.endswith("_s") or k.startswith("eval_"))}
+                for line in lines]  # fmt: skip
+
+    straight, resumed = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6] and resumed == straight
+    final = [
+        (out / "final" / "model.safetensors").read_bytes() for out in (tmp_path / "straight", tmp_path / "resumed")
+    ]
+    assert final[0] == final[1], "final weights differ: some rank resumed another rank's carried batch"

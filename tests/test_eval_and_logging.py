@@ -353,7 +353,7 @@ def hand_batch():
 def test_mask_truncated_grpo_hand_case(agg, grad_row1):
     logp, old, adv, loss_mask = hand_batch()
     denominator = grpo.loss_denominator(agg, loss_mask, 3)
-    loss, _ = grpo.grpo_loss(logp, old, adv, loss_mask, 0.2, 0.2, agg=agg, denominator=denominator)
+    loss, _ = grpo.grpo_loss(logp, old, adv, loss_mask, eps_low=0.2, eps_high=0.2, agg=agg, denominator=denominator)
     loss.backward()
     assert logp.grad[0].tolist() == [0.0, 0.0, 0.0]
     # r = exp(0) = 1 and halves and quarters: every operation exact

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, traits
+from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, probable_gamma, traits
 
 import common
 import grpo
@@ -224,6 +224,56 @@ def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
 
 
+# a script's bonus in float64 from one update's per-token entropy [b][t] (its completion tokens), as helpers.TRAITS
+# says it averages: gspo per sequence then over the minibatch's sequences, grpo as its default --loss-agg
+# (seq-mean-token-mean), the same; ppo (Eq. 9) a token mean
+BONUS_F64 = {
+    "sequence-mean": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
+    "token-mean": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_each_scripts_entropy_bonus_through_the_script(tmp_path, capsys, name, monkeypatch):
+    """train() itself with --entropy-coef c: the loss each update steps with (info["loss"]) is the script's loss
+    function's value minus c x the bonus aggregated as the paper's loss is (BONUS_F64), from the entropy of the
+    training forward before it. Completions of different lengths (up to 6 tokens): a token mean where a
+    per-sequence mean belongs (or the reverse) is off by far more than rounding. Bound: the float32 sums of the
+    bonus (probable_gamma over the minibatch's tokens, relative to the entropies' sum) and the two float32
+    roundings of loss - c x bonus, relative to the loss's size, divided by c."""
+    module, coef = MODULES[name], 0.5
+    seen = {"forward": None, "updates": []}
+    forward = common.CompletionLogprobs.forward
+    loss_name = f"{name}_policy_loss" if hasattr(module, f"{name}_policy_loss") else f"{name}_loss"
+    loss_fn = getattr(module, loss_name)
+
+    def recording_forward(self, roll, *args, **kwargs):
+        logp, entropy = forward(self, roll, *args, **kwargs)
+        seen["forward"] = (roll.completion_mask.clone(), entropy.detach().clone())
+        return logp, entropy
+
+    def recording_loss(*args, **kwargs):
+        loss, info = loss_fn(*args, **kwargs)
+        seen["updates"].append((loss.item(), info, *seen["forward"]))
+        return loss, info
+
+    monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
+    monkeypatch.setattr(module, loss_name, recording_loss)
+    argv = ["--prompts-per-step", 4, "--group-size", 2, "--minibatches", 1, "--max-new-tokens", 6, "--steps", 1,
+            "--eval-every", 0, "--eval-size", 1, "--entropy-coef", coef, *traits(name).test_flags,
+            "--out", tmp_path]  # fmt: skip
+    status, _, err = main_in_process(module, argv, capsys)
+    assert status == 0 and seen["updates"], err
+    for base, info, mask, entropy in seen["updates"]:
+        rows = [[float(e) for e, m in zip(er, mr) if m] for er, mr in zip(entropy.double(), mask)]
+        assert len({len(r) for r in rows}) > 1, "every completion of one length: the aggregations would agree"
+        expected = BONUS_F64[traits(name).entropy_bonus](rows)
+        n = sum(len(r) for r in rows)
+        u = 2.0**-24
+        tol = probable_gamma(n) * sum(map(sum, rows)) + 4 * u * (abs(base) + abs(info["loss"])) / coef
+        assert abs((base - info["loss"]) / coef - expected) <= tol, (name, (base - info["loss"]) / coef, expected)
+
+
 def test_the_entropy_is_detached_unless_asked_for(tiny):
     """The trap: `logp, ent = policy(...)` then `loss -= c * ent.mean()` moved nothing, because the
     entropy is a diagnostic computed without a graph; entropy_grad=True gives it one."""
@@ -352,13 +402,6 @@ SHARED_SETS = {  # common.SharedArgs' fixed-set flags, in every script (rollout 
     "old_logp": ("recompute", "rollout"),
     "is_correction": ("none", "tis", "mask"),
 }
-OWN_SETS = {  # each script's own (a script without any has no entry)
-    "grpo": {
-        "loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
-        "scale_rewards": ("std", "none"),
-    },
-    "gspo": {"variant": ("sequence", "token")},
-}
 
 
 def declared_choices(args_cls) -> dict:
@@ -371,7 +414,7 @@ def test_every_shared_fixed_set_flag_declares_its_choices():
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_fixed_set_flag_declares_its_choices(name):
-    assert declared_choices(MODULES[name].Args) == SHARED_SETS | OWN_SETS.get(name, {})
+    assert declared_choices(MODULES[name].Args) == SHARED_SETS | traits(name).own_choices  # helpers.TRAITS
 
 
 @pytest.mark.slow
@@ -511,7 +554,7 @@ def fork_module(tmp_path, name: str, edit) -> object:
 def test_skipped_updates_counts_skips_not_the_updates_a_fork_left_out(tmp_path, capsys, name):
     """A fork that runs only the first planned update of each step skips nothing: skipped_updates is 0
     (it used to be epochs x minibatches minus the updates that stepped: 1 here, a skip that never happened)."""
-    module = fork_module(tmp_path, name, lambda s: s.replace("for idx, rows in plan:", "for idx, rows in plan[:1]:"))
+    module = fork_module(tmp_path, name, lambda s: s.replace("in enumerate(plan):", "in enumerate(plan[:1]):"))
     argv = [*TINY_RUN, "--minibatches", 2, "--steps", 1, "--out", tmp_path / "out"]
     status, _, err = main_in_process(module, argv, capsys)
     assert status == 0, err

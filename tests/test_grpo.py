@@ -2,7 +2,7 @@
 micro-batch accumulation, the k3 KL term, group advantages, numerics, stats, and 2-step runs.
 
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
 """
 
 import math
@@ -33,7 +33,7 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 EPS_PAIRS = [(0.2, 0.2), (0.2, 0.28)]
 F32 = torch.float32
 U32 = unit_roundoff(F32)
-KL_CLAMP = 20.0  # REFERENCE.md (verl): a token log-ratio is clamped to [-20, 20] before exp
+KL_CLAMP = 20.0  # as verl: a token log-ratio is clamped to [-20, 20] before exp
 
 # Tolerances (issue 42). grpo_loss in float64 against helpers' float64 loops: both evaluate one formula, so each
 # is within gamma_n of the exact value, relative to the sizes of its terms, and the two within twice that. One
@@ -86,13 +86,13 @@ def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, 
         t64(b["old"]),
         adv,
         t64(b["mask"]),
-        eps[0],
-        eps[1],
-        None if ref is None else t64(ref),
-        kl_coef,
-        agg,
-        max_len,
-        denominator,
+        eps_low=eps[0],
+        eps_high=eps[1],
+        ref_logp=None if ref is None else t64(ref),
+        kl_coef=kl_coef,
+        agg=agg,
+        max_len=max_len,
+        denominator=denominator,
     )
     return loss, _grad(loss, logp), stats
 
@@ -211,7 +211,13 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
     if per_token_adv:
         logp = t64([lr]).requires_grad_(True)
         loss, stats = grpo.grpo_loss(
-            logp, torch.zeros(1, n, dtype=torch.float64), t64([adv]), torch.ones(1, n), 0.2, eps_high, agg="token-mean"
+            logp,
+            torch.zeros(1, n, dtype=torch.float64),
+            t64([adv]),
+            torch.ones(1, n),
+            eps_low=0.2,
+            eps_high=eps_high,
+            agg="token-mean",
         )
         g = _grad(loss, logp)[0]
     else:
@@ -221,8 +227,8 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
             torch.zeros(n, 1, dtype=torch.float64),
             t64(adv),
             torch.ones(n, 1),
-            0.2,
-            eps_high,
+            eps_low=0.2,
+            eps_high=eps_high,
             agg="seq-mean-token-mean",
         )
         g = _grad(loss, logp)[:, 0]
@@ -286,7 +292,7 @@ def test_clip_fractions_hand_counted_with_padding():
 
 
 def test_aggregation_anchors():
-    """REFERENCE: per-sequence losses [1, -1], lengths [10, 30]: seq-mean-token-mean 0,
+    """Worked by hand: per-sequence losses [1, -1], lengths [10, 30]: seq-mean-token-mean 0,
     token-mean -0.5; sum-norm with L_max = 30: (10 - 30) / (2 * 30) = -1/3."""
     T = 30
     per_token = t64([[1.0] * T, [-1.0] * T])
@@ -352,7 +358,7 @@ def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
 
 
 # ----------------------------------------------------------------------------------------------
-# Micro-batch accumulation (REFERENCE mistake 5)
+# Micro-batch accumulation (a classic mistake: averaging micro-batch means instead of the batch's)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -378,13 +384,13 @@ def _accumulate(b, agg, pieces, max_len, ref, with_denominator):
             old[lo:hi],
             adv[lo:hi],
             mask[lo:hi],
-            0.2,
-            0.28,
-            None if refl is None else refl[lo:hi],
-            0.05,
-            agg,
-            max_len,
-            den,
+            eps_low=0.2,
+            eps_high=0.28,
+            ref_logp=None if refl is None else refl[lo:hi],
+            kl_coef=0.05,
+            agg=agg,
+            max_len=max_len,
+            denominator=den,
         )
         loss.backward()
         total += loss.item()
@@ -504,7 +510,7 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
     assert all(r["zero_std_frac"] == 0.5 for r in skip)  # by construction: half the rows are left out
     # literal tolerances, not derived: after two AdamW steps (the first about lr * sign(g)) no roundoff bound on
     # the weights is at hand; the first update's gradient is checked to a derived bound in the quick tier
-    # (test_first_update.py's zero-advantage test)
+    # (test_pi_old.py's zero-advantage test)
     for a, b in zip(skip, every):
         for key in ("reward", "eval_accuracy", "entropy", "grad_norm", "loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
@@ -520,7 +526,7 @@ def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kl_k3_reference_value(dtype):
-    """REFERENCE: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
+    """Worked by hand: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
     logp = torch.tensor([[0.5, -1.0]], dtype=dtype)
     ref = torch.tensor([[0.0, -1.5]], dtype=dtype)
     k = grpo.kl_k3(logp, ref)
@@ -529,7 +535,7 @@ def test_kl_k3_reference_value(dtype):
     tol = gamma_n(3, dtype) * (abs(math.expm1(-0.5)) + exact) + gamma_n(2)
     assert k[0, 0].item() == pytest.approx(exact, abs=tol)
     assert k[0, 1].item() == pytest.approx(exact, abs=tol)
-    assert exact == pytest.approx(0.1065307, abs=5e-8)  # REFERENCE's figure, rounded to 7 decimals
+    assert exact == pytest.approx(0.1065307, abs=5e-8)  # the hand-worked figure, rounded to 7 decimals
 
 
 @pytest.mark.numeric
@@ -551,7 +557,7 @@ def test_kl_k3_never_negative_and_matches_loop(logp, diff):
     k = grpo.kl_k3(lp32, ref32).item()
     assert k >= 0.0 and math.isfinite(k)
     x = ref32.double().item() - lp32.double().item()  # the difference the float32 inputs hold
-    c = min(max(x, -KL_CLAMP), KL_CLAMP)  # REFERENCE.md: a log-ratio is clamped to [-20, 20] before exp
+    c = min(max(x, -KL_CLAMP), KL_CLAMP)  # as verl: a log-ratio is clamped to [-20, 20] before exp
     event("clamped" if abs(x) > KL_CLAMP else "|x| > 1" if abs(x) > 1 else "|x| <= 1")
     expected = math.expm1(c) - c
     # x rounds once (u |x|, moving k3 by e^c u |c|, the clamp being 1-Lipschitz), expm1 within 2u |e^c - 1|,
@@ -689,7 +695,18 @@ def test_extreme_log_ratios_are_finite(agg, dtype):
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=dtype)
     for adv in ([1.0, -1.0, 0.5], [-1.0, 1.0, -0.5]):
         x = logp.clone().requires_grad_(True)
-        loss, stats = grpo.grpo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, 0.2, 0.28, ref, 0.05, agg, max_len=4)
+        loss, stats = grpo.grpo_loss(
+            x,
+            old,
+            torch.tensor(adv, dtype=dtype),
+            mask,
+            eps_low=0.2,
+            eps_high=0.28,
+            ref_logp=ref,
+            kl_coef=0.05,
+            agg=agg,
+            max_len=4,
+        )
         g = _grad(loss, x)
         assert torch.isfinite(loss), (adv, loss)
         assert torch.isfinite(g).all(), (adv, g)

@@ -2,7 +2,7 @@
 advantages, numerics, stats, and a 2-step end-to-end run.
 
 Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a hand-worked number from REFERENCE.md.
+separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
 """
 
 import json
@@ -177,7 +177,7 @@ def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bad", [float("-inf"), float("inf")])
 def test_inf_in_padded_logp_gives_finite_loss(variant, bad):
-    """Padding positions may hold anything (REFERENCE: inf * 0 must not poison the loss).
+    """Padding positions may hold anything (inf * 0 must not poison the loss).
     Token log-ratios [0.01, -0.02, 0.04] then a padded column holding +-inf."""
     logp = t64([[0.01, -0.02, 0.04, bad]]).requires_grad_(True)
     old = torch.zeros(1, 4, dtype=torch.float64)
@@ -249,7 +249,7 @@ def test_zero_advantage_rows_can_be_left_out(b, variant, data):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reference_example(variant):
-    """REFERENCE: token log-ratios [0.01, -0.02, 0.04] -> s = 1.0100502; with eps 3e-4 / 4e-4 it is
+    """Worked by hand: token log-ratios [0.01, -0.02, 0.04] -> s = exp(0.03 / 3) = 1.0100502; with eps 3e-4 / 4e-4 it is
     clipped for A > 0 (zero gradient, loss -A (1 + eps_high)) and not for A < 0 (gradient on each
     token's logp -A s / 3, loss -A s)."""
     old = t64([[-1.0, -2.0, -0.5]])
@@ -257,19 +257,19 @@ def test_reference_example(variant):
     logp0 = old + t64([d])
     mask = torch.ones(1, 3, dtype=torch.float64)
     s = math.exp(sum(d) / 3)
-    assert s == pytest.approx(1.0100502, abs=5e-8)  # REFERENCE's figure, rounded to 7 decimals
+    assert s == pytest.approx(1.0100502, abs=5e-8)  # the hand-worked figure, rounded to 7 decimals
     # logp0 - old gives d back to within u |old| each (old + d rounded once): a mean off by 2u, exp 2u more
     assert gspo.seq_log_ratio(logp0, old, mask).exp().item() == pytest.approx(s, rel=gamma_n(12))
 
     logp = logp0.clone().requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, EPS_LOW, EPS_HIGH, variant)
+    loss, stats = gspo.gspo_loss(logp, old, t64([1.0]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
     assert loss.item() == pytest.approx(-(1 + EPS_HIGH), rel=gamma_n(4))  # 1 + eps (1), -A (1), mean (2)
     assert torch.equal(_grad(loss, logp), torch.zeros(1, 3, dtype=torch.float64))
     assert clip_frac(stats, variant) == 1.0
 
     for a in (-1.0, -0.37):
         logp = logp0.clone().requires_grad_(True)
-        loss, stats = gspo.gspo_loss(logp, old, t64([a]), mask, EPS_LOW, EPS_HIGH, variant)
+        loss, stats = gspo.gspo_loss(logp, old, t64([a]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
         assert loss.item() == pytest.approx(-a * s, rel=gamma_n(24))  # s's 12 (above), each side
         expected = torch.full((1, 3), -a * s / 3, dtype=torch.float64)
         torch.testing.assert_close(_grad(loss, logp), expected, rtol=gamma_n(32), atol=0)  # + 4 per gradient
@@ -287,7 +287,7 @@ def test_clip_zero_gradient_both_sides(variant):
     old = -torch.rand(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     logp0 = old + t64([[x] * 4 for x in lr]) * mask
     logp = logp0.clone().requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, variant)
+    loss, stats = gspo.gspo_loss(logp, old, t64(adv), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant=variant)
     g = _grad(loss, logp)
     assert torch.equal(g[0], torch.zeros(4, dtype=torch.float64))
     assert torch.equal(g[1], torch.zeros(4, dtype=torch.float64))
@@ -311,7 +311,7 @@ def test_clip_frac_hand_counted_sequence_variant():
     adv = [1.0, -1.0, 1.0, -1.0, 1.0]  # clipped: A>0 & s>1+4e-4 (row 0); A<0 & s<1-3e-4 (row 3)
     old = torch.zeros(5, 3, dtype=torch.float64)
     logp = t64([[x] * 3 for x in lr]) * mask
-    _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, EPS_LOW, EPS_HIGH, "sequence")
+    _, stats = gspo.gspo_loss(logp, old, t64(adv), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence")
     assert clip_frac(stats, "sequence") == pytest.approx(2 / 5, abs=FRAC_TOL)
     assert stats["clipped"].tolist() == [True, False, False, True, False]
     expected_ratio_mean = sum(math.exp(x) for x in lr) / 5
@@ -322,8 +322,8 @@ def test_clip_frac_hand_counted_sequence_variant():
     # equal lengths: a per-sequence and a per-token fraction agree, so GSPO-token must say 2/5 too
     full = torch.ones(5, 3, dtype=torch.float64)
     logp_full = t64([[x] * 3 for x in lr])
-    _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "token")
-    _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, EPS_LOW, EPS_HIGH, "sequence")
+    _, st_tok = gspo.gspo_loss(logp_full, old, t64(adv), full, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="token")
+    _, st_seq = gspo.gspo_loss(logp_full, old, t64(adv), full, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence")
     assert clip_frac(st_tok, "token") == pytest.approx(2 / 5, abs=FRAC_TOL)
     assert clip_frac(st_seq, "sequence") == pytest.approx(2 / 5, abs=FRAC_TOL)
 
@@ -337,7 +337,9 @@ def test_info_holds_each_ratio_and_clip_decision(b, eps, variant):
     s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
     assume(_away_from_clip_edges(s, *eps))
     logp = t64(b["logp"]).requires_grad_(True)
-    _, info = gspo.gspo_loss(logp, t64(b["old"]), t64(b["adv"]), t64(b["mask"]), *eps, variant)
+    _, info = gspo.gspo_loss(
+        logp, t64(b["old"]), t64(b["adv"]), t64(b["mask"]), eps_low=eps[0], eps_high=eps[1], variant=variant
+    )
     ratio, clipped = info["ratio"], info["clipped"]
     assert not ratio.requires_grad and clipped.dtype == torch.bool
     rule = [is_clipped(a, si, *eps) for a, si in zip(b["adv"], s)]
@@ -415,7 +417,7 @@ def test_token_variant_with_per_token_advantages(b, eps, data):
 
 @pytest.mark.parametrize("mean_log_ratio", [12.0, 50.0])
 def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_log_ratio):
-    """A < 0 with a large ratio is the unclipped branch of GSPO. REFERENCE: with A_it = A_i,
+    """A < 0 with a large ratio is the unclipped branch of GSPO. Worked by hand: with A_it = A_i,
     GSPO-token's loss AND gradient equal GSPO's exactly; this must also hold once the sequence
     log-ratio passes the <= 10 clamp."""
     old = torch.zeros(2, 3, dtype=torch.float64)
@@ -571,7 +573,7 @@ def test_all_masked_row_gives_no_nan(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_all_masked_row_contributes_zero_to_the_loss(variant):
-    """REFERENCE: 'An all-masked row must give 0'. Row 1 has no tokens; the loss must be row 0's
+    """An all-masked row must give 0. Row 1 has no tokens; the loss must be row 0's
     term over B = 2 whatever row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
     old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]])
@@ -711,12 +713,16 @@ def test_ratio_statistics_leave_empty_rows_out():
     mask = t64([[1, 1], [0, 0], [1, 0]])
     lr = [0.002, 0.5, -0.004]  # row 1's log-ratio is masked out entirely
     logp, old = t64([[x, x] for x in lr]), torch.zeros(3, 2, dtype=torch.float64)
-    _, stats = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask, EPS_LOW, EPS_HIGH, "sequence")
+    _, stats = gspo.gspo_loss(
+        logp, old, t64([1.0, 1.0, -1.0]), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence"
+    )
     real = [math.exp(0.002), math.exp(-0.004)]
     mean = sum(real) / 2
     # a mean of 2 exact values (1 rounding), exp (2): gamma_4 relative
     assert stats["ratio_mean"] == pytest.approx(mean, rel=gamma_n(4))
     assert stats["ratio_std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in real) / 2), rel=1e-9)
     assert stats["ratio_max_dev"] == pytest.approx(1 - math.exp(-0.004), rel=1e-9)
-    _, none_real = gspo.gspo_loss(logp, old, t64([1.0, 1.0, -1.0]), mask * 0, EPS_LOW, EPS_HIGH, "sequence")
+    _, none_real = gspo.gspo_loss(
+        logp, old, t64([1.0, 1.0, -1.0]), mask * 0, eps_low=EPS_LOW, eps_high=EPS_HIGH, variant="sequence"
+    )
     assert none_real["ratio_mean"] == 1.0 and none_real["ratio_std"] == 0.0  # no row: no movement to report

@@ -438,19 +438,19 @@ def test_losses_return_loss_and_info(b, eps):
     b = {**b, "adv": adv.double().tolist()}  # the advantages the losses see, float32 (a tiny one underflows to 0)
     token = loop_token_ratio(b)
 
-    loss, info = grpo.grpo_loss(logp, old, adv, mask, eps_low, eps_high)
+    loss, info = grpo.grpo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
     check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
 
     adv_tok = adv[:, None].expand(B, T).contiguous()
-    loss, info = ppo.ppo_policy_loss(logp, old, adv_tok, mask, eps_low, eps_high)
+    loss, info = ppo.ppo_policy_loss(logp, old, adv_tok, mask, eps_low=eps_low, eps_high=eps_high)
     check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
 
     seq = loop_seq_ratio(b["logp"], b["old"], b["mask"])
-    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low, eps_high, "sequence")
+    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, variant="sequence")
     check_info(loss, info, (B,), seq, b["mask"], b["adv"], eps_low, eps_high)
     assert "clip_frac_seqs" in info and "clip_frac" not in info
 
-    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low, eps_high, "token")
+    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, variant="token")
     check_info(loss, info, (B, T), [[s] * T for s in seq], b["mask"], b["adv"], eps_low, eps_high)
     assert "clip_frac" in info and "clip_frac_seqs" not in info
 

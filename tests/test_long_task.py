@@ -199,12 +199,16 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
         loss_fn(logp).backward()
         return torch.cat([p.grad.flatten().clone() for p in model.parameters()]), logp.detach()
 
-    g_grpo, logp = grad_of(lambda lp: grpo.grpo_loss(lp, old, adv, mask, 0.2, 0.2, agg="seq-mean-token-mean")[0])
+    g_grpo, logp = grad_of(
+        lambda lp: grpo.grpo_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.2, agg="seq-mean-token-mean")[0]
+    )
     ratio = torch.exp(logp - old)[mask.bool()]
     assert torch.equal(ratio, torch.ones_like(ratio))  # the same forward twice: exactly 1
     assert common.token_ratio_stats(logp, old, mask) == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
-    g_gspo, _ = grad_of(lambda lp: gspo.gspo_loss(lp, old, adv, mask, 3e-4, 4e-4, "sequence")[0])
-    g_token, _ = grad_of(lambda lp: gspo.gspo_loss(lp, old, adv, mask, 3e-4, 4e-4, "token")[0])
+    g_gspo, _ = grad_of(
+        lambda lp: gspo.gspo_loss(lp, old, adv, mask, eps_low=3e-4, eps_high=4e-4, variant="sequence")[0]
+    )
+    g_token, _ = grad_of(lambda lp: gspo.gspo_loss(lp, old, adv, mask, eps_low=3e-4, eps_high=4e-4, variant="token")[0])
 
     def plain_loop(lp):
         rows = []

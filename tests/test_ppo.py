@@ -431,7 +431,7 @@ def run_policy_loss(logp, old, adv, mask, **kw):
 
 
 def test_policy_loss_reference_dual_clip_case():
-    # REFERENCE: A = -1, r = 5, eps 0.2. Plain clipped loss max(5, 1.2) = 5 with d/dlogp = -A r = 5;
+    # Worked by hand: A = -1, r = 5, eps 0.2. Plain clipped loss max(5, 1.2) = 5 with d/dlogp = -A r = 5;
     # dual-clip c = 3 caps it at -c A = 3, a constant: zero gradient.
     logp, old, adv, m = [[math.log(5.0)]], [[0.0]], [[-1.0]], torch.ones(1, 1)
     loss, grad, stats = run_policy_loss(logp, old, adv, m, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
@@ -642,7 +642,9 @@ def test_policy_loss_all_masked_row_is_harmless():
 
 def run_value_loss(values, old, returns, mask, clip):
     v = torch.as_tensor(values, dtype=F64).clone().requires_grad_(True)
-    loss, stats = ppo.value_loss(v, torch.as_tensor(old, dtype=F64), torch.as_tensor(returns, dtype=F64), mask, clip)
+    loss, stats = ppo.value_loss(
+        v, torch.as_tensor(old, dtype=F64), torch.as_tensor(returns, dtype=F64), mask, clip=clip
+    )
     loss.backward()
     return loss, v.grad, stats
 
@@ -714,13 +716,13 @@ def test_value_loss_all_masked():
     values = torch.tensor([[1.0, 2.0], [1e6, -1e6]], requires_grad=True)
     old = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
     returns = torch.tensor([[0.0, 0.0], [1e6, 1e6]])
-    loss, _ = ppo.value_loss(values, old, returns, as_mask([2, 0], 2), 0.2)
+    loss, _ = ppo.value_loss(values, old, returns, as_mask([2, 0], 2), clip=0.2)
     loss.backward()
     # row 0: 0.5 * (1 + 4) / 2 = 1.25; gradients (V - R) / 2
     assert loss.item() == 1.25  # 0.5 * (1 + 4) / 2 and its gradient (v - r) / 2: exact in float32
     close(values.grad, [[0.5, 1.0], [0.0, 0.0]], atol=0)
     values.grad = None
-    loss, stats = ppo.value_loss(values, old, returns, torch.zeros(2, 2), 0.2)
+    loss, stats = ppo.value_loss(values, old, returns, torch.zeros(2, 2), clip=0.2)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(values.grad, torch.zeros(2, 2))
     assert math.isfinite(stats["vf_clip_frac"])
@@ -816,8 +818,8 @@ def test_critic_gradients_reach_head_and_trunk(critic):
 
 
 def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
-    # train() backpropagates vf_coef * value loss before the policy's forward (one model's activations at
-    # a time); the two share no parameter, so its gradients are those of one backward of the sum
+    # train() backpropagates the value loss before the policy's forward (one model's activations at a time);
+    # the two share no parameter, so its gradients are those of one backward of the sum
     import copy
 
     torch.manual_seed(0)
@@ -830,7 +832,7 @@ def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
     g = torch.Generator().manual_seed(1)
     old_logp = common.completion_logprobs(policy, roll)[0].detach() + 0.1 * torch.randn(mask.shape, generator=g)
     advantages, old_values, returns = (torch.randn(mask.shape, generator=g) for _ in range(3))
-    scale, vf_coef = common.token_mean_scale(mask), 0.1
+    scale = common.token_mean_scale(mask)
 
     def losses():
         v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
@@ -843,10 +845,10 @@ def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
         return out
 
     pg_loss, v_loss = losses()
-    ((pg_loss + vf_coef * v_loss) * scale).backward()
+    ((pg_loss + v_loss) * scale).backward()
     together = grads()
     v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
-    (vf_coef * v_loss * scale).backward()
+    (v_loss * scale).backward()
     pg_loss = ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0]
     (pg_loss * scale).backward()
     apart = grads()

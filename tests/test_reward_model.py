@@ -408,7 +408,8 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
         assert math.isfinite(r["eval_reward"]) and 0 <= r["eval_accuracy"] <= 1
         assert r["eval_reward/reward_model"] == pytest.approx(r["eval_reward"], abs=LOGGED_TOL)
     # step 1 samples from the initial policy: pi_old and the frozen copy are the same weights, forwarded over the
-    # same rows in one batch (Run.old_logprobs forwards every row when a reference is kept), so bit for bit
+    # same rows in one batch (the scripts forward every row when a reference is kept: Run.reads_every_row), so
+    # bit for bit
     assert rows[0]["kl_to_init"] == 0.0
 
 

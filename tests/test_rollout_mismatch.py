@@ -235,22 +235,22 @@ def test_sequence_mask_hand_worked():
 
 @pytest.mark.numeric
 def test_the_scripts_hook_weighs_only_the_forwarded_rows():
-    """common.is_weights(old_logp, roll, plan, args): None without --is-correction (or without a recorded mu);
-    else the weights of the rows the plan's updates forward, 1 on the others (their pi_old was never computed)."""
+    """common.is_weights(old_logp, roll, has_old, args): None without --is-correction (or without a recorded mu);
+    else the weights of the rows that have pi_old (`has_old`), 1 on the others (their pi_old was never computed)."""
     old, mu, mask = hand_case()
     roll = common.Rollout.from_lists([[5], [6]], [[7, 8], [9, 10, 11]], pad_id=0)
     roll.sample_logp = mu
-    plan = [(torch.tensor([0, 1]), torch.tensor([1]))]  # one update, forwarding row 1 alone
-    assert common.is_weights(old, roll, plan, args_for()) is None
-    w = common.is_weights(old, roll, plan, args_for(is_correction="tis", is_cap=2.0))
+    has_old = common.forwarded_rows([(torch.tensor([0, 1]), torch.tensor([1]))], 2, "cpu")  # one update: row 1
+    assert common.is_weights(old, roll, has_old, args_for()) is None
+    w = common.is_weights(old, roll, has_old, args_for(is_correction="tis", is_cap=2.0))
     expected = torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.2, 1.9]], dtype=F64)  # row 0 not forwarded: 1; row 1 under cap
     weight_rel = math.expm1(D_ERR + 2 * U32)  # as in test_tis_weights_hand_worked
     assert_within(w, expected, weight_rel * expected, "forwarded rows")
-    w = common.is_weights(old, roll, None, args_for(is_correction="tis", is_cap=2.0))  # no plan: every row
+    w = common.is_weights(old, roll, None, args_for(is_correction="tis", is_cap=2.0))  # None: every row
     expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]], dtype=F64)
     assert_within(w, expected, weight_rel * expected, "every row")
     roll.sample_logp = None
-    assert common.is_weights(old, roll, plan, args_for(is_correction="tis")) is None
+    assert common.is_weights(old, roll, has_old, args_for(is_correction="tis")) is None
 
 
 @pytest.mark.numeric
@@ -285,9 +285,9 @@ def losses(case, logp, old, adv, mask, weights):
     if case == "grpo":
         return grpo.grpo_loss(logp, old, adv, mask, weights=weights)[0]
     if case == "gspo":
-        return gspo.gspo_loss(logp, old, adv, mask, 0.05, 0.05, weights=weights)[0]
+        return gspo.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05, weights=weights)[0]
     if case == "gspo-token":
-        return gspo.gspo_loss(logp, old, adv, mask, 0.05, 0.05, "token", weights=weights)[0]
+        return gspo.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05, variant="token", weights=weights)[0]
     return ppo.ppo_policy_loss(logp, old, adv[:, None].expand_as(logp), mask, weights=weights)[0]
 
 
@@ -397,7 +397,7 @@ def test_a_bf16_traced_run_keeps_mu_beside_pi_old(tmp_path, capsys):
     assert run_main("gspo", argv, capsys)[0] == 0
     completions = [c for line in (tmp_path / "bf16" / "traces.jsonl").read_text().splitlines()
                    for c in json.loads(line)["completions"]]  # fmt: skip
-    diffs = [m - o for c in completions for m, o in zip(c["mu"], c["old_logp"]) if o is not None]
+    diffs = [m - o for c in completions if c["old_logp"] for m, o in zip(c["mu"], c["old_logp"])]  # null: no pi_old
     assert diffs and max(abs(d) for d in diffs) < 0.5 and any(abs(d) > 1e-4 for d in diffs)
     assert all(len(c["mu"]) == len(c["ids"]) for c in completions)
     assert run_main("gspo", ["--steps", 1, "--out", tmp_path / "f32", *TINY_RUN], capsys)[0] == 0

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 from helpers import SCRIPTS, assert_within, logit_scale, logprob_tol
-from test_first_update import DEFAULT_GROUPS, GROUPS, TINY_BATCH, loss_name
+from test_pi_old import TINY_BATCH, group_flags, loss_name
 from test_real_checkpoints import graded_reward
 
 import common
@@ -77,7 +77,7 @@ def test_the_first_update_at_a_temperature_is_on_policy_and_at_that_temperature(
     monkeypatch.setattr(common.Sampler, "sample", recording_sample)
     monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
     monkeypatch.setattr(module, loss_name(module, name), recording_loss)
-    argv = [*TINY_BATCH, *GROUPS.get(name, DEFAULT_GROUPS), "--reward", "exact", graded_reward(tmp_path),
+    argv = [*TINY_BATCH, *group_flags(name), "--reward", "exact", graded_reward(tmp_path),
             "--temperature", str(TEMPERATURE), "--old-logp", old_logp, *(["--top-p", top_p] if top_p else []),
             "--out", str(tmp_path / "out")]  # fmt: skip
     common.main(module.train, module.Args, argv=argv)

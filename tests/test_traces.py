@@ -70,13 +70,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("traces")
     out = {}
     for name in SCRIPTS:
-        full = train(name, root / f"{name}-full", "--steps", 2, "--trace-every", 1)
+        with pytest.MonkeyPatch.context() as patch:  # a copy of the weights at each sampling: pi_old as it must be
+            sampling = helpers.SamplingWeights(patch)
+            full = train(name, root / f"{name}-full", "--steps", 2, "--trace-every", 1)
         untraced = train(name, root / f"{name}-untraced", "--steps", 2, "--trace-every", 0)
         part = train(name, root / f"{name}-part", "--steps", 1, "--trace-every", 1, "--save-every", 1)
         shutil.copytree(part / "final", root / f"{name}-after-step-1")
         module = SCRIPTS[name]
         common.main(module.train, module.Args, argv=["--resume", str(part), "--steps", "2"])
-        out[name] = {"full": full, "untraced": untraced, "resumed": part, "after1": root / f"{name}-after-step-1"}
+        out[name] = {"full": full, "untraced": untraced, "resumed": part, "after1": root / f"{name}-after-step-1",
+                     "sampling": sampling}  # fmt: skip
     return out
 
 
@@ -96,7 +99,6 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
     assert [r["step"] for r in records] == [1] * kept + [2] * kept
     device = torch.device("cpu")
     initial, tok = common.load_model("tiny", device)
-    weights = {1: initial, 2: common.load_model(str(runs[name]["after1"]), device)[0]}  # pi_old of steps 1 and 2
     reference, eos_ids = initial, common.eos_token_ids(initial, tok)
     seen = {"clipped": 0, "not_clipped": 0, "not_forwarded": 0}
     for record in records:
@@ -112,9 +114,16 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
             assert len(c["tokens"]) == n and c["mu"] is None and c["entropy"] is not None
             assert c["eos"] == (c["ids"][-1] in eos_ids) and (c["eos"] or n == 4)  # no EOS: cut at 4 tokens
             assert c["tokens"] == [tok.decode([i]) for i in c["ids"]]
-            # pi_old: the policy's log-probs at that step, recomputed from the token ids
-            old = torch.tensor(c["old_logp"])
-            assert torch.allclose(old, logprobs(weights[record["step"]], record, c), atol=2e-5)
+            if c["old_logp"] is None:  # the script computed no pi_old for it: a row that no update forwards
+                assert c["updates"] is None, "a forwarded row's trace has no old_logp"
+            # pi_old: the log-probs of the weights that sampled the row (copied at each sampling), from its token ids
+            old = torch.tensor(c["old_logp"] or [float("nan")] * n)
+            if c["old_logp"] is not None:
+                roll = common.Rollout.from_lists([record["prompt"]["ids"]], [c["ids"]], pad_id=0)
+                sampled_by, _ = runs[name]["sampling"].expected(roll, args.temperature)
+                assert any(torch.allclose(old, e, atol=2e-5) for e in sampled_by[0]), (
+                    f"step {record['step']}: the trace's old_logp is not the log-probs of the weights that sampled it"
+                )
             if name == "grpo":
                 assert torch.allclose(torch.tensor(c["ref_logp"]), logprobs(reference, record, c), atol=2e-5)
             if name == "ppo":

@@ -133,7 +133,7 @@ function valueOf(c, t, q, which) {
   const u = entryOf(c, which);
   if (q === 'advantage') return Array.isArray(c.advantage) ? c.advantage[t] : c.advantage;
   if (q === 'entropy') return c.entropy ? c.entropy[t] : null;
-  if (q === 'kl') return c.ref_logp ? c.old_logp[t] - c.ref_logp[t] : null;
+  if (q === 'kl') return c.ref_logp && c.old_logp ? c.old_logp[t] - c.ref_logp[t] : null;
   if (!u) return null;
   if (q === 'ratio') return u.ratio ? Math.log(u.ratio[t]) : null;
   if (q === 'clipped') return u.clipped ? (u.clipped[t] ? 1 : 0) : null;

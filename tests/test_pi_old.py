@@ -1,10 +1,9 @@
-"""The quick tier's check of what makes each script PPO-like, on a tiny batch, in this process: pi_old is
-taken once per rollout, before any update. The first update of a step is on-policy, so every token's
-log-ratio log pi - log pi_old is 0 to rounding (ratio 1); the second minibatch's update comes after the
-first has moved the weights, so its ratios are off 1 by more than rounding (a pi_old retaken before each
-update would leave every ratio 1 and the clip idle). The log-ratios are computed here from what train() hands
-its loss, not read from what the loss logs. Every script in tests/helpers.py's SCRIPTS; a fork names its loss
-`<name>_loss` (README, "Fork it"), or `<name>_policy_loss` as PPO does."""
+"""What pi_old is, for every script in tests/helpers.py's SCRIPTS (a fork included), on a tiny batch in this
+process: every call of the script's loss receives as old_logp, on every row it covers, the log-probs of the
+weights that sampled that row (helpers.SamplingWeights copies them at each sampling), whatever the loop's shape:
+a fork that trains a batch sampled a step ago passes, one that takes pi_old from the current weights (or retakes
+it before each update) fails, with a message saying so. And leaving out rows whose advantage is 0 leaves the
+gradient unchanged. A fork names its loss `<name>_loss` (README, "Fork it"), or `<name>_policy_loss` as PPO does."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_within, forward_roundings, logit_scale, logprob_tol, probable_gamma, traits
+from helpers import SCRIPTS, SamplingWeights, assert_within, forward_roundings, probable_gamma, traits
 from test_real_checkpoints import graded_reward
 
 import common
@@ -21,8 +20,11 @@ import common
 # every group, so that no row is left out for a zero advantage and both minibatches update
 TINY_BATCH = ["--steps", "1", "--minibatches", "2", "--epochs", "1", "--max-new-tokens", "6", "--eval-size", "1",
               "--eval-every", "0", "--no-anneal-lr"]  # fmt: skip
-GROUPS = {"ppo": ["--prompts-per-step", "16", "--group-size", "1"]}
-DEFAULT_GROUPS = ["--prompts-per-step", "4", "--group-size", "4"]
+DEFAULT_GROUPS = ["--prompts-per-step", "4", "--group-size", "4"]  # (PPO's baseline is no group: 16 prompts x 1)
+
+
+def group_flags(name: str) -> list:
+    return DEFAULT_GROUPS if traits(name).grouped else ["--prompts-per-step", "16", "--group-size", "1"]
 
 
 def loss_name(module, name: str) -> str:
@@ -33,39 +35,51 @@ def loss_name(module, name: str) -> str:
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_pi_old_is_taken_before_any_update_and_the_first_update_has_ratio_one(name, tmp_path, monkeypatch):
+def test_the_loss_receives_the_log_probs_of_the_weights_that_sampled_its_rows(name, tmp_path, monkeypatch):
+    """Two steps of two minibatches. The rows a loss call covers are those of the training forward before it
+    (common.CompletionLogprobs.forward); each row's pi_old must equal its sampling weights' log-probs to the
+    rounding of two float32 forwards batched differently (helpers.logprob_tol). Some update must run at weights
+    that moved since its rows were sampled (off by more than 100 x that rounding), or the test could not tell
+    the sampling weights from the current ones, and it says so."""
     module = importlib.import_module(name)
-    seen = {"rolls": [], "updates": []}
-    sample = common.Sampler.sample
-
-    def recording_sample(self, prompts, generator):
-        roll = sample(self, prompts, generator)
-        seen["rolls"].append((self.model, roll))
-        return roll
-
+    sampling = SamplingWeights(monkeypatch)
+    seen = {"forwarded": None, "calls": []}
+    forward = common.CompletionLogprobs.forward
     loss = getattr(module, loss_name(module, name))
 
-    def recording_loss(logp, old_logp, advantages, mask, *args, **kwargs):
-        if not seen["updates"]:  # before the first step: the weights pi_old was taken with
-            model, roll = seen["rolls"][-1]
-            seen["scale"] = logit_scale(model, roll, module.Args.temperature)
-            seen["config"] = model.config
-        real = mask.bool()
-        seen["updates"].append((logp - old_logp).detach()[real].abs().max().item())
-        return loss(logp, old_logp, advantages, mask, *args, **kwargs)
+    def recording_forward(self, roll, *args, **kwargs):
+        seen["forwarded"] = roll
+        return forward(self, roll, *args, **kwargs)
 
-    monkeypatch.setattr(common.Sampler, "sample", recording_sample)
+    def recording_loss(logp, old_logp, *args, **kwargs):
+        seen["calls"].append((seen["forwarded"], logp.detach().clone(), old_logp.detach().clone()))
+        return loss(logp, old_logp, *args, **kwargs)
+
+    monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
     monkeypatch.setattr(module, loss_name(module, name), recording_loss)
-    argv = [*TINY_BATCH, *GROUPS.get(name, DEFAULT_GROUPS), "--reward", "exact", graded_reward(tmp_path)]
+    argv = [*TINY_BATCH, "--steps", "2", *group_flags(name)]
+    argv += ["--reward", "exact", graded_reward(tmp_path)]
     common.main(module.train, module.Args, argv=[*argv, "--out", str(tmp_path / "out")])
 
-    assert len(seen["updates"]) == 2, seen["updates"]  # both minibatches updated
-    # pi_old's no-grad pass and the first update's training forward: two float32 forwards of the same rows
-    # and weights, batched differently (helpers.logprob_tol)
-    tol = logprob_tol(seen["config"], *seen["scale"])
-    first, second = seen["updates"]
-    assert first <= tol, f"first update: |log pi - log pi_old| reaches {first:.3g}, rounding allows {tol:.3g}"
-    assert second > 100 * tol, f"second update: log-ratios within {second:.3g} of 0: was pi_old taken again?"
+    assert len(seen["calls"]) >= 4, f"{len(seen['calls'])} loss calls in 2 steps of 2 minibatches"
+    moved = 0.0  # the largest |log pi_theta - log pi_sampler| an update saw, in units of its rounding
+    for k, (roll, logp, old_logp) in enumerate(seen["calls"]):
+        assert roll is not None and len(roll) == len(old_logp), f"loss call {k}: not after a training forward"
+        expected, tol = sampling.expected(roll, module.Args.temperature)
+        for i, candidates in enumerate(expected):
+            real = roll.completion_mask[i].bool()
+            errors = [(old_logp[i] - e)[real].abs().max().item() for e in candidates]
+            if min(errors) > tol:
+                why = "pi_old is not the sampling weights'"
+                if (old_logp[i] - logp[i])[real].abs().max().item() <= tol:
+                    why = "they equal the current weights' log-probs: pi_old was taken from the current weights, "
+                    why += "not from those that sampled the batch"
+                raise AssertionError(
+                    f"{name}: loss call {k}, row {i}: old_logp is off the log-probs of the weights that sampled the "
+                    f"row by {min(errors):.3g} (rounding allows {tol:.3g}); {why}"
+                )
+            moved = max(moved, min((logp[i] - e)[real].abs().max().item() for e in candidates) / tol)
+    assert moved > 100, f"no update ran at weights that had moved since sampling (at most {moved:.3g} x rounding)"
 
 
 # A reward that depends on the row alone: 1 for the first row of every even group of 4, else 0, so that half the
