@@ -223,7 +223,7 @@ def noclip(tmp_path, monkeypatch):
     from test_layout import without_clip_flags  # the fork a user writes who drops --eps-low / --eps-high
 
     source = without_clip_flags((common.SHIPPED_CHECKPOINTS.parent / "gspo.py").read_text())
-    source, n = re.subn(r"3e-4, 4e-4,", '1.0, float("inf"),', source)
+    source, n = re.subn(r"eps_low=3e-4, eps_high=4e-4,", 'eps_low=1.0, eps_high=float("inf"),', source)
     assert n == 1
     (tmp_path / "noclip.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))

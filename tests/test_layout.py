@@ -204,7 +204,7 @@ def without_clip_flags(source: str) -> str:
     edits = [
         (r"\n    eps_low: float = arg\([^\n]*\)\n    eps_high: float = arg\([^\n]*\)\n", "\n"),  # the two fields
         (r"\n    def check\(self\):\n(?:        [^\n]*\n)+", "\n"),  # the method, every line indented under it
-        (r"args\.eps_low,\s*args\.eps_high,", "3e-4, 4e-4,"),  # the loss call's clip range
+        (r"eps_low=args\.eps_low,\s*eps_high=args\.eps_high,", "eps_low=3e-4, eps_high=4e-4,"),  # the loss's clip
     ]
     for pattern, new in edits:
         source, n = re.subn(pattern, new, source)
