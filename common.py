@@ -2101,14 +2101,102 @@ class SampleRounds:
         return roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}
 
 
-def mean_over_updates(updates: list[dict], skipped: int) -> dict:
-    """The step's metrics from the stats of its updates that stepped: the mean of each (the max for
-    *_max_dev), and `skipped`, how many the non-finite guard skipped."""
-    out = {"skipped_updates": skipped}
-    for key in updates[0] if updates else []:
-        values = [u[key] for u in updates]
-        out[key] = max(values) if key.endswith("_max_dev") else sum(values) / len(values)
-    return out
+# How each number an update reports is pooled over the step's updates that stepped and over the ranks (Run.measured,
+# docs/metrics.md): the one place that says it. A numeric `info` key not named here is an error (Run.update), so a
+# fork that adds a metric declares how it is counted. Units:
+#   "minibatch tokens"     a share of the forwarded rows' loss tokens, counted as a share of every completion token
+#                          of the update's minibatch (TRL's and verl's clip fraction): sum of the counts / sum of the
+#                          minibatches' tokens
+#   "minibatch sequences"  the same of sequences: clipped sequences / the minibatches' sequences
+#   "tokens"               a mean over the update's loss tokens: weighted by them
+#   "tokens, std"          a population std over the update's loss tokens: pooled exactly, from each update's count,
+#                          mean and std (the mean: `POOLED_STD_MEANS`)
+#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the loss's
+#                          info holds "ratio_seqs" (GSPO, both variants), that many sequences (rows with a loss token)
+#   "ratio items, std"     the same for a population std
+#   "max"                  the largest over every update and rank
+#   "update"               one number per update (a loss, a gradient norm): the mean over updates and ranks
+UPDATE_STAT_UNITS = {
+    "clip_frac": "minibatch tokens",
+    "clip_frac_low": "minibatch tokens",
+    "clip_frac_high": "minibatch tokens",
+    "dual_clip_frac": "minibatch tokens",
+    "vf_clip_frac": "minibatch tokens",
+    "clip_frac_seqs": "minibatch sequences",
+    "kl": "tokens",
+    "approx_kl": "tokens",
+    "ratio_outside_grpo_clip": "tokens",
+    "log_ratio_std": "tokens, std",
+    "ratio_mean": "ratio items",
+    "ratio_std": "ratio items, std",
+    "ratio_max_dev": "max",
+    "loss": "update",
+    "value_loss": "update",
+    "grad_norm": "update",
+    "critic_grad_norm": "update",
+}
+POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"}  # the mean each std is about
+
+
+def update_stat_terms(numbers: dict, counts: dict) -> dict:
+    """One update's numbers as the sums `pooled_update_stats` adds up: {key: [weighted sum, weight]} (a std:
+    [n * mean, n, n * std^2, n * mean^2]; a max: [value]). `counts`: the update's "tokens" (its loss tokens),
+    "minibatch tokens", "minibatch sequences" and "ratio items"; `numbers` holds each std's mean
+    (`POOLED_STD_MEANS`) beside it. Raises ValueError naming a key UPDATE_STAT_UNITS does not declare."""
+    terms = {}
+    for key, value in numbers.items():
+        if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
+            continue
+        unit = UPDATE_STAT_UNITS.get(key)
+        if unit is None:
+            raise ValueError(f"Run.update: the loss's info holds {key!r}, whose weighting common.UPDATE_STAT_UNITS "
+                             "does not declare: add it there (tokens, sequences, max, update...) so that it is pooled "
+                             "over updates and ranks as it is counted")  # fmt: skip
+        value = float(value)
+        if unit == "max":
+            terms[key] = [value]
+        elif unit == "update":
+            terms[key] = [value, 1.0]
+        elif unit.endswith(", std"):
+            n, mean = float(counts[unit.removesuffix(", std")]), float(numbers[POOLED_STD_MEANS[key]])
+            terms[key] = [n * mean, n, n * value**2, n * mean**2]
+        elif unit.startswith("minibatch"):  # a share of the forwarded rows -> their count, of the minibatch's
+            terms[key] = [value * counts[unit.replace("minibatch", "forwarded")], float(counts[unit])]
+        else:
+            terms[key] = [value * counts[unit], float(counts[unit])]
+    return terms
+
+
+def pooled_update_stats(updates: list[dict], skipped: int) -> dict:
+    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: each
+    summed over updates and ranks in one all-reduce (a max in one more), then divided (UPDATE_STAT_UNITS); a
+    std is the pooled population std, sqrt((sum of n std^2 + sum of n mean^2 - N mean^2) / N). A weighted number
+    whose weights are all 0 (no token anywhere) is 0, a ratio 1. `skipped_updates`: how many the non-finite
+    guard skipped, the mean over the ranks. Every rank calls it with the same keys."""
+    keys = list(updates[0]) if updates else []
+    maxima = [k for k in keys if UPDATE_STAT_UNITS[k] == "max"]
+    summed = [k for k in keys if k not in maxima]
+    widths = [len(updates[0][k]) for k in summed]
+    sums = torch.zeros(sum(widths) + 2, dtype=torch.float64)  # + skipped, ranks
+    for u in updates:
+        sums[: sum(widths)] += torch.tensor([t for k in summed for t in u[k]], dtype=torch.float64)
+    sums[-2:] = torch.tensor([float(skipped), 1.0], dtype=torch.float64)
+    sums = all_reduce_sum(sums).tolist()
+    largest = [max(u[k][0] for u in updates) for k in maxima]
+    largest = all_reduce_sum(torch.tensor(largest, dtype=torch.float64), op="MAX").tolist() if maxima else []
+    out = {"skipped_updates": sums[-2] / sums[-1], **dict(zip(maxima, largest, strict=True))}
+    start = 0
+    for key, width in zip(summed, widths, strict=True):
+        total, weight, *second = sums[start : start + width]
+        start += width
+        empty = 1.0 if key == "ratio_mean" else 0.0  # no token moved: ratio 1
+        if not second:
+            out[key] = total / weight if weight > 0 else empty
+        else:
+            std_sq, mean_sq = second
+            mean = total / weight if weight > 0 else 0.0
+            out[key] = math.sqrt(max(0.0, std_sq + mean_sq - weight * mean**2) / weight) if weight > 0 else 0.0
+    return {k: out[k] for k in ["skipped_updates", *keys]}
 
 
 def trace_due(args, step: int) -> bool:
@@ -2316,7 +2404,8 @@ class Run:
         [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
         of which the clip fractions become shares (the class docstring). `on_policy`: this forward ran at the
         weights that sampled the rollout (--old-logp rollout measures mismatch_* on it; none: not logged). Its
-        numbers are averaged over the step's updates (those that stepped) and logged; its tensors (the ratio,
+        numbers are pooled over the step's updates that stepped and over the ranks, each as UPDATE_STAT_UNITS counts it
+        (a number it does not declare is a ValueError), and logged; its tensors (the ratio,
         the clip decisions) go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
         if self.mismatch is None and on_policy:  # --old-logp rollout: the trainer at the sampler's weights
             mu = self.roll.sample_logp[rows]
@@ -2326,15 +2415,25 @@ class Run:
         self.skipped += not stepped
         if stepped:
             numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+            ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
             minibatch = rows if minibatch is None else minibatch
-            tokens = (mask.sum() / self.roll.completion_mask[minibatch].sum().clamp(min=1)).item()
-            for k in [k for k in numbers if "clip_frac" in k]:  # a share of `rows` -> of the minibatch
-                numbers[k] *= len(rows) / len(minibatch) if k.endswith("_seqs") else tokens
-            self.updates.append({**numbers, **token_ratio_stats(logp, old_logp, mask)})
+            loss_tokens, mask = mask.sum().item(), mask.bool()
+            counts = {
+                "tokens": loss_tokens,
+                "forwarded tokens": loss_tokens,
+                "minibatch tokens": self.roll.completion_mask[minibatch].sum().item(),
+                "forwarded sequences": len(rows),
+                "minibatch sequences": len(minibatch),
+                "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs,
+            }
+            log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
+            numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
+            self.updates.append(update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts))
 
     def measured(self) -> dict:
         """The metrics every run logs, from what `rollout` and `update` were given (docs/metrics.md):
-        means over all ranks' completions and tokens (the updates' statistics: the mean of each rank's),
+        means over all ranks' completions and tokens (the updates' statistics: pooled over every rank's updates, by
+        the tokens or sequences each is counted over, `pooled_update_stats`),
         except mismatch_* and routing_drift, which are rank 0's (its share of the batch)."""
         args, roll = self.args, self.roll
         sampled, rewards, parts = self.sampled  # everything sampled this step (Run.rollout); roll: what trains
@@ -2346,8 +2445,8 @@ class Run:
             "reward": global_mean(rewards),
             **global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
             "truncated_frac": global_mean((~completion_ends(sampled, self.eos)).float()),
-            # loss, clip_frac*, ratio_*: each rank's mean over its updates, averaged over the ranks
-            **rank_means(mean_over_updates(self.updates, self.skipped)),
+            # loss, clip_frac*, ratio_*, kl...: pooled over every rank's updates as each is counted (UPDATE_STAT_UNITS)
+            **pooled_update_stats(self.updates, self.skipped),
             # of the sampling distribution: the policy's, or its bf16 copy's under --rollout-dtype bfloat16
             "entropy": (all_reduce_sum((sampled.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
             "response_len": global_mean(mask.sum(1)),

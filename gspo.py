@@ -164,6 +164,7 @@ def gspo_loss(
         "ratio_mean": seq_ratio.mean().item(),
         "ratio_max_dev": (seq_ratio - 1).abs().max().item(),
         "ratio_std": seq_ratio.std(unbiased=False).item(),  # spread of the sequence ratios
+        "ratio_seqs": int(mask.any(1).sum()),  # the sequences they are of: Run pools them by it, not by tokens
     }
     return loss, info
 
