@@ -85,7 +85,6 @@ def one_step_off_policy(source: str, broken: bool = False) -> str:
         ("guard=guard)  # fmt: skip", "guard=guard, carried=carried)  # fmt: skip"),  # checkpointed: exact --resume
         ("is_weights, rounds.sampled(),", "is_weights, sampled,"),
         ("on_policy=k == 0)", "on_policy=False)"),  # no update runs at the weights that sampled its batch
-        ("grpo_loss", f"{OFF_POLICY}_loss"),  # a fork names its loss after itself
     ]:  # fmt: skip
         assert old in text, f"grpo.py no longer has {old!r}"
         text = text.replace(old, new)
