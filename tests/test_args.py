@@ -74,6 +74,7 @@ def help_groups(script: str) -> list[tuple[str, list[str]]]:
     return groups
 
 
+@pytest.mark.slow  # 3 subprocesses (--help)
 def test_help_shows_titled_groups_in_the_same_order_each_flag_once():
     seen = {}
     for name, module in MODULES.items():
@@ -120,6 +121,7 @@ def stated_default(value) -> str:
     return str(value)
 
 
+@pytest.mark.slow  # a subprocess (--help)
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_states_each_default_once_and_truly_after_a_one_line_usage(name):
     """--help opens with a one-line usage, then the description; every flag's help says "default" once, as
@@ -220,6 +222,7 @@ def test_recipe_is_the_fields_the_issue_names():
     assert set(common.RECIPE) == set(RECIPE_FIELDS)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_fork_without_a_recipe_field_stops_at_start_up_naming_it(tmp_path):
     """In its own process, as a user meets it: one line, exit status 2."""
     fields = {k: v for k, v in RECIPE_FIELDS.items() if k != "lr"}
@@ -233,6 +236,7 @@ def test_each_recipe_field_is_required(tmp_path, capsys, missing):
     assert status == 2 and f"lacks the recipe field {common._flag(missing)}:" in err, err
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path):
     proc = run_fork(tmp_path, {**RECIPE_FIELDS, "beta": "float | None = arg(None, 'beta')"}, "--lr", "0.5",
                     "--beta", "none", "--no-anneal-lr")  # fmt: skip

@@ -767,6 +767,7 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, data, temperatu
     assert_within(out[chunk][1], w64.grad, bound["grad_weight"], "d/dweight vs float64")
 
 
+@pytest.mark.slow  # 151,936-word logits and their float64 reference (~10 s)
 @pytest.mark.numeric
 def test_auto_chunks_at_qwen_vocabulary_equal_float64():
     # "auto" at Qwen's 151,936-token vocabulary: chunks of LOGITS_CHUNK_ELEMENTS // V tokens (the

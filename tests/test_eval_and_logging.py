@@ -203,6 +203,7 @@ def floats_in(value):
     return []
 
 
+@pytest.mark.slow  # a subprocess run of gspo.py
 def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
     """A script run as a user runs it: its last stdout line says held-out before -> after, the time and
     what is in --out (checked against summary.json, metrics.jsonl and the directory); transformers'

@@ -213,6 +213,7 @@ def test_multi_byte_text_is_accepted_and_round_trips(tok, char_tok):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 151,936-word logits (~8 s)
 def test_chunked_logprobs_equal_the_plain_ones_at_the_real_vocabulary(model, tok):
     prompts = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}, {"prompt": "3加5?"}], system_prompt="")
     roll = common.sample(model, prompts * 4, 40, [], tok.pad_token_id, generator=torch.Generator().manual_seed(0))
