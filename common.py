@@ -2150,8 +2150,9 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
         unit = UPDATE_STAT_UNITS.get(key)
         if unit is None:
             raise ValueError(f"Run.update: the loss's info holds {key!r}, whose weighting common.UPDATE_STAT_UNITS "
-                             "does not declare: add it there (tokens, sequences, max, update...) so that it is pooled "
-                             "over updates and ranks as it is counted")  # fmt: skip
+                             f"does not declare: declare it in the script, common.UPDATE_STAT_UNITS[{key!r}] = "
+                             "'tokens' (or another unit listed above it in common.py), so that it is pooled over "
+                             "updates and ranks as it is counted")  # fmt: skip
         value = float(value)
         if unit == "max":
             terms[key] = [value]

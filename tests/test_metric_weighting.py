@@ -47,6 +47,15 @@ def test_a_metric_whose_weighting_is_undeclared_is_refused():
         common.update_stat_terms({"my_new_frac": 0.1}, {"tokens": 3})
 
 
+def test_a_fork_declares_its_metric_in_its_own_file(monkeypatch):
+    """What the refusal asks for works from the fork's file, common.py untouched: two updates of 1 and 3 loss
+    tokens with "tokens" means 0.5 and 0.1 pool to (0.5 + 0.3) / 4, not the mean of means 0.3."""
+    monkeypatch.setitem(common.UPDATE_STAT_UNITS, "my_new_frac", "tokens")
+    updates = [common.update_stat_terms({"my_new_frac": m}, {"tokens": n}) for m, n in ((0.5, 1), (0.1, 3))]
+    got = common.pooled_update_stats(updates, skipped=0)["my_new_frac"]
+    assert got == pytest.approx(0.8 / 4, abs=gamma(4) * 0.8)
+
+
 def fake_run(completion_mask):
     """Run.update's state without a model: the rollout's completion mask, no trace, no mismatch to measure."""
     run = common.Run.__new__(common.Run)
