@@ -1086,12 +1086,22 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# The decode loop reads the device after EARLY_READS tokens, then once per READ_EVERY tokens (6 reads in a
-# 64-token rollout, the last one for the width): on a GPU each read waits for every queued kernel, so reading
-# per token (is any row alive? how many?) keeps the GPU idle between steps. Rows that end between two reads
-# decode padding until the next one (masked out; their random draws rewound). The early reads stop short
-# completions (a few tokens here) about as soon as a per-token check would.
+# When the decode loop reads the device (is any row alive? which?), a property of the device type. On a GPU a
+# read waits for every queued kernel, so reading per token keeps the GPU idle between steps: the loop reads
+# after EARLY_READS tokens, then once per READ_EVERY (6 reads in a 64-token rollout, the last one for the
+# width). Rows that end between two reads decode padding until the next one (masked out; their random draws
+# rewound), so the output is a per-token loop's; the early reads stop short completions (a few tokens here)
+# soon after a per-token check would. Where a read waits for nothing (READS_EACH_TOKEN_ON: a CPU's tensors are
+# host memory), decoding past the last row's end would only cost time: there the loop reads after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
+READS_EACH_TOKEN_ON = ("cpu",)
+
+
+def decode_reads(device_type: str, max_new_tokens: int) -> list[bool]:
+    """reads[t]: whether the decode loop reads the device after its token t (0-based), on `device_type`."""
+    if device_type in READS_EACH_TOKEN_ON:
+        return [True] * max_new_tokens
+    return [(t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS for t in range(max_new_tokens)]
 
 
 def sample(
@@ -1114,10 +1124,11 @@ def sample(
     the distribution it was drawn from and under the untruncated one (Rollout.sample_logp*).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once), dropping the rows that have finished when a read (after EARLY_READS tokens, then every
-    READ_EVERY) finds half of the batch done. Any other model runs through its own HF forward. Those
-    reads and one for the width are the loop's only reads of the device; the tokens, the draws left in
-    `generator` and the width are those of a loop that read it every step (tests/test_gpu_paths.py)."""
+    once), dropping the rows that have finished when a read of the device finds half of the batch done.
+    Any other model runs through its own HF forward. The loop reads the device after the tokens that
+    `decode_reads` names for its type (every one on a CPU; on a GPU after 4, 8, then every 16) and once
+    for the width; whatever the schedule, the tokens, the draws left in `generator` and the width are
+    those of a loop that read it every step (tests/test_gpu_paths.py)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lora = _loaded("lora")
@@ -1154,6 +1165,7 @@ def sample(
         if record_logp:
             sample_logp, sample_logp_full = torch.zeros(2, B, max_new_tokens, device=device)
         draws = []  # (step, generator state before its draw) since the last read
+        reads = decode_reads(device.type, max_new_tokens)
         for t in range(max_new_tokens):
             if not greedy:
                 draws.append((t, generator.get_state()))
@@ -1173,7 +1185,7 @@ def sample(
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1:
                 break
-            if (t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS:  # the loop's one read of the device
+            if reads[t]:  # the loop's one read of the device
                 alive_now = _host(alive)
                 if not any(alive_now):
                     break

@@ -5,7 +5,8 @@ attention kernel (which a CPU has too) and its strided output, the unfused proje
 forward (CPU autocast), and torch.cuda's functions replaced by stand-ins that record what they are given
 (RNG states, peak memory, device counts, the NCCL backend, DDP's device_ids). The real thing runs in the
 `gpu` tier (tests/test_gpu.py) wherever a GPU is visible. Also here: the decode loop's reads of the
-device, counted on a CPU, and proof that reading less often changes no token, draw or width.
+device on CUDA's schedule, counted on a CPU, proof that reading less often changes no token, draw or width,
+and that a CPU, which reads every token, decodes no step past the last row's end.
 """
 
 import types
@@ -154,9 +155,27 @@ def count_host_reads(monkeypatch, fn) -> int:
     return ops + len(calls)
 
 
-def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch):
+@pytest.fixture
+def cuda_reads(monkeypatch):
+    """The decode loop reading the device on CUDA's schedule (after 4, 8, then every 16 tokens) on a CPU,
+    which reads after every token."""
+    monkeypatch.setattr(common, "READS_EACH_TOKEN_ON", ())
+
+
+def test_the_read_schedule_is_every_token_on_a_cpu_and_sparse_on_a_gpu():
+    """decode_reads, hand-listed: a CPU reads after every token; CUDA (and any device whose reads wait for
+    its queue) after 4, 8, 16, 32 and 48 of 64 tokens."""
+    assert common.decode_reads("cpu", 64) == [True] * 64
+    for device_type in ("cuda", "mps"):
+        reads = common.decode_reads(device_type, 64)
+        assert len(reads) == 64 and [t + 1 for t, r in enumerate(reads) if r] == [4, 8, 16, 32, 48, 64]
+    assert common.decode_reads("cuda", 3) == [False] * 3
+
+
+def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch, cuda_reads):
     """The first GPU run's decode loop read the device twice a token (126 reads in 64 tokens), each read
-    a wait for every queued kernel. Now: after 4, 8, 16, 32 and 48 tokens, and once for the width."""
+    a wait for every queued kernel. Now, on CUDA's schedule: after 4, 8, 16, 32 and 48 tokens, and once for
+    the width."""
     pad, T = char_tok.pad_token_id, 64
     repeated = [p for p in prompts[:4] for _ in range(4)]  # prompts shared by groups: prefilled once
     for kw in (dict(greedy=True), dict(temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(0))):
@@ -171,22 +190,36 @@ def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, cha
         assert 1 <= reads <= 6, f"{reads} reads of the device in a 64-token rollout ({kw})"
 
 
-def test_the_host_read_counter_counts_per_token_reads(monkeypatch):
-    """The counter sees the kinds of read the old loop made (`alive.any()` in an if, `int(alive.sum())`)."""
-    alive = torch.ones(8, dtype=torch.bool)
-
-    def per_token():
-        for _ in range(10):
-            if alive.any() and 2 * int(alive.sum()) <= 8:
-                pass
-            common._host(alive)
-
-    assert count_host_reads(monkeypatch, per_token) == 30
-
-
-def every_step_reads(monkeypatch):
-    monkeypatch.setattr(common, "READ_EVERY", 1)
-    monkeypatch.setattr(common, "EARLY_READS", ())
+def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, monkeypatch):
+    """Where a read costs nothing (a CPU) the loop reads every token, so it decodes no step past the last
+    row's end (width - 1 steps after the prefill) and drops finished rows as soon as half the batch has
+    ended; on CUDA's schedule the same rollout decodes on to the next read. Counted through the decoder's
+    steps and the rows each is given."""
+    pad, T = char_tok.pad_token_id, 40
+    free = common.sample(model, prompts, T, [], pad, greedy=True).completion_lists()
+    eos = sorted({c[5] for c in free})  # every row ends by its 6th token, some sooner: between the reads at 4 and 8
+    ends = [next(i + 1 for i, t in enumerate(c) if t in eos) if set(c) & set(eos) else T for c in free]
+    width = max(ends)
+    assert 4 < width < 8, f"fixture: the last row should end between the reads at 4 and 8 (ends {ends})"
+    steps = {}
+    step = common._StaticKVDecoder.step
+    for schedule in ("cpu", "cuda"):
+        with monkeypatch.context() as m:
+            if schedule == "cuda":
+                m.setattr(common, "READS_EACH_TOKEN_ON", ())
+            seen = steps[schedule] = []  # the rows given to each decode step
+            counted = lambda self, token, seen=seen: seen.append(len(token)) or step(self, token)  # noqa: E731
+            m.setattr(common._StaticKVDecoder, "step", counted)
+            roll = common.sample(model, prompts, T, eos, pad, greedy=True)
+        assert roll.completion_ids.shape[1] == width and roll.completion_lists() == [c[:n] for c, n in zip(free, ends)]
+    assert len(steps["cpu"]) == width - 1
+    alive = [sum(n > t + 1 for n in ends) for t in range(width - 1)]  # rows alive after token t (0-based)
+    dropped, rows = [], len(prompts)  # a per-token loop keeps all rows until half have ended, then the alive ones
+    for a in alive:
+        rows = a if 2 * a <= rows else rows
+        dropped.append(rows)
+    assert steps["cpu"] == dropped and min(dropped) < len(prompts), "fixture: half the rows end before the last"
+    assert len(steps["cuda"]) == 7, "CUDA's schedule decodes on to its read after 8 tokens"
 
 
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 40), temperature=st.sampled_from([0.7, 1.0, 1.6]),
@@ -205,9 +238,8 @@ def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, 
     batch = [p for p in prompts for _ in range(2)]
     results = []
     with monkeypatch.context() as m:
-        for cadence in ("every 16", "every step"):
-            if cadence == "every step":
-                every_step_reads(m)
+        for cadence in ("every 16", "every step"):  # CUDA's schedule, then a CPU's
+            m.setattr(common, "READS_EACH_TOKEN_ON", () if cadence == "every 16" else ("cpu",))
             g = torch.Generator().manual_seed(seed)
             roll = common.sample(model, batch, T, eos, pad, temperature=temperature, top_p=top_p, generator=g,
                                  record_logp=True)  # fmt: skip
