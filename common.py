@@ -1795,9 +1795,28 @@ def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) 
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x this
-# (docs/memory.md)
+# float32 logits per chunk on a CPU: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x
+# this (docs/memory.md). On CUDA the chunk is sized to the GPU: its peak at most 1/LOGITS_CHUNK_GPU_SHARE of the
+# GPU's memory (logits_chunk_elements)
 LOGITS_CHUNK_ELEMENTS = 2**24
+LOGITS_CHUNK_GPU_SHARE = 32
+
+
+def logits_chunk_elements(device: torch.device | str, gpu_memory: int | None = None) -> int:
+    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`; tools/plan_memory.py plans with it.
+    A CPU: LOGITS_CHUNK_ELEMENTS (a CPU run's memory is not what bounds its chunk; fewer, larger chunks would
+    not be faster there). CUDA: the largest power of two whose chunk peak (4 float32 copies of the logits:
+    logits, softmax, product or gradient) fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's memory, never less
+    than a CPU's: 2**28 (~1,770 tokens of Qwen's vocabulary, a 4 GiB peak) on a 139 GiB H200 (unmeasured: no
+    GPU has run it). `gpu_memory`: the GPU's total bytes, by default its properties' (the total, not the free:
+    the chunk is then the same at every step, the planner can know it, and reading it waits for no kernel)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LOGITS_CHUNK_ELEMENTS
+    if gpu_memory is None:
+        gpu_memory = torch.cuda.get_device_properties(device).total_memory
+    fits = gpu_memory // (LOGITS_CHUNK_GPU_SHARE * 4 * 4)
+    return max(LOGITS_CHUNK_ELEMENTS, 1 << (max(fits, 1).bit_length() - 1))
 
 
 def logprobs_from_hidden(
@@ -1807,12 +1826,12 @@ def logprobs_from_hidden(
     output projection `weight` [V, H], in float32 from logits / temperature (the entropy detached
     unless `entropy_grad`). The vocabulary-sized
     logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
-    [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
-    vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
+    [B, T, V] tensor ever exists; "auto" sizes chunks to the device's `logits_chunk_elements` logits
+    (a small vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
     shape = targets.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens == "auto":
-        chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
+        chunk_tokens = max(1, logits_chunk_elements(h.device) // weight.shape[0])
     if chunk_tokens is None or h.shape[0] <= chunk_tokens:
         logp, ent = _logp_entropy_chunk(h, weight, y, temperature, entropy_grad)
         return logp.view(shape), ent.view(shape)

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from helpers import assert_within, entropy_tol, logit_scale, logprob_tol, sum_gamma, unit_roundoff
+from helpers import assert_within, entropy_tol, log_softmax_bounds, logit_scale, logprob_tol, sum_gamma, unit_roundoff
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -328,6 +328,80 @@ def test_peak_memory_reads_torch_cuda_on_a_gpu(monkeypatch):
     assert common.peak_memory_mb(torch.device("cuda:1")) == 3.0
     assert asked == [torch.device("cuda:1")]
     assert common.peak_memory_mb(CPU) > 1.0  # the process's resident set, in MB
+
+
+def gpu_of(monkeypatch, gib: float) -> list:
+    """torch.cuda's device properties as a GPU of `gib` GiB reports them; the devices asked, recorded."""
+    asked = []
+    props = lambda d: asked.append(d) or types.SimpleNamespace(total_memory=int(gib * 2**30))  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    return asked
+
+
+def loop_chunk_elements(memory: int) -> int:
+    """The largest power of two p whose chunk peak, 4 float32 [p] logits copies (16 p bytes), is at most 1/32 of
+    `memory`, at least 2**24: counted up in a plain loop."""
+    p = 1
+    while 16 * (2 * p) * 32 <= memory:
+        p *= 2
+    return max(p, 2**24)
+
+
+def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
+    """On CUDA the "auto" log-prob chunk grows with the GPU (few large chunks where memory is plentiful): a
+    power of two whose peak is 1/32 of the GPU, never below a CPU's 2**24 logits. Hand-worked: 139 GiB (an
+    H200) / 512 bytes = 291,504,128 -> 2**28, 80 GiB -> 2**27, 24 GiB -> 2**25; 8 GiB -> 2**24 exactly, 4 GiB
+    -> the floor 2**24. A CPU's chunk is 2**24 whatever memory it has, and reads no GPU property."""
+    for gib, hand in ((139, 2**28), (80, 2**27), (24, 2**25), (8, 2**24), (4, 2**24), (0.001, 2**24)):
+        asked = gpu_of(monkeypatch, gib)
+        assert common.logits_chunk_elements(torch.device("cuda:1")) == hand == loop_chunk_elements(int(gib * 2**30))
+        assert asked == [torch.device("cuda:1")]
+        assert common.logits_chunk_elements("cuda", int(gib * 2**30)) == hand  # as tools/plan_memory.py asks
+    asked = gpu_of(monkeypatch, 139)
+    assert common.logits_chunk_elements(CPU) == common.logits_chunk_elements(CPU, 2**40) == 2**24 and asked == []
+    assert 2**28 // 151_936 == 1766  # tokens of Qwen's vocabulary per chunk on an H200 (common.py's docstring)
+
+
+@pytest.mark.numeric
+def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
+    """logprobs_from_hidden's "auto" chunk as CUDA would size it (logits_chunk_elements on a 'cuda' device of a
+    given memory, scaled down: a CPU chunk of 2**12 logits, a vocabulary of 1,000) and as a CPU sizes it: the
+    chunks are the sizes that memory (or the CPU) gives, and the log-probs, entropies and gradients equal
+    float64's within log_softmax_bounds and the unchunked float32 computation's within twice that, as
+    test_common.py's chunked tests bound them."""
+    V, H, n, temperature = 1000, 8, 40, 0.9
+    monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", 2**12)  # 4 tokens a chunk on a CPU
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(n, H, generator=g), 0.5 * torch.randn(V, H, generator=g)
+    targets, coef = torch.randint(0, V, (n,), generator=g), torch.randn(n, generator=g)
+    bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logits64 = (h64 @ w64.T / temperature).log_softmax(-1)
+    lp64, ent64 = logits64.gather(-1, targets[:, None]).squeeze(-1), -(logits64.exp() * logits64).sum(-1)
+    (coef.double() * lp64).sum().backward()
+    h32, w32 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    plain_lp, plain_ent = common.logprobs_from_hidden(h32, w32, targets, temperature, chunk_tokens=None)
+    (coef * plain_lp).sum().backward()
+    chunk_fn, real = common._logp_entropy_chunk, common.logits_chunk_elements
+    # GPU bytes -> the chunks' token counts: 2**24 B / 512 = 2**15 logits, 32 tokens; 2**23 -> 16; the floor, 4;
+    # None: the CPU itself (the tensors' device), 4
+    for memory, chunks in ((2**24, [32, 8]), (2**23, [16, 16, 8]), (2**20, [4] * 10), (2**26, [40]), (None, [4] * 10)):
+        sizes, devices = [], []  # each chunk's tokens as the forward makes them; the devices asked about
+        counted = lambda h, *a, sizes=sizes: sizes.append(len(h)) or chunk_fn(h, *a)  # noqa: E731
+        sized = lambda d, m=None, memory=memory, devices=devices: (  # noqa: E731
+            devices.append(d) or (real(d) if memory is None else real("cuda", memory)))  # fmt: skip
+        monkeypatch.setattr(common, "_logp_entropy_chunk", counted)
+        monkeypatch.setattr(common, "logits_chunk_elements", sized)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = common.logprobs_from_hidden(h, w, targets, temperature)  # chunk_tokens="auto"
+        assert sizes == chunks and devices == [CPU], (memory, sizes)  # (backward recomputes them: not counted)
+        (coef * lp).sum().backward()
+        for what, x, exact, plain, b in (("log p", lp, lp64, plain_lp, bound["logp"]),
+                                         ("entropy", ent, ent64, plain_ent, bound["entropy"]),
+                                         ("d/dhidden", h.grad, h64.grad, h32.grad, bound["grad_hidden"]),
+                                         ("d/dweight", w.grad, w64.grad, w32.grad, bound["grad_weight"])):  # fmt: skip
+            assert_within(x.detach(), exact.detach(), b, f"{what}, {memory} B vs float64")
+            assert_within(x.detach(), plain.detach(), 2 * b, f"{what}, {memory} B vs unchunked")
 
 
 def test_tf32_is_allowed_on_cuda_only(monkeypatch):
