@@ -1086,12 +1086,22 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# The decode loop reads the device after EARLY_READS tokens, then once per READ_EVERY tokens (6 reads in a
-# 64-token rollout, the last one for the width): on a GPU each read waits for every queued kernel, so reading
-# per token (is any row alive? how many?) keeps the GPU idle between steps. Rows that end between two reads
-# decode padding until the next one (masked out; their random draws rewound). The early reads stop short
-# completions (a few tokens here) about as soon as a per-token check would.
+# When the decode loop reads the device (is any row alive? which?), a property of the device type. On a GPU a
+# read waits for every queued kernel, so reading per token keeps the GPU idle between steps: the loop reads
+# after EARLY_READS tokens, then once per READ_EVERY (6 reads in a 64-token rollout, the last one for the
+# width). Rows that end between two reads decode padding until the next one (masked out; their random draws
+# rewound), so the output is a per-token loop's; the early reads stop short completions (a few tokens here)
+# soon after a per-token check would. Where a read waits for nothing (READS_EACH_TOKEN_ON: a CPU's tensors are
+# host memory), decoding past the last row's end would only cost time: there the loop reads after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
+READS_EACH_TOKEN_ON = ("cpu",)
+
+
+def decode_reads(device_type: str, max_new_tokens: int) -> list[bool]:
+    """reads[t]: whether the decode loop reads the device after its token t (0-based), on `device_type`."""
+    if device_type in READS_EACH_TOKEN_ON:
+        return [True] * max_new_tokens
+    return [(t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS for t in range(max_new_tokens)]
 
 
 def sample(
@@ -1114,10 +1124,11 @@ def sample(
     the distribution it was drawn from and under the untruncated one (Rollout.sample_logp*).
 
     Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once), dropping the rows that have finished when a read (after EARLY_READS tokens, then every
-    READ_EVERY) finds half of the batch done. Any other model runs through its own HF forward. Those
-    reads and one for the width are the loop's only reads of the device; the tokens, the draws left in
-    `generator` and the width are those of a loop that read it every step (tests/test_gpu_paths.py)."""
+    once), dropping the rows that have finished when a read of the device finds half of the batch done.
+    Any other model runs through its own HF forward. The loop reads the device after the tokens that
+    `decode_reads` names for its type (every one on a CPU; on a GPU after 4, 8, then every 16) and once
+    for the width; whatever the schedule, the tokens, the draws left in `generator` and the width are
+    those of a loop that read it every step (tests/test_gpu_paths.py)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lora = _loaded("lora")
@@ -1154,6 +1165,7 @@ def sample(
         if record_logp:
             sample_logp, sample_logp_full = torch.zeros(2, B, max_new_tokens, device=device)
         draws = []  # (step, generator state before its draw) since the last read
+        reads = decode_reads(device.type, max_new_tokens)
         for t in range(max_new_tokens):
             if not greedy:
                 draws.append((t, generator.get_state()))
@@ -1173,7 +1185,7 @@ def sample(
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1:
                 break
-            if (t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS:  # the loop's one read of the device
+            if reads[t]:  # the loop's one read of the device
                 alive_now = _host(alive)
                 if not any(alive_now):
                     break
@@ -1783,9 +1795,28 @@ def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) 
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-# float32 logits per chunk: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x this
-# (docs/memory.md)
+# float32 logits per chunk on a CPU: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x
+# this (docs/memory.md). On CUDA the chunk is sized to the GPU: its peak at most 1/LOGITS_CHUNK_GPU_SHARE of the
+# GPU's memory (logits_chunk_elements)
 LOGITS_CHUNK_ELEMENTS = 2**24
+LOGITS_CHUNK_GPU_SHARE = 32
+
+
+def logits_chunk_elements(device: torch.device | str, gpu_memory: int | None = None) -> int:
+    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`; tools/plan_memory.py plans with it.
+    A CPU: LOGITS_CHUNK_ELEMENTS (a CPU run's memory is not what bounds its chunk; fewer, larger chunks would
+    not be faster there). CUDA: the largest power of two whose chunk peak (4 float32 copies of the logits:
+    logits, softmax, product or gradient) fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's memory, never less
+    than a CPU's: 2**28 (~1,770 tokens of Qwen's vocabulary, a 4 GiB peak) on a 139 GiB H200 (unmeasured: no
+    GPU has run it). `gpu_memory`: the GPU's total bytes, by default its properties' (the total, not the free:
+    the chunk is then the same at every step, the planner can know it, and reading it waits for no kernel)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LOGITS_CHUNK_ELEMENTS
+    if gpu_memory is None:
+        gpu_memory = torch.cuda.get_device_properties(device).total_memory
+    fits = gpu_memory // (LOGITS_CHUNK_GPU_SHARE * 4 * 4)
+    return max(LOGITS_CHUNK_ELEMENTS, 1 << (max(fits, 1).bit_length() - 1))
 
 
 def logprobs_from_hidden(
@@ -1795,12 +1826,12 @@ def logprobs_from_hidden(
     output projection `weight` [V, H], in float32 from logits / temperature (the entropy detached
     unless `entropy_grad`). The vocabulary-sized
     logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
-    [B, T, V] tensor ever exists; "auto" sizes chunks to LOGITS_CHUNK_ELEMENTS logits (a small
-    vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
+    [B, T, V] tensor ever exists; "auto" sizes chunks to the device's `logits_chunk_elements` logits
+    (a small vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
     shape = targets.shape
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens == "auto":
-        chunk_tokens = max(1, LOGITS_CHUNK_ELEMENTS // weight.shape[0])
+        chunk_tokens = max(1, logits_chunk_elements(h.device) // weight.shape[0])
     if chunk_tokens is None or h.shape[0] <= chunk_tokens:
         logp, ent = _logp_entropy_chunk(h, weight, y, temperature, entropy_grad)
         return logp.view(shape), ent.view(shape)

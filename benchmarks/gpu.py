@@ -28,7 +28,8 @@ runs; a row with under MIN_ROW_S seconds of the budget left is skipped. In order
      near-ties differently: a few differing rows are not a bug). Then one training step of each loss
      (benchmarks/memory.py's `training_step`: old log-probs of the greedy rollout, then --minibatches
      (4) updates of backward and AdamW) with float32 log-probs through the output projection in
-     chunks of ~110 tokens ("chunked") or all at once ("naive"); the median of 2 after one warm-up.
+     chunks sized to the GPU ("chunked": common.logits_chunk_elements, ~1,770 tokens on a 139 GiB H200) or
+     all at once ("naive"); the median of 2 after one warm-up.
      Each row is printed as it is measured, so a timeout keeps the rows before it.
 Columns: wall s, the whole process (start-up, loading, evaluation and the final save included), or in
 (c) one rollout or step; steps/s over the scripts' own step times (metrics.jsonl's step_time_s:
@@ -350,6 +351,7 @@ def jobs(args, work: Path, t_start: float) -> tuple[Row, list]:
     """The row of (b)-(d)'s checkpoint, built here, and every other row's job, in the order they run:
     (part, name, measure(limit_s) -> Row or [Row]). Without a checkpoint, (b)-(d) have no jobs."""
     device = "cpu" if args.cpu_smoke else "cuda"
+    gpu_memory = None if args.cpu_smoke else torch.cuda.get_device_properties(0).total_memory  # sizes the chunks
     shape, script_flags = (SMOKE_SHAPE, SMOKE_FLAGS) if args.cpu_smoke else (QWEN25_05B, REAL_SHAPE_FLAGS)
     todo = []
     for script in SCRIPTS:
@@ -374,7 +376,8 @@ def jobs(args, work: Path, t_start: float) -> tuple[Row, list]:
     for part, name, algo, launch, parallel in runs:  # parallel: the planner's DDP or FSDP2 on one rank
         rows_per_step = script_flags["prompts_per_step"] * script_flags["group_size"]
         plan = plan_memory(shape, algo, rows_per_step, prompt_tokens, script_flags["max_new_tokens"],
-                           script_flags["minibatches"], device=device, parallel=parallel)  # fmt: skip
+                           script_flags["minibatches"], device=device, parallel=parallel,
+                           gpu_memory=gpu_memory)  # fmt: skip
         cmd = [*launch, *real_shape, *flags(script_flags)]
         out = work / f"{part}-{name.replace(' ', '_')}"
         todo.append((part, name, functools.partial(script_row, part, name, cmd, out, planned_gb=plan["peak"] / 2**30)))

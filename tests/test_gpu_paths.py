@@ -5,14 +5,15 @@ attention kernel (which a CPU has too) and its strided output, the unfused proje
 forward (CPU autocast), and torch.cuda's functions replaced by stand-ins that record what they are given
 (RNG states, peak memory, device counts, the NCCL backend, DDP's device_ids). The real thing runs in the
 `gpu` tier (tests/test_gpu.py) wherever a GPU is visible. Also here: the decode loop's reads of the
-device, counted on a CPU, and proof that reading less often changes no token, draw or width.
+device on CUDA's schedule, counted on a CPU, proof that reading less often changes no token, draw or width,
+and that a CPU, which reads every token, decodes no step past the last row's end.
 """
 
 import types
 
 import pytest
 import torch
-from helpers import assert_within, entropy_tol, logit_scale, logprob_tol, sum_gamma, unit_roundoff
+from helpers import assert_within, entropy_tol, log_softmax_bounds, logit_scale, logprob_tol, sum_gamma, unit_roundoff
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -154,9 +155,27 @@ def count_host_reads(monkeypatch, fn) -> int:
     return ops + len(calls)
 
 
-def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch):
+@pytest.fixture
+def cuda_reads(monkeypatch):
+    """The decode loop reading the device on CUDA's schedule (after 4, 8, then every 16 tokens) on a CPU,
+    which reads after every token."""
+    monkeypatch.setattr(common, "READS_EACH_TOKEN_ON", ())
+
+
+def test_the_read_schedule_is_every_token_on_a_cpu_and_sparse_on_a_gpu():
+    """decode_reads, hand-listed: a CPU reads after every token; CUDA (and any device whose reads wait for
+    its queue) after 4, 8, 16, 32 and 48 of 64 tokens."""
+    assert common.decode_reads("cpu", 64) == [True] * 64
+    for device_type in ("cuda", "mps"):
+        reads = common.decode_reads(device_type, 64)
+        assert len(reads) == 64 and [t + 1 for t, r in enumerate(reads) if r] == [4, 8, 16, 32, 48, 64]
+    assert common.decode_reads("cuda", 3) == [False] * 3
+
+
+def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch, cuda_reads):
     """The first GPU run's decode loop read the device twice a token (126 reads in 64 tokens), each read
-    a wait for every queued kernel. Now: after 4, 8, 16, 32 and 48 tokens, and once for the width."""
+    a wait for every queued kernel. Now, on CUDA's schedule: after 4, 8, 16, 32 and 48 tokens, and once for
+    the width."""
     pad, T = char_tok.pad_token_id, 64
     repeated = [p for p in prompts[:4] for _ in range(4)]  # prompts shared by groups: prefilled once
     for kw in (dict(greedy=True), dict(temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(0))):
@@ -171,22 +190,36 @@ def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, cha
         assert 1 <= reads <= 6, f"{reads} reads of the device in a 64-token rollout ({kw})"
 
 
-def test_the_host_read_counter_counts_per_token_reads(monkeypatch):
-    """The counter sees the kinds of read the old loop made (`alive.any()` in an if, `int(alive.sum())`)."""
-    alive = torch.ones(8, dtype=torch.bool)
-
-    def per_token():
-        for _ in range(10):
-            if alive.any() and 2 * int(alive.sum()) <= 8:
-                pass
-            common._host(alive)
-
-    assert count_host_reads(monkeypatch, per_token) == 30
-
-
-def every_step_reads(monkeypatch):
-    monkeypatch.setattr(common, "READ_EVERY", 1)
-    monkeypatch.setattr(common, "EARLY_READS", ())
+def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, monkeypatch):
+    """Where a read costs nothing (a CPU) the loop reads every token, so it decodes no step past the last
+    row's end (width - 1 steps after the prefill) and drops finished rows as soon as half the batch has
+    ended; on CUDA's schedule the same rollout decodes on to the next read. Counted through the decoder's
+    steps and the rows each is given."""
+    pad, T = char_tok.pad_token_id, 40
+    free = common.sample(model, prompts, T, [], pad, greedy=True).completion_lists()
+    eos = sorted({c[5] for c in free})  # every row ends by its 6th token, some sooner: between the reads at 4 and 8
+    ends = [next(i + 1 for i, t in enumerate(c) if t in eos) if set(c) & set(eos) else T for c in free]
+    width = max(ends)
+    assert 4 < width < 8, f"fixture: the last row should end between the reads at 4 and 8 (ends {ends})"
+    steps = {}
+    step = common._StaticKVDecoder.step
+    for schedule in ("cpu", "cuda"):
+        with monkeypatch.context() as m:
+            if schedule == "cuda":
+                m.setattr(common, "READS_EACH_TOKEN_ON", ())
+            seen = steps[schedule] = []  # the rows given to each decode step
+            counted = lambda self, token, seen=seen: seen.append(len(token)) or step(self, token)  # noqa: E731
+            m.setattr(common._StaticKVDecoder, "step", counted)
+            roll = common.sample(model, prompts, T, eos, pad, greedy=True)
+        assert roll.completion_ids.shape[1] == width and roll.completion_lists() == [c[:n] for c, n in zip(free, ends)]
+    assert len(steps["cpu"]) == width - 1
+    alive = [sum(n > t + 1 for n in ends) for t in range(width - 1)]  # rows alive after token t (0-based)
+    dropped, rows = [], len(prompts)  # a per-token loop keeps all rows until half have ended, then the alive ones
+    for a in alive:
+        rows = a if 2 * a <= rows else rows
+        dropped.append(rows)
+    assert steps["cpu"] == dropped and min(dropped) < len(prompts), "fixture: half the rows end before the last"
+    assert len(steps["cuda"]) == 7, "CUDA's schedule decodes on to its read after 8 tokens"
 
 
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 40), temperature=st.sampled_from([0.7, 1.0, 1.6]),
@@ -205,9 +238,8 @@ def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, 
     batch = [p for p in prompts for _ in range(2)]
     results = []
     with monkeypatch.context() as m:
-        for cadence in ("every 16", "every step"):
-            if cadence == "every step":
-                every_step_reads(m)
+        for cadence in ("every 16", "every step"):  # CUDA's schedule, then a CPU's
+            m.setattr(common, "READS_EACH_TOKEN_ON", () if cadence == "every 16" else ("cpu",))
             g = torch.Generator().manual_seed(seed)
             roll = common.sample(model, batch, T, eos, pad, temperature=temperature, top_p=top_p, generator=g,
                                  record_logp=True)  # fmt: skip
@@ -296,6 +328,80 @@ def test_peak_memory_reads_torch_cuda_on_a_gpu(monkeypatch):
     assert common.peak_memory_mb(torch.device("cuda:1")) == 3.0
     assert asked == [torch.device("cuda:1")]
     assert common.peak_memory_mb(CPU) > 1.0  # the process's resident set, in MB
+
+
+def gpu_of(monkeypatch, gib: float) -> list:
+    """torch.cuda's device properties as a GPU of `gib` GiB reports them; the devices asked, recorded."""
+    asked = []
+    props = lambda d: asked.append(d) or types.SimpleNamespace(total_memory=int(gib * 2**30))  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    return asked
+
+
+def loop_chunk_elements(memory: int) -> int:
+    """The largest power of two p whose chunk peak, 4 float32 [p] logits copies (16 p bytes), is at most 1/32 of
+    `memory`, at least 2**24: counted up in a plain loop."""
+    p = 1
+    while 16 * (2 * p) * 32 <= memory:
+        p *= 2
+    return max(p, 2**24)
+
+
+def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
+    """On CUDA the "auto" log-prob chunk grows with the GPU (few large chunks where memory is plentiful): a
+    power of two whose peak is 1/32 of the GPU, never below a CPU's 2**24 logits. Hand-worked: 139 GiB (an
+    H200) / 512 bytes = 291,504,128 -> 2**28, 80 GiB -> 2**27, 24 GiB -> 2**25; 8 GiB -> 2**24 exactly, 4 GiB
+    -> the floor 2**24. A CPU's chunk is 2**24 whatever memory it has, and reads no GPU property."""
+    for gib, hand in ((139, 2**28), (80, 2**27), (24, 2**25), (8, 2**24), (4, 2**24), (0.001, 2**24)):
+        asked = gpu_of(monkeypatch, gib)
+        assert common.logits_chunk_elements(torch.device("cuda:1")) == hand == loop_chunk_elements(int(gib * 2**30))
+        assert asked == [torch.device("cuda:1")]
+        assert common.logits_chunk_elements("cuda", int(gib * 2**30)) == hand  # as tools/plan_memory.py asks
+    asked = gpu_of(monkeypatch, 139)
+    assert common.logits_chunk_elements(CPU) == common.logits_chunk_elements(CPU, 2**40) == 2**24 and asked == []
+    assert 2**28 // 151_936 == 1766  # tokens of Qwen's vocabulary per chunk on an H200 (common.py's docstring)
+
+
+@pytest.mark.numeric
+def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
+    """logprobs_from_hidden's "auto" chunk as CUDA would size it (logits_chunk_elements on a 'cuda' device of a
+    given memory, scaled down: a CPU chunk of 2**12 logits, a vocabulary of 1,000) and as a CPU sizes it: the
+    chunks are the sizes that memory (or the CPU) gives, and the log-probs, entropies and gradients equal
+    float64's within log_softmax_bounds and the unchunked float32 computation's within twice that, as
+    test_common.py's chunked tests bound them."""
+    V, H, n, temperature = 1000, 8, 40, 0.9
+    monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", 2**12)  # 4 tokens a chunk on a CPU
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(n, H, generator=g), 0.5 * torch.randn(V, H, generator=g)
+    targets, coef = torch.randint(0, V, (n,), generator=g), torch.randn(n, generator=g)
+    bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logits64 = (h64 @ w64.T / temperature).log_softmax(-1)
+    lp64, ent64 = logits64.gather(-1, targets[:, None]).squeeze(-1), -(logits64.exp() * logits64).sum(-1)
+    (coef.double() * lp64).sum().backward()
+    h32, w32 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    plain_lp, plain_ent = common.logprobs_from_hidden(h32, w32, targets, temperature, chunk_tokens=None)
+    (coef * plain_lp).sum().backward()
+    chunk_fn, real = common._logp_entropy_chunk, common.logits_chunk_elements
+    # GPU bytes -> the chunks' token counts: 2**24 B / 512 = 2**15 logits, 32 tokens; 2**23 -> 16; the floor, 4;
+    # None: the CPU itself (the tensors' device), 4
+    for memory, chunks in ((2**24, [32, 8]), (2**23, [16, 16, 8]), (2**20, [4] * 10), (2**26, [40]), (None, [4] * 10)):
+        sizes, devices = [], []  # each chunk's tokens as the forward makes them; the devices asked about
+        counted = lambda h, *a, sizes=sizes: sizes.append(len(h)) or chunk_fn(h, *a)  # noqa: E731
+        sized = lambda d, m=None, memory=memory, devices=devices: (  # noqa: E731
+            devices.append(d) or (real(d) if memory is None else real("cuda", memory)))  # fmt: skip
+        monkeypatch.setattr(common, "_logp_entropy_chunk", counted)
+        monkeypatch.setattr(common, "logits_chunk_elements", sized)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = common.logprobs_from_hidden(h, w, targets, temperature)  # chunk_tokens="auto"
+        assert sizes == chunks and devices == [CPU], (memory, sizes)  # (backward recomputes them: not counted)
+        (coef * lp).sum().backward()
+        for what, x, exact, plain, b in (("log p", lp, lp64, plain_lp, bound["logp"]),
+                                         ("entropy", ent, ent64, plain_ent, bound["entropy"]),
+                                         ("d/dhidden", h.grad, h64.grad, h32.grad, bound["grad_hidden"]),
+                                         ("d/dweight", w.grad, w64.grad, w32.grad, bound["grad_weight"])):  # fmt: skip
+            assert_within(x.detach(), exact.detach(), b, f"{what}, {memory} B vs float64")
+            assert_within(x.detach(), plain.detach(), 2 * b, f"{what}, {memory} B vs unchunked")
 
 
 def test_tf32_is_allowed_on_cuda_only(monkeypatch):

@@ -125,6 +125,26 @@ def test_hand_worked_plan():
     assert gpu["activations"] * 2 == plan["activations"] and gpu["autocast_weight_copy"] == 2 * n
 
 
+def test_the_log_prob_chunk_is_planned_as_the_gpu_sizes_it():
+    """On CUDA the planner's log-prob chunk is common.logits_chunk_elements' for the GPU's memory (the function
+    the scripts call): Qwen2.5-0.5B, 64 completions of 64 tokens in one minibatch (4,096 tokens, more than any
+    chunk here). Hand-worked: 139 GiB / 512 -> 2**28 logits, 1,766 tokens of 151,936; 80 GiB (the default)
+    -> 2**27, 883; 24 GiB -> 2**25, 220; 8 GiB -> 2**24, 110, a CPU's chunk whatever --gpu-memory says."""
+    c, V = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"], 151_936
+    plan = lambda **kw: plan_memory.plan_memory(c, "grpo", 64, 6, 64, 1, **kw)  # noqa: E731
+    cpu = plan(device="cpu")
+    assert cpu["logprob_chunk"] == plan(device="cpu", gpu_memory=139 * 2**30)["logprob_chunk"] == 4 * 110 * V * 4
+    by_gib = {gib: plan(device="cuda", gpu_memory=gib * 2**30) for gib in (139, 80, 24, 8)}
+    for gib, tokens in ((139, 1766), (80, 883), (24, 220), (8, 110)):
+        assert by_gib[gib]["logprob_chunk"] == 4 * tokens * V * 4
+        assert tokens == common.logits_chunk_elements("cuda", gib * 2**30) // V
+        assert by_gib[gib]["peak"] - by_gib[8]["peak"] <= 4 * (tokens - 110) * V * 4  # the chunk moves the peak
+    assert plan(device="cuda")["logprob_chunk"] == by_gib[plan_memory.GPU_MEMORY_GB]["logprob_chunk"]
+    update = sum(by_gib[139][k] for k in ("activations", "logprob_chunk", "tied_embedding_grad"))
+    sampling = sum(by_gib[139][k] for k in ("kv_cache", "sampler_logits", "sampler_fused_weights", "rollout_copy"))
+    assert update > sampling and by_gib[139]["peak"] - by_gib[8]["peak"] == 4 * (1766 - 110) * V * 4  # all of it
+
+
 def test_lora_trains_only_the_adapters():
     c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
     plan = plan_memory.plan_memory(c, "ppo", 8, 6, 32, lora_rank=16, device="cuda")
@@ -144,7 +164,10 @@ def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "peak" in ok.stdout and "qwen3-0.6b" in ok.stdout and "critic" in ok.stdout
     (tmp_path / "config.json").write_text("{}")
-    for bad in (["--model", "qwen9-1b"], ["--model", str(tmp_path)], ["--lora-rank", "-1"]):
+    h200 = subprocess.run(cmd + ["--gpu-memory", "139"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    chunk = [line.split()[-1] for line in h200.stdout.splitlines() if line.startswith("largest log-prob chunk")]
+    assert h200.returncode == 0 and "cuda (139 GB)" in h200.stdout and chunk == ["4.00"], h200.stdout  # 2**28 x 16 B
+    for bad in (["--model", "qwen9-1b"], ["--model", str(tmp_path)], ["--lora-rank", "-1"], ["--gpu-memory", "0"]):
         proc = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr
 

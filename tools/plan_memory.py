@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
 
-from common import LOGITS_CHUNK_ELEMENTS, ArgumentParser, UsageError, _describe, _number, die  # noqa: E402
+from common import ArgumentParser, UsageError, _describe, _number, die, logits_chunk_elements  # noqa: E402
 
 # Published configurations (the fields that set memory and the dry run's shapes), so that the planner
 # and benchmarks/real_size.py need no download. Qwen2 has q/k/v biases; Qwen3 has per-head q/k norms.
@@ -45,6 +45,10 @@ QWEN_CONFIGS = {
 
 for _c in QWEN_CONFIGS.values():  # shared by all five
     _c.update(rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
+
+# --gpu-memory's default: an 80 GB A100 / H100. The GPU's size sets the log-prob chunk on CUDA
+# (common.logits_chunk_elements); benchmarks/gpu.py passes the real GPU's
+GPU_MEMORY_GB = 80
 
 
 def model_shape(config) -> dict:
@@ -103,6 +107,7 @@ def plan_memory(
     rollout_dtype: str = "float32",
     parallel: str | None = None,
     world: int = 1,
+    gpu_memory: int | None = None,
 ) -> dict:
     """Expected peak memory in bytes, by component, of one script's training step: `rows` completions
     per step (prompts x group size) of `prompt_tokens` + `new_tokens` tokens, in `minibatches` updates.
@@ -119,6 +124,8 @@ def plan_memory(
     reward_model: its config (scored without gradients; its activations are not counted).
     rollout_dtype "bfloat16" (--rollout-dtype): the sampler's bf16 copy of the weights (made for each
     rollout and freed after it), a bf16 KV cache and bf16 fused weights.
+    gpu_memory: on "cuda", one GPU's memory in bytes (torch.cuda.mem_get_info's total; None: GPU_MEMORY_GB),
+    which sizes the log-prob chunk as the scripts size it (common.logits_chunk_elements).
     parallel: None = one process (world 1); "ddp" or "fsdp" = torchrun with `world` ranks, each with
     1/world of the `rows` (its activations, KV cache, log-prob chunks), and the figures are one rank's.
     "ddp": every rank holds the whole weights, gradients and AdamW state, plus DistributedDataParallel's
@@ -156,7 +163,9 @@ def plan_memory(
     rows_mb = -(-rows_rank // minibatches)
     seq = prompt_tokens + new_tokens
     acts = rows_mb * seq * activation_elements_per_token(s, grad_checkpointing) * act_bytes
-    chunk_tokens = min(rows_mb * new_tokens, max(1, LOGITS_CHUNK_ELEMENTS // s["V"]))
+    if cuda and gpu_memory is None:
+        gpu_memory = GPU_MEMORY_GB * 2**30
+    chunk_tokens = min(rows_mb * new_tokens, max(1, logits_chunk_elements(device, gpu_memory) // s["V"]))
     plan = {
         "weights": sharded((params + lora) * f32),  # the base, and the adapters (LoRA)
         "gradients": sharded(trainable * f32),
@@ -275,6 +284,8 @@ def plan_memory_cli(argv=None):
     p.add_argument("--reward-model", help="its config: a named config or a dir")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--gpu-memory", type=_number(float), default=GPU_MEMORY_GB, metavar="GB",
+                   help="--device cuda: one GPU's memory, GB (2^30 bytes), which sizes the log-prob chunk")  # fmt: skip
     ranks = p.add_mutually_exclusive_group()
     ranks.add_argument("--ddp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, DDP")
     ranks.add_argument("--fsdp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, FSDP2")
@@ -285,6 +296,8 @@ def plan_memory_cli(argv=None):
     try:
         if min(a.prompts_per_step, a.group_size, a.max_new_tokens, a.minibatches) < 1 or a.lora_rank < 0:
             raise UsageError("sizes must be >= 1 and --lora-rank >= 0")
+        if a.gpu_memory <= 0:
+            raise UsageError(f"--gpu-memory must be > 0 GB, got {a.gpu_memory}")
         if min(gpus, default=1) < 1:
             raise UsageError("--ddp, --fsdp and --compare-gpus take numbers of GPUs >= 1")
         for n in gpus:  # as the scripts ask under torchrun
@@ -302,10 +315,11 @@ def plan_memory_cli(argv=None):
     def plan(config, parallel=None, world=1):
         return plan_memory(config, a.algo, rows, a.prompt_tokens, a.max_new_tokens, a.minibatches,
                            a.grad_checkpointing, a.lora_rank, reference, rm, a.device, a.rollout_dtype,
-                           parallel, world)  # fmt: skip
+                           parallel, world, int(a.gpu_memory * 2**30))  # fmt: skip
 
     print(f"{a.algo}: {rows} completions x ({a.prompt_tokens} + {a.max_new_tokens}) tokens, {a.minibatches} "
-          f"minibatches, {a.device}{', grad checkpointing' if a.grad_checkpointing else ''}"
+          f"minibatches, {a.device}{f' ({a.gpu_memory:g} GB)' if a.device == 'cuda' else ''}"
+          f"{', grad checkpointing' if a.grad_checkpointing else ''}"
           f"{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}, {a.rollout_dtype} rollouts; "
           "GB (2^30 bytes)" + (" per GPU" if gpus else ""))  # fmt: skip
     if a.compare_gpus:  # one row per model: one process, then DDP and FSDP2 on each number of GPUs
