@@ -1,9 +1,10 @@
 """A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
 grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
-each. The rollout is test_distributed's fixed one (completions fixed by each prompt, so both runs train the same
-rows), with every third row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave
-out and the ranks hold unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token
-count) gives each rank's tokens another weight than one process does, and fails here."""
+each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean). The rollout is
+test_distributed's fixed one (completions fixed by each prompt, so both runs train the same rows), with every third
+row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave out and the ranks hold
+unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token count) gives each
+rank's tokens another weight than one process does, and fails here."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ CASES = {
     "grpo-sum-norm": ("grpo", ["--loss-agg", "seq-mean-token-sum-norm", "--mask-truncated"]),
     "ppo-lam": ("ppo", ["--lam", "0.5", "--missing-eos-penalty", "0.5"]),
     "gspo-token": ("gspo", ["--variant", "token", "--mask-truncated"]),
+    # --entropy-coef: the bonus, aggregated as each script aggregates its loss (grpo: by --loss-agg, with the loss's
+    # denominator; gspo: per sequence, then over the minibatch's rows; ppo: a token mean, scaled to all ranks' tokens)
+    "grpo-token-mean+entropy": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated", "--entropy-coef", "0.5"]),
+    "grpo-seq-mean-token-mean+entropy": ("grpo", ["--loss-agg", "seq-mean-token-mean", "--entropy-coef", "0.5"]),
+    "gspo+entropy": ("gspo", ["--entropy-coef", "0.5"]),
+    "ppo+entropy": ("ppo", ["--entropy-coef", "0.5"]),
 }
 
 
