@@ -50,9 +50,10 @@ CASES = {
 }
 
 
-def run(tmp_path, algo, flags, nproc):
+def run(tmp_path, algo, flags, nproc, torchrun_flags=()):
     """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
-    process. Returns the record directory (each optimizer step's gradients and weights, each rank's tokens)."""
+    process, else torchrun's, given `torchrun_flags` too. Returns the record directory (each optimizer step's
+    gradients and weights, each rank's tokens)."""
     assert ENDS in FIXED_ROLLOUT_RUN and RETURN in FIXED_ROLLOUT_RUN  # (test_distributed's sampler, as read here)
     script = tmp_path / "fixed_cut_rollout_run.py"
     script.write_text(FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT)))
@@ -62,7 +63,8 @@ def run(tmp_path, algo, flags, nproc):
     cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
            "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
-           graded_reward(tmp_path), *flags, "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
+           graded_reward(tmp_path), *flags, *(torchrun_flags if nproc else ()),
+           "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,10 +74,27 @@ def run(tmp_path, algo, flags, nproc):
 @needs_torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case)
+
+
+# --fsdp (FSDP2: each rank holds a shard of every weight, gradient and AdamW moment; the gradients reduce-scattered):
+# each script with its entropy bonus (ppo's critic sharded too), gathered whole where the optimizer is stepped
+FSDP_CASES = ["grpo-token-mean+entropy", "grpo-seq-mean-token-mean+entropy", "gspo+entropy", "ppo+entropy"]
+
+
+@needs_torchrun
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_script_update_under_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, ["--fsdp"])
+
+
+def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags=()):
+    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
+    the same rollout: the same on both ranks, and the one process's to rounding."""
     from transformers import AutoConfig
 
     algo, flags = CASES[case]
-    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD)
+    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD, torchrun_flags)
     total, ended = torch.load(single / "tokens-rank0.pt")
     ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]
     assert 0 < ended < total  # some rows cut, some not
@@ -89,7 +108,12 @@ def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny
     n = forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1
     for r in records:
         one, two = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
+        assert not one["sharded"] and two[0]["sharded"] == ("--fsdp" in torchrun_flags), r
         assert all(torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r  # one averaged gradient
         assert any(g.abs().max() > 0 for g in one["grads"]), r
         for i, (g1, g2) in enumerate(zip(one["grads"], two[0]["grads"])):
             assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
+        # the step was applied alike on every rank (under --fsdp each to its shards), to every tensor with a gradient
+        assert all(torch.equal(a, b) for a, b in zip(two[1]["after"], two[0]["after"])), r
+        for i, (a, b, g) in enumerate(zip(two[0]["after"], two[0]["before"], two[0]["grads"])):
+            assert torch.equal(a, b) == (not g.any()), (r, i)

@@ -234,7 +234,7 @@ def lora_policy(model_dir):
 
 
 def one_lora_step(case, model_dir, batch, rows, ddp: bool):
-    """test_distributed.one_step on a LoRA policy; returns every parameter after the step."""
+    """One SGD step (lr 1, no clipping) of test_distributed.loss_for on a LoRA policy; returns every parameter after."""
     model = lora_policy(model_dir).train()
     train_model = common.CompletionLogprobs(model)
     if ddp:
