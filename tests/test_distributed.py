@@ -27,7 +27,6 @@ from helpers import (  # noqa: E402
     needs_torchrun,
     probable_gamma,
     torchrun_cmd,
-    unit_roundoff,
 )
 from test_real_checkpoints import GSM8K, assert_trained, build_tiny_qwen2, graded_reward  # noqa: E402
 
@@ -40,9 +39,7 @@ from common import masked_mean  # noqa: E402
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
 WORLD = 2
-CASES = ["grpo-token-mean", "grpo-seq-mean-token-mean", "gspo", "ppo"]
-CASES += [f"{case}+entropy" for case in CASES]  # --entropy-coef: the bonus, aggregated as each script does
-ENTROPY_COEF = 0.5
+ENTROPY_COEF = 0.5  # loss_for's "+entropy" cases
 
 
 def _free_port() -> int:
@@ -68,10 +65,11 @@ def fixed_batch(tok, B=8, T=6, seed=0):
 
 
 def loss_for(case, train_model, batch, rows):
-    """The loss of `rows` of the batch as the scripts' update computes it (with their torchrun delta): a hand copy
-    of their lines, for test_lora's adapters and test_fsdp's bf16 gathering, which check those against one process
-    on a loss. No test checks train() with it: a script's own update on 2 ranks against one process runs the
-    script (test_script_update_on_two_ranks_equals_one_process here, tests/test_distributed_flags.py)."""
+    """The loss of `rows` of the batch as the scripts' update computes it (with their torchrun delta), `case` one of
+    grpo-token-mean, grpo-seq-mean-token-mean, gspo, ppo, each with an optional "+entropy": a hand copy of their
+    lines, for test_fsdp's bf16 gathering, which no script reaches on a CPU. No test checks train() with it: the
+    tests of a script's own update on 2 ranks against one process run the script (here at its defaults;
+    tests/test_distributed_flags.py with other flags, --entropy-coef, --lora-rank, --fsdp)."""
     roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
     case, bonus = case.removesuffix("+entropy"), case.endswith("+entropy")
     c = ENTROPY_COEF if bonus else 0.0
@@ -88,18 +86,6 @@ def loss_for(case, train_model, batch, rows):
     adv = ppo.whiten(batch["token_adv"][rows], mask)  # whitened over all ranks' tokens
     loss = ppo.ppo_policy_loss(logp, old, adv, mask)[0] - c * masked_mean(entropy, mask)
     return loss * mask.sum().clamp(min=1) / common.mean_denominator(mask.sum())
-
-
-def sgd_step_tol(config, roll, before: torch.Tensor, after: torch.Tensor):
-    """Elementwise bound on |w' - w''| for two float32 SGD steps (lr 1) from `before` on the rows of `roll` that sum
-    in other orders (2 ranks or 1 process; sharded or not). The gradient by the first-order model of
-    helpers.logit_tol: each element a sum over the backward's chains (as long as the forward's) and over the
-    B x L positions a weight's gradient collects, plus the all-reduce, of terms the size of the tensor's largest
-    gradient: 2 probable_gamma(n) times that, for two such computations. Then w - g rounds once in each."""
-    B, L = roll.completion_ids.shape[0], roll.prompt_ids.shape[1] + roll.completion_ids.shape[1]
-    n = forward_roundings(config, L) + B * L + 1
-    largest = (before.double() - after.double()).abs().max().item()  # lr 1: the step is the gradient
-    return 2 * probable_gamma(n) * largest + 2 * unit_roundoff(torch.float32) * after.double().abs()
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +216,8 @@ class FixedSampler(common.Sampler):
 
 
 def whole(t):  # --fsdp: a parameter or gradient is this rank's shard of a DTensor; every rank gathers it whole
+    if t is None:  # (--lora-rank: a frozen weight has no gradient)
+        return None
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 

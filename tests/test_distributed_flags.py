@@ -1,6 +1,7 @@
 """A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
 grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
-each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean). The rollout is
+each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean), also with
+--lora-rank and under --fsdp (the recorder gathers FSDP's shards where the optimizer is stepped). The rollout is
 test_distributed's fixed one (completions fixed by each prompt, so both runs train the same rows), with every third
 row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave out and the ranks hold
 unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token count) gives each
@@ -48,15 +49,40 @@ CASES = {
     "gspo+entropy": ("gspo", ["--entropy-coef", "0.5"]),
     "ppo+entropy": ("ppo", ["--entropy-coef", "0.5"]),
 }
+# --lora-rank: the same updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
+# first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices
+CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in list(CASES.items())
+          if case.endswith("+entropy")}  # fmt: skip
+
+# peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
+# that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do
+NONZERO_LORA = """
+add_lora = common.add_lora
+
+
+def nonzero_lora(model, args):
+    model = add_lora(model, args)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+common.add_lora = nonzero_lora
+"""
+MAIN = "common.main(algo.train"
 
 
 def run(tmp_path, algo, flags, nproc, torchrun_flags=()):
     """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
     process, else torchrun's, given `torchrun_flags` too. Returns the record directory (each optimizer step's
     gradients and weights, each rank's tokens)."""
-    assert ENDS in FIXED_ROLLOUT_RUN and RETURN in FIXED_ROLLOUT_RUN  # (test_distributed's sampler, as read here)
+    assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))  # (test_distributed's sampler, as read here)
     script = tmp_path / "fixed_cut_rollout_run.py"
-    script.write_text(FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT)))
+    text = FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT))
+    script.write_text(text.replace(MAIN, NONZERO_LORA + MAIN))
     record = tmp_path / f"record-{nproc}"
     record.mkdir()
     launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())] if nproc else []
@@ -109,11 +135,18 @@ def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags
     for r in records:
         one, two = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
         assert not one["sharded"] and two[0]["sharded"] == ("--fsdp" in torchrun_flags), r
-        assert all(torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r  # one averaged gradient
-        assert any(g.abs().max() > 0 for g in one["grads"]), r
+        # a gradient on the same tensors (--lora-rank: the adapters'), one averaged gradient on every rank
+        frozen = [g is None for g in one["grads"]]
+        assert [g is None for g in two[0]["grads"]] == [g is None for g in two[1]["grads"]] == frozen, r
+        assert ("+lora" in case) == any(frozen), r
+        if "+lora" in case and r == "opt0-step0":  # the policy's every adapter matrix, A and B, has a gradient
+            assert all(g.any() for g in one["grads"] if g is not None), r  # (ppo's critic: its head starts at 0)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r
+        assert any(g.abs().max() > 0 for g in one["grads"] if g is not None), r
         for i, (g1, g2) in enumerate(zip(one["grads"], two[0]["grads"])):
-            assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
+            if g1 is not None:
+                assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
         # the step was applied alike on every rank (under --fsdp each to its shards), to every tensor with a gradient
         assert all(torch.equal(a, b) for a, b in zip(two[1]["after"], two[0]["after"])), r
         for i, (a, b, g) in enumerate(zip(two[0]["after"], two[0]["before"], two[0]["grads"])):
-            assert torch.equal(a, b) == (not g.any()), (r, i)
+            assert torch.equal(a, b) == (g is None or not g.any()), (r, i)
