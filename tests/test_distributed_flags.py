@@ -1,9 +1,11 @@
 """A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
 grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
-each. The rollout is test_distributed's fixed one (completions fixed by each prompt, so both runs train the same
-rows), with every third row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave
-out and the ranks hold unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token
-count) gives each rank's tokens another weight than one process does, and fails here."""
+each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean), also with
+--lora-rank and under --fsdp (the recorder gathers FSDP's shards where the optimizer is stepped). The rollout is
+test_distributed's fixed one (completions fixed by each prompt, so both runs train the same rows), with every third
+row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave out and the ranks hold
+unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token count) gives each
+rank's tokens another weight than one process does, and fails here."""
 
 from __future__ import annotations
 
@@ -40,22 +42,55 @@ CASES = {
     "grpo-sum-norm": ("grpo", ["--loss-agg", "seq-mean-token-sum-norm", "--mask-truncated"]),
     "ppo-lam": ("ppo", ["--lam", "0.5", "--missing-eos-penalty", "0.5"]),
     "gspo-token": ("gspo", ["--variant", "token", "--mask-truncated"]),
+    # --entropy-coef: the bonus, aggregated as each script aggregates its loss (grpo: by --loss-agg, with the loss's
+    # denominator; gspo: per sequence, then over the minibatch's rows; ppo: a token mean, scaled to all ranks' tokens)
+    "grpo-token-mean+entropy": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated", "--entropy-coef", "0.5"]),
+    "grpo-seq-mean-token-mean+entropy": ("grpo", ["--loss-agg", "seq-mean-token-mean", "--entropy-coef", "0.5"]),
+    "gspo+entropy": ("gspo", ["--entropy-coef", "0.5"]),
+    "ppo+entropy": ("ppo", ["--entropy-coef", "0.5"]),
 }
+# --lora-rank: the same updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
+# first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices
+CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in list(CASES.items())
+          if case.endswith("+entropy")}  # fmt: skip
+
+# peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
+# that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do
+NONZERO_LORA = """
+add_lora = common.add_lora
 
 
-def run(tmp_path, algo, flags, nproc):
+def nonzero_lora(model, args):
+    model = add_lora(model, args)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+common.add_lora = nonzero_lora
+"""
+MAIN = "common.main(algo.train"
+
+
+def run(tmp_path, algo, flags, nproc, torchrun_flags=()):
     """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
-    process. Returns the record directory (each optimizer step's gradients and weights, each rank's tokens)."""
-    assert ENDS in FIXED_ROLLOUT_RUN and RETURN in FIXED_ROLLOUT_RUN  # (test_distributed's sampler, as read here)
+    process, else torchrun's, given `torchrun_flags` too. Returns the record directory (each optimizer step's
+    gradients and weights, each rank's tokens)."""
+    assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))  # (test_distributed's sampler, as read here)
     script = tmp_path / "fixed_cut_rollout_run.py"
-    script.write_text(FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT)))
+    text = FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT))
+    script.write_text(text.replace(MAIN, NONZERO_LORA + MAIN))
     record = tmp_path / f"record-{nproc}"
     record.mkdir()
     launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())] if nproc else []
     cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
            "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
-           graded_reward(tmp_path), *flags, "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
+           graded_reward(tmp_path), *flags, *(torchrun_flags if nproc else ()),
+           "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -65,10 +100,27 @@ def run(tmp_path, algo, flags, nproc):
 @needs_torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case)
+
+
+# --fsdp (FSDP2: each rank holds a shard of every weight, gradient and AdamW moment; the gradients reduce-scattered):
+# each script with its entropy bonus (ppo's critic sharded too), gathered whole where the optimizer is stepped
+FSDP_CASES = ["grpo-token-mean+entropy", "grpo-seq-mean-token-mean+entropy", "gspo+entropy", "ppo+entropy"]
+
+
+@needs_torchrun
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_script_update_under_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, ["--fsdp"])
+
+
+def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags=()):
+    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
+    the same rollout: the same on both ranks, and the one process's to rounding."""
     from transformers import AutoConfig
 
     algo, flags = CASES[case]
-    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD)
+    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD, torchrun_flags)
     total, ended = torch.load(single / "tokens-rank0.pt")
     ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]
     assert 0 < ended < total  # some rows cut, some not
@@ -82,7 +134,19 @@ def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny
     n = forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1
     for r in records:
         one, two = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
-        assert all(torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r  # one averaged gradient
-        assert any(g.abs().max() > 0 for g in one["grads"]), r
+        assert not one["sharded"] and two[0]["sharded"] == ("--fsdp" in torchrun_flags), r
+        # a gradient on the same tensors (--lora-rank: the adapters'), one averaged gradient on every rank
+        frozen = [g is None for g in one["grads"]]
+        assert [g is None for g in two[0]["grads"]] == [g is None for g in two[1]["grads"]] == frozen, r
+        assert ("+lora" in case) == any(frozen), r
+        if "+lora" in case and r == "opt0-step0":  # the policy's every adapter matrix, A and B, has a gradient
+            assert all(g.any() for g in one["grads"] if g is not None), r  # (ppo's critic: its head starts at 0)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(two[1]["grads"], two[0]["grads"])), r
+        assert any(g.abs().max() > 0 for g in one["grads"] if g is not None), r
         for i, (g1, g2) in enumerate(zip(one["grads"], two[0]["grads"])):
-            assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
+            if g1 is not None:
+                assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
+        # the step was applied alike on every rank (under --fsdp each to its shards), to every tensor with a gradient
+        assert all(torch.equal(a, b) for a, b in zip(two[1]["after"], two[0]["after"])), r
+        for i, (a, b, g) in enumerate(zip(two[0]["after"], two[0]["before"], two[0]["grads"])):
+            assert torch.equal(a, b) == (g is None or not g.any()), (r, i)

@@ -10,7 +10,8 @@ built in this file, W + (alpha / r) B A from the adapter tensors, not by peft's 
   - a PPO run changes only the adapters (policy and critic) and the critic's head; its merged
     checkpoint holds W + (alpha / r) B A and loads with from_pretrained, equal to peft's own
     loading of the saved adapter; --resume with LoRA equals the uninterrupted run bit for bit;
-  - one update on 2 torchrun ranks (gloo) equals one process; a 2-process gspo.py run completes;
+  - a 2-process gspo.py run completes (each script's update with LoRA on 2 ranks against one process:
+    tests/test_distributed_flags.py);
   - bad LoRA flags exit 2 with one line.
 """
 
@@ -26,15 +27,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
 from helpers import (  # noqa: E402
-    assert_within,
     entropy_tol,
     gamma,
     logit_scale,
@@ -43,8 +41,7 @@ from helpers import (  # noqa: E402
     needs_torchrun,
     torchrun_cmd,
 )
-from test_distributed import CASES, WORLD, _free_port, fixed_batch, loss_for, sgd_step_tol  # noqa: E402
-from test_real_checkpoints import build_tiny_qwen2  # noqa: E402
+from test_distributed import WORLD, _free_port  # noqa: E402
 from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
 
 import common  # noqa: E402
@@ -222,61 +219,6 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # torchrun with LoRA
 # ---------------------------------------------------------------------------------------------
-
-
-def lora_policy(model_dir):
-    """The LoRA policy of `model_dir` with the same seeded, non-zero adapters in every process."""
-    model = common.load_model(model_dir, CPU)[0]
-    torch.manual_seed(0)  # lora_A's random init
-    model = common.add_lora(model, LORA)
-    nonzero_adapters(model)
-    return model
-
-
-def one_lora_step(case, model_dir, batch, rows, ddp: bool):
-    """test_distributed.one_step on a LoRA policy; returns every parameter after the step."""
-    model = lora_policy(model_dir).train()
-    train_model = common.CompletionLogprobs(model)
-    if ddp:
-        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    loss_for(case, train_model, batch, rows).backward()
-    opt.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def _worker(rank, port, model_dir, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        batch = fixed_batch(common.load_model(model_dir, CPU)[1])
-        results = {case: one_lora_step(case, model_dir, batch, slice(rank, None, WORLD), ddp=True) for case in CASES}
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory) -> str:
-    return str(build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "model"))
-
-
-def test_two_ranks_lora_update_equals_one_process(qwen2_dir, tmp_path):
-    out = tmp_path / "ddp.pt"
-    mp.spawn(_worker, args=(_free_port(), qwen2_dir, str(out)), nprocs=WORLD, join=True)
-    ddp = torch.load(out)
-    batch = fixed_batch(common.load_model(qwen2_dir, CPU)[1])
-    policy = lora_policy(qwen2_dir)
-    before = {k: v.detach().clone() for k, v in policy.named_parameters()}
-    config = common.load_model(qwen2_dir, CPU)[0].config
-    for case in CASES:
-        single = one_lora_step(case, qwen2_dir, batch, slice(None), ddp=False)
-        for k in single:
-            bound = sgd_step_tol(config, batch["roll"], before[k], single[k])  # the adapters' path is shorter
-            assert_within(ddp[case][k], single[k], bound, f"{case}: {k}")
-            assert torch.equal(single[k], before[k]) != ("lora_" in k), f"{case}: {k}"  # only the adapters move
 
 
 @needs_torchrun

@@ -124,7 +124,7 @@ def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp
     assert forwarded == {"skip": 8, "every": 16}, forwarded  # 2 of the 4 groups constant
     model, tok = common.load_model(common.tiny_checkpoint(), torch.device("cpu"))
     # one update's gradient, two float32 sums in other orders (8 rows or 16 with 8 contributing 0): the
-    # first-order bound of test_distributed.sgd_step_tol, with the longest sequence the tiny run can have
+    # first-order bound of test_distributed_flags' gradients, with the longest sequence the tiny run can have
     prompt = max(len(tok(e["prompt"])["input_ids"]) for e in common.arith_split()[0])
     n = forward_roundings(model.config, prompt + 6) + 16 * (prompt + 6) + 1
     for i, (a, b) in enumerate(zip(grads["skip"], grads["every"])):
