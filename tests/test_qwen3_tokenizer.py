@@ -238,8 +238,10 @@ def test_chunked_logprobs_equal_the_plain_ones_at_the_real_vocabulary(model, tok
 REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-# thinking on: the slow tier (13 s here; the quick tier keeps the default, off, under its 120 s budget)
-@pytest.mark.parametrize("thinking", ["off", pytest.param("on", marks=pytest.mark.slow)])
+# the slow tier (13-16 s each here): with it the quick tier took 119 s of its 120 s budget (2-core EPYC, idle);
+# the quick tier keeps the real vocabulary's tokenizer and sampling tests above
+@pytest.mark.slow
+@pytest.mark.parametrize("thinking", ["off", "on"])
 def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
     """gspo.py, one step at 151,936 words, thinking off and on: 16 completions of 16 tokens, a reward that
     differs between them (so most rows carry an advantage and are forwarded: more tokens than one
