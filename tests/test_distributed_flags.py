@@ -9,13 +9,22 @@ rank's tokens another weight than one process does, and fails here."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import assert_within, forward_roundings, needs_torchrun, probable_gamma, torchrun_cmd
+from helpers import (
+    LOGGED_TOL,
+    assert_within,
+    forward_roundings,
+    needs_torchrun,
+    probable_gamma,
+    torchrun_cmd,
+    unit_roundoff,
+)
 from test_distributed import FIXED_ROLLOUT_RUN, ROOT, WORLD, _free_port
 from test_real_checkpoints import graded_reward
 
@@ -35,6 +44,19 @@ RECORD = """        ends = common.completion_ends(roll, self.eos_ids)
         mask = roll.completion_mask
         torch.save((int(mask.sum()), int((mask * ends[:, None]).sum())), os.path.join(OUT, f"tokens-rank{{RANK}}.pt"))
         return roll
+"""
+# An off-policy first update (test_distributed_metrics' too): --old-logp rollout reads the sampler's log-probs, set
+# here to the model's own plus a fixed offset per (prompt, the k-th of its rows, position), uniform in [-x, x]
+# ("{offset}" replaced by x), so that at the starting weights each token's ratio is exp(-offset) to rounding
+OFFSET = 0.4  # ratios 0.67-1.49: outside GRPO's and PPO's clip range [0.8, 1.2] for about half of the tokens
+OFF_POLICY_PI_OLD = """        logp = common.CompletionLogprobs(self.model)(roll, self.args.temperature)[0]
+        offsets, seen = [], {{}}
+        for p in prompts:  # a fixed offset per (prompt, the k-th of its rows, position), as the completions are
+            k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+            g = torch.Generator().manual_seed(zlib.crc32(repr(p).encode()) * 64 + 32 + k % self.args.group_size)
+            offsets.append((torch.rand(self.args.max_new_tokens, generator=g) * 2 - 1) * {offset})
+        offsets = torch.stack(offsets)[:, : logp.shape[1]]
+        roll.sample_logp = roll.sample_logp_full = (logp.detach() + offsets) * roll.completion_mask
 """
 
 CASES = {
@@ -75,22 +97,25 @@ common.add_lora = nonzero_lora
 MAIN = "common.main(algo.train"
 
 
-def run(tmp_path, algo, flags, nproc, torchrun_flags=()):
+def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
     """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
-    process, else torchrun's, given `torchrun_flags` too. Returns the record directory (each optimizer step's
-    gradients and weights, each rank's tokens)."""
+    process, else torchrun's, given `torchrun_flags` too; `offset` a number: pi_old the sampler's log-probs
+    (--old-logp rollout), OFF_POLICY_PI_OLD's with that offset. Returns the record directory (each optimizer step's
+    gradients and weights, each rank's tokens), record-{nproc}{name}, beside the run's out-{nproc}{name}."""
     assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))  # (test_distributed's sampler, as read here)
-    script = tmp_path / "fixed_cut_rollout_run.py"
-    text = FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, RECORD).format(root=str(ROOT))
+    script = tmp_path / f"fixed_cut_rollout_run{name}.py"
+    pi_old = "" if offset is None else OFF_POLICY_PI_OLD.replace("{offset}", repr(float(offset)))
+    text = FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, pi_old + RECORD).format(root=str(ROOT))
     script.write_text(text.replace(MAIN, NONZERO_LORA + MAIN))
-    record = tmp_path / f"record-{nproc}"
+    record = tmp_path / f"record-{nproc}{name}"
     record.mkdir()
+    flags = [*flags, *(() if offset is None else ("--old-logp", "rollout"))]
     launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())] if nproc else []
     cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
            "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
            graded_reward(tmp_path), *flags, *(torchrun_flags if nproc else ()),
-           "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
+           "--out", str(tmp_path / f"out-{nproc}{name}")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -100,7 +125,7 @@ def run(tmp_path, algo, flags, nproc, torchrun_flags=()):
 @needs_torchrun
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
-    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case)
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, *CASES[case])
 
 
 # --fsdp (FSDP2: each rank holds a shard of every weight, gradient and AdamW moment; the gradients reduce-scattered):
@@ -111,16 +136,58 @@ FSDP_CASES = ["grpo-token-mean+entropy", "grpo-seq-mean-token-mean+entropy", "gs
 @needs_torchrun
 @pytest.mark.parametrize("case", FSDP_CASES)
 def test_script_update_under_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
-    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, ["--fsdp"])
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, *CASES[case], ["--fsdp"])
 
 
-def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags=()):
-    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
-    the same rollout: the same on both ranks, and the one process's to rounding."""
+# An off-policy first update (OFF_POLICY_PI_OLD): the cases above update on-policy (every ratio 1, nothing clips);
+# here the ratios are exp(-offset), and a share of the tokens (GSPO: of the sequences) is clipped
+OFF_POLICY_CASES = {
+    "grpo-token-mean": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated"]),
+    "gspo-sequence": ("gspo", ["--variant", "sequence"]),
+    "ppo": ("ppo", []),
+}
+MIN_CLIPPED = 0.1  # the least share clipped that a case accepts (rows of a group with equal rewards have A = 0: none)
+
+
+@needs_torchrun
+@pytest.mark.parametrize("case", sorted(OFF_POLICY_CASES))
+def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
+    """pi_old offset from the starting weights (--old-logp rollout, OFF_POLICY_PI_OLD): the one update clips at least
+    MIN_CLIPPED of its tokens (GSPO: sequences), as metrics.jsonl counts them, the same share on 2 ranks, and its
+    gradients on 2 ranks are one process's to the bound above. They differ from the on-policy update's (offset 0:
+    nothing clipped) by more than that bound, in every tensor with a gradient: the comparison is of another update."""
+    algo, flags = OFF_POLICY_CASES[case]
+    single, _, records = assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, offset=OFFSET)
+    on_policy = run(tmp_path, algo, flags, 0, offset=0.0, name="-on-policy")
+    one, two, on = (json.loads((tmp_path / f"out-{o}" / "metrics.jsonl").read_text().splitlines()[0])
+                    for o in (0, WORLD, "0-on-policy"))  # fmt: skip
+    key = "clip_frac_seqs" if "clip_frac_seqs" in one else "clip_frac"  # GSPO's sequence ratio: a share of sequences
+    assert one[key] >= MIN_CLIPPED and on[key] == 0, (key, one[key], on[key])
+    # the same tokens clipped: a count, equal unless a ratio lies within rounding of a clip bound (test_distributed_
+    # metrics); then the float32 share's rounding, and metrics.jsonl's
+    assert abs(two[key] - one[key]) <= 4 * unit_roundoff(torch.float32) + LOGGED_TOL, (key, two[key], one[key])
+    tol = gradient_tol(tiny_path)
+    for r in records:
+        off, on = (torch.load(d / f"{r}-rank0.pt")["grads"] for d in (single, on_policy))
+        moved = [(a - b).abs().max() > tol * a.abs().max() for a, b in zip(off, on) if a is not None and a.any()]
+        assert moved and all(moved), (r, moved)
+
+
+def gradient_tol(tiny_path):
+    """test_distributed's bound, relative to a gradient tensor's largest element: the first-order model of logit_tol
+    over the backward's chains and the B x L positions a weight's gradient collects, two such sums in other orders."""
     from transformers import AutoConfig
 
-    algo, flags = CASES[case]
-    single, ddp = run(tmp_path, algo, flags, 0), run(tmp_path, algo, flags, WORLD, torchrun_flags)
+    B, L = 16, max(len(e["prompt"]) for e in common.arith_split()[0]) + MAX_NEW_TOKENS
+    return 2 * probable_gamma(forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1)
+
+
+def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, torchrun_flags=(), offset=None):
+    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
+    the same rollout (`offset`: pi_old offset from it, as `run`'s): the same on both ranks, and the one process's to
+    rounding. Returns the two runs' record directories and the records compared."""
+    single = run(tmp_path, algo, flags, 0, offset=offset)
+    ddp = run(tmp_path, algo, flags, WORLD, torchrun_flags, offset=offset)
     total, ended = torch.load(single / "tokens-rank0.pt")
     ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]
     assert 0 < ended < total  # some rows cut, some not
@@ -128,10 +195,7 @@ def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags
     assert ranks[0][1] != ranks[1][1] and ranks[0][0] != ranks[1][0]  # ... into unequal token counts
     records = sorted(f.name.removesuffix("-rank0.pt") for f in single.glob("opt*-rank0.pt"))
     assert records == [f"opt{i}-step0" for i in range(len(records))] and records, records  # ppo: policy, critic
-    # test_distributed's bound: the first-order model of logit_tol over the backward's chains and the B x L
-    # positions a weight's gradient collects, two such sums in other orders
-    B, L = 16, max(len(e["prompt"]) for e in common.arith_split()[0]) + MAX_NEW_TOKENS
-    n = forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1
+    tol = gradient_tol(tiny_path)
     for r in records:
         one, two = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
         assert not one["sharded"] and two[0]["sharded"] == ("--fsdp" in torchrun_flags), r
@@ -145,8 +209,9 @@ def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, torchrun_flags
         assert any(g.abs().max() > 0 for g in one["grads"] if g is not None), r
         for i, (g1, g2) in enumerate(zip(one["grads"], two[0]["grads"])):
             if g1 is not None:
-                assert_within(g2, g1, 2 * probable_gamma(n) * g1.abs().max().item(), f"{case} {r} gradient {i}")
+                assert_within(g2, g1, tol * g1.abs().max().item(), f"{case} {r} gradient {i}")
         # the step was applied alike on every rank (under --fsdp each to its shards), to every tensor with a gradient
         assert all(torch.equal(a, b) for a, b in zip(two[1]["after"], two[0]["after"])), r
         for i, (a, b, g) in enumerate(zip(two[0]["after"], two[0]["before"], two[0]["grads"])):
             assert torch.equal(a, b) == (g is None or not g.any()), (r, i)
+    return single, ddp, records

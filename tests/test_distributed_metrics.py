@@ -19,27 +19,19 @@ import pytest
 import torch
 from helpers import LOGGED_TOL, logit_scale, logprob_tol, needs_torchrun, sum_gamma, torchrun_cmd, unit_roundoff
 from test_distributed import FIXED_ROLLOUT_RUN, ROOT, WORLD, _free_port
-from test_distributed_flags import CUT, ENDS, MAX_NEW_TOKENS, RETURN
+from test_distributed_flags import CUT, ENDS, MAX_NEW_TOKENS, OFF_POLICY_PI_OLD, OFFSET, RETURN
 from test_real_checkpoints import graded_reward
 
 pytestmark = pytest.mark.slow
 
-OFFSET = 0.4  # pi_old = pi * exp(offset), offset uniform in [-OFFSET, OFFSET] per token: ratios 0.67-1.49
-# the fixed sampler's rollout with pi_old offset from the model's own log-probs, and each rank's tokens and rollout
-# written down
-RECORD = """        logp = common.CompletionLogprobs(self.model)(roll, self.args.temperature)[0]
-        offsets, seen = [], {{}}
-        for p in prompts:  # a fixed offset per (prompt, the k-th of its rows, position), as the completions are
-            k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
-            g = torch.Generator().manual_seed(zlib.crc32(repr(p).encode()) * 64 + 32 + k % self.args.group_size)
-            offsets.append((torch.rand(self.args.max_new_tokens, generator=g) * 2 - 1) * {offset})
-        offsets = torch.stack(offsets)[:, : logp.shape[1]]
-        roll.sample_logp = roll.sample_logp_full = (logp.detach() + offsets) * roll.completion_mask
-        torch.save(dict(tokens=int(roll.completion_mask.sum()), prompt_ids=roll.prompt_ids,
+# each rank's tokens and rollout written down, after test_distributed_flags' off-policy pi_old (the model's own
+# log-probs offset)
+SAVE = """        torch.save(dict(tokens=int(roll.completion_mask.sum()), prompt_ids=roll.prompt_ids,
                         prompt_mask=roll.prompt_mask, completion_ids=roll.completion_ids,
                         completion_mask=roll.completion_mask), os.path.join(OUT, f"rollout-rank{{RANK}}.pt"))
         return roll
 """
+RECORD = OFF_POLICY_PI_OLD + SAVE
 KEYS = ("clip_frac", "ratio_outside_grpo_clip", "ratio_mean", "ratio_max_dev", "ratio_std", "log_ratio_std")
 
 
