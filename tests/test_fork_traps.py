@@ -187,41 +187,79 @@ AGGREGATE_F64 = {
     "grpo-token-mean": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
     "ppo": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
 }
+# each case's script and flags (ppo's test_flags: --kl-coef 0, so that a reward of 0 leaves every advantage 0)
+BONUS_CASES = {"gspo": ("gspo", []), "grpo-token-mean": ("grpo", ["--loss-agg", "token-mean"]), "ppo": ("ppo", [])}
+ZERO = "def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
 
 
-def bonus_as_the_script(case, entropy, mask):
-    if case == "gspo":
-        return common.masked_mean(entropy, mask, dim=1).sum() / mask.shape[0]
-    if case == "grpo-token-mean":
-        return grpo.aggregate(entropy, mask, "token-mean")
-    return common.masked_mean(entropy, mask)
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps, from the first of its kind made (a script's policy optimizer) and its first step, the
+    gradient it is stepped with."""
+
+    first = None
+
+    def step(self, closure=None):
+        if RecordingAdamW.first in (None, self) and not hasattr(self, "grads"):
+            RecordingAdamW.first = self
+            self.grads = [p.grad.detach().clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
 
 
 @pytest.mark.numeric
 @pytest.mark.parametrize("case", AGGREGATE_F64)
 @pytest.mark.parametrize("chunk_tokens", [None, 2])
-def test_the_entropy_bonus_gradient_equals_float64(tiny, case, chunk_tokens):
-    import copy
+def test_the_entropy_bonus_gradient_equals_float64(tmp_path, capsys, monkeypatch, case, chunk_tokens):
+    """train() itself with --entropy-coef 1 and a reward of 0 for every completion (every advantage 0, ppo without
+    its KL reward: the policy loss has no gradient), at --temperature 0.7, its log-probs in chunks of `chunk_tokens`
+    (None: the CPU's one chunk): the gradient its first update steps with is minus the bonus's, and equals float64
+    autograd through a plain loop's entropies (entropy_f64) of the rows that update forwarded, aggregated as the
+    script aggregates its bonus (AGGREGATE_F64); its loss, 0 - the bonus, equals the float64 bonus's negative."""
+    import inspect
 
-    model, tok = tiny
-    model = copy.deepcopy(model).train()
-    roll, temperature = rollout(tok), 0.7
-    _, entropy = common.completion_logprobs(model, roll, temperature, chunk_tokens, entropy_grad=True)
-    bonus = bonus_as_the_script(case, entropy, roll.completion_mask)
-    bonus.backward()
-    m64 = copy.deepcopy(model).double()
+    name, flags = BONUS_CASES[case]
+    module, temperature = MODULES[name], 0.7
+    model64, _ = common.load_model("tiny", torch.device("cpu"))  # the weights train() starts from
+    if chunk_tokens is not None:  # chunk_tokens="auto" on a CPU: LOGITS_CHUNK_ELEMENTS // vocabulary
+        monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", chunk_tokens * model64.config.vocab_size)
+    seen = {"rolls": [], "losses": []}
+    forward, update = common.CompletionLogprobs.forward, common.Run.update
+
+    def recording_forward(self, roll, *args, **kwargs):
+        if kwargs.get("entropy_grad"):  # an update's forward (pi_old's and the sampler's have no entropy gradient)
+            seen["rolls"].append(roll)
+        return forward(self, roll, *args, **kwargs)
+
+    def recording_update(self, *args, **kwargs):
+        seen["losses"].append(inspect.signature(update).bind(self, *args, **kwargs).arguments["info"]["loss"])
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
+    monkeypatch.setattr(common.Run, "update", recording_update)
+    monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
+    monkeypatch.setattr(RecordingAdamW, "first", None)
+    (tmp_path / "rewards.py").write_text(ZERO)
+    argv = ["--reward", f"{tmp_path}/rewards.py:zero", "--prompts-per-step", 4, "--group-size", 2, "--minibatches", 1,
+            "--epochs", 1, "--max-new-tokens", 6, "--steps", 1, "--eval-every", 0, "--eval-size", 1, "--temperature",
+            temperature, "--entropy-coef", 1, "--max-grad-norm", 1e30, *traits(name).test_flags, *flags,
+            "--out", tmp_path / "out"]  # fmt: skip
+    status, _, err = main_in_process(module, argv, capsys)
+    assert status == 0 and RecordingAdamW.first is not None, err
+    roll, loss, grads = seen["rolls"][0], seen["losses"][0], RecordingAdamW.first.grads
+    assert len({int(n) for n in roll.completion_mask.sum(1)}) > 1, "one length: the aggregations would agree"
+    length, max_z = logit_scale(model64, roll, temperature)  # (the float32 model's)
+    m64 = model64.double()
     ref = AGGREGATE_F64[case](entropy_f64(m64, roll, temperature))
     ref.backward()
     # float32 against float64 (issue 42: the old fixed bounds depended on the CPU model): each token's entropy
     # within helpers.entropy_tol (a bound for two float32 forwards, so twice what one needs), their mean too
-    length, max_z = logit_scale(model, roll, temperature)
-    assert abs(bonus.item() - ref.item()) <= entropy_tol(model.config, length, max_z)
-    for (name, p), p64 in zip(model.named_parameters(), m64.parameters()):
+    assert abs(-loss - ref.item()) <= entropy_tol(m64.config, length, max_z), (loss, ref.item())
+    assert len(grads) == len(list(m64.parameters()))
+    for (weight, p64), g in zip(m64.named_parameters(), grads):
         # Not yet derived (issue 42): a parameter's gradient sums terms whose sizes this test does not know (the
         # tied embedding gathers the LM head's and the inputs' over every token, with cancellation), so the bound
         # stays the one measured: a few 1e-6 of rounding (4.7e-6 in the embedding on an AMD EPYC of family 25,
         # 2.3e-5 on a 2-core Intel Xeon, where the tensor's largest |g| is 0.62)
-        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=name)
+        torch.testing.assert_close(-g.double(), p64.grad, rtol=1e-3, atol=2e-5, msg=weight)
 
 
 # a script's bonus in float64 from one update's per-token entropy [b][t] (its completion tokens), as helpers.TRAITS
