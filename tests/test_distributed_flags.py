@@ -170,7 +170,7 @@ def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, cas
     tol = gradient_tol(tiny_path)
     for r in records:
         off, on = (torch.load(d / f"{r}-rank0.pt")["grads"] for d in (single, on_policy))
-        moved = [(a - b).abs().max() > tol * a.abs().max() for a, b in zip(off, on) if a is not None and a.any()]
+        moved = [bool((a - b).abs().max() > tol * a.abs().max()) for a, b in zip(off, on) if a is not None and a.any()]
         assert moved and all(moved), (r, moved)
 
 
