@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 
 import torch
 
@@ -41,7 +42,9 @@ def leave_process_group(exiting: BaseException | None):
     - SIGTERM is ignored from here on: torchrun sends it to every rank still running as soon as one
       has exited with a failure, and a rank that is already ending with its own status would be
       reported as killed by SIGTERM instead. If this teardown ever hung, torchrun's SIGKILL follows.
-    Any other exception (a bug) keeps its traceback, for Python to print."""
+    Any other exception (a bug) keeps its traceback, for Python to print. Whatever the ending, --fsdp's
+    registry of roots (extras/fsdp.py) lets its sharded model go, and a collection frees what the run has let
+    go, so that no model holding the process group lives on into shutdown."""
     if isinstance(exiting, SystemExit) and exiting.code not in (None, 0):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         error, seen = exiting.__context__, set()
@@ -49,5 +52,8 @@ def leave_process_group(exiting: BaseException | None):
             seen.add(id(error))
             error.__traceback__ = None
             error = error.__cause__ or error.__context__
-        gc.collect()  # and whatever of them sits in reference cycles
+    fsdp = sys.modules.get("extras.fsdp")
+    if fsdp is not None:  # --fsdp: the registry of roots holds the sharded model
+        fsdp.forget_roots()
+    gc.collect()  # whatever holds a process group in reference cycles (a finished run's FSDP model and its hooks)
     torch.distributed.destroy_process_group()

@@ -19,8 +19,9 @@ import torch
 import common
 from common import CompletionLogprobs, UsageError
 
-# a model whose CompletionLogprobs wrapper is its FSDP root -> that wrapper (see common.completion_logprobs),
-# and the roots whose weights `gathered` holds whole right now
+# a model whose CompletionLogprobs wrapper is its FSDP root -> that wrapper (see common.completion_logprobs; the
+# only reference to it a script may keep), and the roots whose weights `gathered` holds whole right now. The
+# wrapper holds its model, so an entry lives until `forget_roots` (main's end, before the process group goes)
 LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GATHERED: weakref.WeakSet = weakref.WeakSet()
 
@@ -65,6 +66,14 @@ def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.
     if isinstance(module, CompletionLogprobs):
         LOGPROBS_ROOT[module.model] = module
     return module
+
+
+def forget_roots():
+    """Drop every registered root: the sharded models and, through them, their process groups can then be freed
+    (extras/distributed.py's leave_process_group calls it before destroying the group; a sharded model alive into
+    interpreter shutdown can abort a finished rank there: SIGABRT, "terminate called without an active
+    exception")."""
+    LOGPROBS_ROOT.clear()
 
 
 def sharded(module) -> bool:
