@@ -134,10 +134,9 @@ def tiny(device):
     return model.eval(), tok
 
 
-def test_greedy_samples_equal_hf_generate_in_float32(tiny):
-    """The tiny checkpoint's greedy completions, rows stopping at different steps, are generate's token for
-    token (float32: the fused kernels' roundings do not flip a trained model's greedy choices)."""
-    model, tok = tiny
+def greedy_against_generate(model, tok):
+    """(prompts, common.sample's greedy completions, HF generate's) of 32 arith prompts, 24 new tokens, each
+    completion cut after its first EOS, both in `model`'s dtype."""
     train, _ = common.arith_split()
     prompts = common.encode_prompts(tok, train[:32])
     eos, pad, T = common.eos_token_ids(model, tok), tok.pad_token_id, 24
@@ -147,7 +146,13 @@ def test_greedy_samples_equal_hf_generate_in_float32(tiny):
         out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
                              do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
     rows = out[:, batch.prompt_ids.shape[1] :].tolist()
-    theirs = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    return prompts, ours, [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+
+
+def test_greedy_samples_equal_hf_generate_in_float32(tiny):
+    """The tiny checkpoint's greedy completions, rows stopping at different steps, are generate's token for
+    token (float32: the fused kernels' roundings do not flip a trained model's greedy choices)."""
+    _, ours, theirs = greedy_against_generate(*tiny)
     assert ours == theirs
 
 
@@ -159,18 +164,9 @@ def test_greedy_samples_in_bf16_part_from_hf_generate_only_at_near_ties(tiny):
     one forward's error, logit_tol at bfloat16 capped at half the logit scale, plus the float32 forward's own). Rows
     that agree need no check. A decode step that hides its own slot from the new token fails it (planted)."""
     model, tok = tiny
-    low = copy.deepcopy(model).to(torch.bfloat16)
-    train, _ = common.arith_split()
-    prompts = common.encode_prompts(tok, train[:32])
-    eos, pad, T = common.eos_token_ids(model, tok), tok.pad_token_id, 24
-    ours = common.sample(low, prompts, T, eos, pad, greedy=True).completion_lists()
-    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad, device=model.device)
-    with torch.no_grad():
-        out = low.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                           do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
-    theirs = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
-    length, max_logit = logit_scale(model, common.Rollout.from_lists(prompts, ours, pad, device=model.device))
+    prompts, ours, theirs = greedy_against_generate(copy.deepcopy(model).to(torch.bfloat16), tok)
+    roll = common.Rollout.from_lists(prompts, ours, tok.pad_token_id, device=model.device)
+    length, max_logit = logit_scale(model, roll)
     # at bfloat16's 2^-8 the first-order bound passes the logit scale itself: capped at half of it, as
     # test_gpu_paths.py caps the bf16 log-prob bound (a token picked by mistake is most often further off)
     bound = min(logit_tol(model.config, length, max_logit, torch.bfloat16), 0.5 * max_logit)
