@@ -124,7 +124,7 @@ def plan_memory(
     reward_model: its config (scored without gradients; its activations are not counted).
     rollout_dtype "bfloat16" (--rollout-dtype): the sampler's bf16 copy of the weights (made for each
     rollout and freed after it), a bf16 KV cache and bf16 fused weights.
-    gpu_memory: on "cuda", one GPU's memory in bytes (torch.cuda.mem_get_info's total; None: GPU_MEMORY_GB),
+    gpu_memory: on "cuda", one GPU's memory in bytes (its properties' total_memory; None: GPU_MEMORY_GB),
     which sizes the log-prob chunk as the scripts size it (common.logits_chunk_elements).
     parallel: None = one process (world 1); "ddp" or "fsdp" = torchrun with `world` ranks, each with
     1/world of the `rows` (its activations, KV cache, log-prob chunks), and the figures are one rank's.
