@@ -401,6 +401,14 @@ def logit_scale(model, roll, temperature=1.0):
     return ids.shape[1], (logits.abs().max() / temperature).item()
 
 
+def logp_entropy_f64(hidden, weight, targets, temperature):
+    """(log p of `targets`, entropy) of softmax(hidden @ weight.T / temperature) in float64, unchunked: the
+    reference for logprobs_from_hidden (autograd flows through it when hidden or weight require it)."""
+    logits = (hidden.double() @ weight.double().T) / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
 def log_softmax_bounds(hidden, weight, targets, temperature, coef=None, dtype=torch.float32):
     """Elementwise first-order error bounds of logprobs_from_hidden's computation in `dtype` against exact
     arithmetic, from Higham's gamma and the operands' sizes (computed here in float64):

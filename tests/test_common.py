@@ -25,6 +25,7 @@ from helpers import (
     log_softmax_bounds,
     logit_scale,
     logit_tol,
+    logp_entropy_f64,
     logprob_tol,
     probable_gamma,
     unit_roundoff,
@@ -712,14 +713,6 @@ def test_completion_logprobs_chunked_equals_plain_with_model_gradients(rand_mode
     assert g0["lm_head.weight"].abs().sum() > 0
 
 
-def _naive_logp_entropy_f64(hidden, weight, targets, temperature):
-    logits = (hidden.double() @ weight.double().T) / temperature
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
 @pytest.mark.numeric
 @given(
     B=st.integers(1, 3),
@@ -741,7 +734,7 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, data, temperatu
     targets = torch.randint(0, V, (B, T), generator=g)
     coef = torch.randn(B, T, generator=g)
 
-    ref_lp, ref_ent = _naive_logp_entropy_f64(hidden.detach(), weight.detach(), targets, temperature)
+    ref_lp, ref_ent = logp_entropy_f64(hidden.detach(), weight.detach(), targets, temperature)
     # float32's error bounds against exact arithmetic (helpers.log_softmax_bounds: gamma_n of each sum, in
     # terms of the operands' sizes); float64's own error, 2^29 times smaller, is inside them
     bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)
@@ -761,7 +754,7 @@ def test_logprobs_from_hidden_chunked_values_and_gradients(B, T, data, temperatu
     # the gradient itself, against float64 autograd of the naive formula
     h64 = hidden.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
-    lp64, _ = _naive_logp_entropy_f64(h64, w64, targets, temperature)
+    lp64, _ = logp_entropy_f64(h64, w64, targets, temperature)
     (coef.double() * lp64).sum().backward()
     assert_within(out[chunk][0], h64.grad, bound["grad_hidden"], "d/dhidden vs float64")
     assert_within(out[chunk][1], w64.grad, bound["grad_weight"], "d/dweight vs float64")
@@ -787,7 +780,7 @@ def test_auto_chunks_at_qwen_vocabulary_equal_float64():
     w64 = weight.detach().double().requires_grad_(True)
     bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)  # float32 vs exact (helpers)
     for rows in torch.arange(n).split(32):  # the reference a few rows at a time (float64 [n, V] is 280 MB)
-        lp64, ent64 = _naive_logp_entropy_f64(h64[rows], w64, targets[rows], temperature)
+        lp64, ent64 = logp_entropy_f64(h64[rows], w64, targets[rows], temperature)
         (coef[rows].double() * lp64).sum().backward()
         assert_within(lp[rows], lp64.detach(), bound["logp"][rows], "log p")
         assert_within(ent[rows], ent64.detach(), bound["entropy"][rows], "entropy")  # a sum over 151,936 terms

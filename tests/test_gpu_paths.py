@@ -13,7 +13,16 @@ import types
 
 import pytest
 import torch
-from helpers import assert_within, entropy_tol, log_softmax_bounds, logit_scale, logprob_tol, sum_gamma, unit_roundoff
+from helpers import (
+    assert_within,
+    entropy_tol,
+    log_softmax_bounds,
+    logit_scale,
+    logp_entropy_f64,
+    logprob_tol,
+    sum_gamma,
+    unit_roundoff,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -376,8 +385,7 @@ def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
     targets, coef = torch.randint(0, V, (n,), generator=g), torch.randn(n, generator=g)
     bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    logits64 = (h64 @ w64.T / temperature).log_softmax(-1)
-    lp64, ent64 = logits64.gather(-1, targets[:, None]).squeeze(-1), -(logits64.exp() * logits64).sum(-1)
+    lp64, ent64 = logp_entropy_f64(h64, w64, targets, temperature)
     (coef.double() * lp64).sum().backward()
     h32, w32 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     plain_lp, plain_ent = common.logprobs_from_hidden(h32, w32, targets, temperature, chunk_tokens=None)
