@@ -44,6 +44,8 @@ RETURN = "        return roll\n"
 RECORD = """        ends = common.completion_ends(roll, self.eos_ids)
         mask = roll.completion_mask
         torch.save((int(mask.sum()), int((mask * ends[:, None]).sum())), os.path.join(OUT, f"tokens-rank{{RANK}}.pt"))
+        torch.save(dict(prompt_ids=roll.prompt_ids, prompt_mask=roll.prompt_mask, completion_ids=roll.completion_ids,
+                        completion_mask=mask), os.path.join(OUT, f"rollout-rank{{RANK}}.pt"))
         return roll
 """
 # An off-policy first update (test_distributed_metrics' too): --old-logp rollout reads the sampler's log-probs, set
