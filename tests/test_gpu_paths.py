@@ -412,12 +412,18 @@ def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
             assert_within(x.detach(), plain.detach(), 2 * b, f"{what}, {memory} B vs unchunked")
 
 
-def test_tf32_is_allowed_on_cuda_only(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    common.use_tf32(CPU)
-    assert torch.backends.cuda.matmul.allow_tf32 is False
-    common.use_tf32(torch.device("cuda:0"))
-    assert torch.backends.cuda.matmul.allow_tf32 is True
+def test_tf32_is_allowed_on_cuda_only():
+    # set and restored through torch's own switch: monkeypatch's undo deletes the attribute under pytest 9.2,
+    # which torch's cuBLASModule refuses (AttributeError at teardown)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        common.use_tf32(CPU)
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        common.use_tf32(torch.device("cuda:0"))
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def test_load_model_sets_matmul_precision_for_its_device(monkeypatch):
