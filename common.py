@@ -489,15 +489,18 @@ def check_model_name(model: str):
         raise UsageError(f"--model {model}: no such directory; {expected}")
 
 
-EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130) or SIGTERM (143)
+EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130), SIGTERM (143) or SIGHUP (129)
 
 
 def main(train, args_cls, argv=None):
     """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
-    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 stopped by SIGINT / SIGTERM
+    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP
     after finishing the step and saving a checkpoint (continue it with --resume)."""
-    previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
+    # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
+    previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # a closed reader never costs a checkpoint
     try:
         train(parse_args(args_cls, argv))
     except UsageError as e:
@@ -511,6 +514,7 @@ def main(train, args_cls, argv=None):
         print("interrupted: stopped at once, without a checkpoint", file=sys.stderr)
         sys.exit(128 + (_stop["signum"] or signal.SIGINT))
     finally:
+        sys.stdout, sys.stderr = streams
         for s, handler in previous.items():
             signal.signal(s, handler)
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
@@ -611,11 +615,11 @@ def run_scripts(out: Path) -> set:
 
 
 def check_out(args, resume_from: Path | None) -> str | None:
-    """--out before anything is written: the earlier run that this run will replace whole (Run does it,
-    on rank 0), or None when there is nothing to replace (no directory, an empty one, or the run that
-    --resume continues in place). UsageError, and nothing touched, when --out holds another script's
-    run (or one no file names) without --overwrite, or is a non-empty directory that holds no run,
-    which is never deleted: two runs' files are never left mixed in one directory."""
+    """--out before anything is written: the earlier run that --overwrite replaces whole (Run does it, on rank 0),
+    or None when there is nothing to replace (no directory, an empty one, or the run that --resume continues in
+    place). A run is never deleted without --overwrite: a directory that holds one (finished or stopped, this
+    script's or another's) is a UsageError, nothing touched, that says how to continue or replace it; so is a
+    non-empty directory that holds no run, which is never deleted, with --overwrite or without."""
     out = Path(args.out)
     if resume_from is not None and out.resolve() == resume_from.resolve().parent:
         return None  # --resume continues the run in its own directory
@@ -629,25 +633,24 @@ def check_out(args, resume_from: Path | None) -> str | None:
             "so it is not replaced; choose another --out, or empty it"
         )
     scripts = run_scripts(out)
-    others = sorted(scripts - {args.algo})
-    if others and not args.overwrite:
-        raise UsageError(
-            f"--out {args.out} holds a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's; "
-            "add --overwrite to replace it, or choose another --out"
-        )
-    if not scripts and not args.overwrite:
-        raise UsageError(
-            f"--out {args.out} holds a run that no summary.json or checkpoint names (a crashed run?); "
-            "add --overwrite to replace it, or choose another --out"
-        )
+    if not args.overwrite:
+        others = sorted(scripts - {args.algo})
+        if others:
+            held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
+        elif scripts:
+            held = (
+                f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger --steps)"
+            )
+        else:
+            held = "a run that no summary.json or checkpoint names (a crashed run?)"
+        raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
     return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
 
 
 def replace_out(out: str, replaces: str):
     """Delete the run in `out` that check_out found, saying so in one line (rank 0 only calls it)."""
     shutil.rmtree(out)
-    print(f"--out {out}: replacing the earlier {replaces} there whole (--resume continues a run instead)",
-          file=sys.stderr)  # fmt: skip
+    print(f"--out {out}: --overwrite: replacing the earlier {replaces} there whole", file=sys.stderr)
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -2856,7 +2859,7 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; kill, a scheduler; the terminal closed
 
 # flags a resumed run may change; of them only --steps alters the training trajectory (the annealed learning
 # rate is a function of the step and --steps: a larger --steps stretches what is left of it), and --device
@@ -2877,6 +2880,39 @@ class Interrupted(Exception):
 
 
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
+
+
+class Unbroken:
+    """stdout or stderr that nobody reading it can crash. `python gspo.py | tee log` stopped by Ctrl-C: the same
+    SIGINT stops tee, and the run's next line would raise BrokenPipeError (a closed terminal: EIO) before its
+    checkpoint is saved. Here the first failed write points the stream's file at /dev/null instead, so the step
+    finishes and the checkpoint and summary are written; only lines that no one could read are lost."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self.to_devnull()
+
+    def to_devnull(self):
+        """Point the stream's file descriptor at /dev/null (what it still buffers goes there too, at exit)."""
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):  # no file descriptor (a test's captured stream): nothing to point
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self.stream, name)
 
 
 def _request_stop(signum, frame):

@@ -1,6 +1,6 @@
-"""--out (issue 42, part 4): a directory holding another script's run is refused before anything is
-written, --overwrite replaces it whole, a same-script rerun (no --resume) replaces the earlier run whole
-and says so in one line, and a non-empty directory that holds no run is never deleted.
+"""--out: a directory holding a run (another script's, or this script's finished or stopped one) is refused
+before anything is written, with one line saying how to continue or replace it; --overwrite replaces it whole
+and says so in one line; a non-empty directory that holds no run is never deleted.
 
 The runs are in this process (common.main, as tests/test_fork_traps.py does) and tiny: 4 prompts x 2
 samples, 4 new tokens, 8 evaluation prompts, 1 step; check_out's decisions are also tested directly,
@@ -92,9 +92,13 @@ def test_summary_and_checkpoint_are_both_read(tmp_path):
     assert common.check_out(args_for(out, overwrite=True), None) == "grpo.py and gspo.py run"
 
 
-def test_the_same_scripts_run_is_to_be_replaced(tmp_path):
+def test_the_same_scripts_run_is_refused_unless_overwrite(tmp_path):
     out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="gspo")
-    assert common.check_out(args_for(out), None) == "gspo.py run"
+    with pytest.raises(common.UsageError) as e:
+        common.check_out(args_for(out), None)
+    assert f"earlier gspo.py run (--resume {out} continues it" in str(e.value) and "--overwrite" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert common.check_out(args_for(out, overwrite=True), None) == "gspo.py run"
 
 
 def test_a_run_no_file_names_needs_overwrite(tmp_path):
@@ -152,19 +156,22 @@ def test_another_scripts_out_is_refused_untouched_and_overwrite_replaces_it(tmp_
     assert snapshot(out) == before  # not a byte written
     status, err = run_main("grpo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
     assert status == 0, err
-    assert replacing_lines(err) == [f"--out {out}: replacing the earlier gspo.py run there whole "
-                                    "(--resume continues a run instead)"]  # fmt: skip
+    assert replacing_lines(err) == [f"--out {out}: --overwrite: replacing the earlier gspo.py run there whole"]
     assert json.loads((out / "summary.json").read_text())["algo"] == "grpo"
     assert not (out / "checkpoint").exists()  # gspo's checkpoint did not stay beside grpo's metrics
 
 
-def test_a_same_script_rerun_replaces_the_earlier_run_whole(tmp_path, capsys):
+def test_a_second_default_run_keeps_the_finished_one_and_overwrite_replaces_it_whole(tmp_path, capsys):
     out = tmp_path / "out"
     status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
     assert status == 0, err
     (out / "traces.jsonl").write_text('{"step": 1, "earlier_run": true}\n')  # an earlier run's extra file
     (out / "leftover.txt").write_text("old")
-    status, err = run_main("gspo", [*TINY_RUN, "--out", out], capsys)
+    before = snapshot(out)
+    status, err = run_main("gspo", [*TINY_RUN, "--out", out], capsys)  # the same command again
+    assert status == 2 and "earlier gspo.py run" in error_line(err) and "--overwrite" in error_line(err)
+    assert snapshot(out) == before  # the finished run, its weights and summary, not a byte changed
+    status, err = run_main("gspo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
     assert status == 0, err
     assert len(replacing_lines(err)) == 1 and "earlier gspo.py run" in replacing_lines(err)[0]
     assert not (out / "leftover.txt").exists() and not (out / "checkpoint").exists()

@@ -6,8 +6,9 @@ programs, driven through subprocesses:
   - --save-every / --resume: a 6-step run stopped after step 3 and resumed equals the uninterrupted
     run (metrics apart from timings, final weights bit for bit); a checkpoint of another algorithm
     or model is refused;
-  - SIGINT / SIGTERM: the step finishes, a checkpoint and summary.json ("interrupted": true) are
-    written, exit 130 / 143, and --resume completes the run as if nothing had happened;
+  - SIGINT / SIGTERM / SIGHUP: the step finishes, a checkpoint and summary.json ("interrupted": true) are
+    written, exit 130 / 143 / 129, and --resume completes the run as if nothing had happened, also when
+    stdout is a pipe whose reader is gone (`| tee` stopped by the same Ctrl-C);
   - the non-finite guard (in-process, the loss function monkeypatched to return NaN, the reward to
     alternate 0/1 so that the healthy updates do move the weights): a skipped update leaves weights
     and optimizer state untouched; too many in a row exit with status 3;
@@ -347,13 +348,48 @@ def test_sigint_saves_a_checkpoint_and_resume_completes_the_run(runs, tmp_path):
     assert_same_weights(weights(out / "final"), weights(annealed / "final"))
 
 
-def test_sigterm_exits_143_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # kill or a scheduler; the terminal closed
+def test_sigterm_and_sighup_exit_128_plus_the_signal_with_a_checkpoint(tmp_path, signum):
     out = tmp_path / "run"
-    status, stderr = start_and_signal(out, signal.SIGTERM)
-    assert status == 143, stderr[-2000:]
+    status, stderr = start_and_signal(out, signum)
+    assert status == 128 + signum, stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == summary["step"]
+
+
+def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp_path):
+    """`python gspo.py | tee log` stopped by Ctrl-C: the terminal's SIGINT stops tee too, so every line the run
+    writes after it goes to a pipe nobody reads (BrokenPipeError). The checkpoint is saved all the same, and
+    --resume ends where a run never stopped ends. Unbuffered stdout and a line every step (--eval-every 1), so
+    that a write after the signal reaches the closed pipe at once, as `python -u` or a full buffer would."""
+    flags = [*SMALL, "--eval-every", "1", "--steps", "8"]
+    whole = tmp_path / "whole"
+    ok(run("gspo", *flags, "--out", whole))
+    out = tmp_path / "piped"
+    cmd = [sys.executable, "gspo.py", *flags, "--out", str(out)]
+    piped_env = dict(env(), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=piped_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("step 0:")  # the run is writing to the pipe
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no metrics row within 240 s"
+        time.sleep(0.02)
+    proc.stdout.close()  # tee is gone: the pipe has no reader
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=240)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before SIGINT arrived")
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    k = json.loads((out / "summary.json").read_text())["step"]
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == k
+    if k == 8:
+        pytest.skip("SIGINT arrived during the last step")
+    ok(run("gspo", "--resume", out))
+    assert metrics(out) == metrics(whole)
+    assert_same_weights(weights(out / "final"), weights(whole / "final"))
 
 
 # ---------------------------------------------------------------------------------------------
