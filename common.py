@@ -1,5 +1,7 @@
 """common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm: what their default runs
-execute, with the flag checks and error paths around it (the capabilities a flag switches on: extras/).
+execute, with the flag checks and error paths around it, and some of what only a flag reaches (--filter-groups,
+--save-every, --top-p, --reward boxed, --report-to, --data's split and checks among it; the other capabilities
+a flag switches on: extras/).
 
 Its sections (a script's train() reaches into several of them each step, in no one order):
    1. Command line     SharedArgs (the flags every script shares) -> argparse, one-line errors (exit 2), main()
@@ -9,7 +11,8 @@ Its sections (a script's train() reaches into several of them each step, in no o
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
-  7b. The sampler      Sampler (the policy as the rollout samples it), --is-correction's weights
+  7b. The sampler      Sampler (the policy as the rollout samples it), forwarded_rows (the rows an update plan
+                       forwards), is_weights (--is-correction's weights)
    8. Updates          plan_updates, rows_with_signal, logprobs_of_rows (pi_old's forward), the non-finite guard
    9. The run          Run: every measurement, metrics.jsonl, evaluation when due, checkpoints
   10. Checkpoints      atomic save, SIGINT / SIGTERM

@@ -5,11 +5,12 @@ with PPO").
 Objective, per completion token t of completion y (policy loss minimised, critic regressed):
 
     r_t   = -beta (old_t - ref_t)  [+ score(y) on the last real token]   reward (KL-in-reward, InstructGPT)
-    A_t   = GAE(gamma, lambda) of r with the critic's V_t, whitened over the batch    (GAE paper Eq. 16)
+    A_t   = GAE(gamma, lambda) of r with the critic's V_t                             (GAE paper Eq. 16)
     rho_t = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t)                            importance ratio
-    L_pi  = token-mean of max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))  (PPO Eq. 7),
-            and for A_t < 0 the dual clip min(that, -c A_t)                          (Ye et al. 2020)
-    L_V   = 0.5 token-mean of max((V - R)^2, (clip(V, V_old +- cv) - R)^2),  R = A + V_old
+    L_pi  = token-mean of max(-W_t rho_t, -W_t clip(rho_t, 1 - eps_low, 1 + eps_high))  (PPO Eq. 7),
+            and for W_t < 0 the dual clip min(that, -c W_t)                          (Ye et al. 2020),
+            W = A whitened over the batch
+    L_V   = 0.5 token-mean of max((V - R)^2, (clip(V, V_old +- cv) - R)^2),  R = A + V_old (A not whitened)
 
 The critic is a *separate* transformer initialised from the policy checkpoint, with a scalar head,
 as in verl, OpenRLHF and TRL: sharing the trunk couples the value and policy gradients (one
