@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 CUSTOM_COMPILE_COMMAND="bash tools/pin_requirements.sh" python -m piptools compile --quiet --strip-extras --allow-unsafe \
     --no-emit-index-url --no-emit-find-links -o requirements.txt requirements.in
 # torch's version without its build label (+cpu where pip found the CPU file): `torch==2.13.0` is then satisfied by
-# the CPU build here and by the CUDA build of the same version on a GPU machine (README: install).
+# the CPU build here and by the CUDA build of the same version on a GPU machine (README: Set up).
 sed -i -E 's/^torch==([0-9][0-9.]*)\+[a-z0-9]+$/torch==\1/' requirements.txt
