@@ -2457,7 +2457,7 @@ class Run:
             mu = self.roll.sample_logp[rows]
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
-            self.trace.update(rows, logp, entropy, info)
+            self.trace.update(rows, logp, entropy, info, on_policy)
         self.skipped += not stepped
         if stepped:
             numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
