@@ -1040,12 +1040,16 @@ class Rollout:
     seconds: float | None = None
     sampled_tokens: int | None = None
     draws: int | None = None  # how many Sampler.sample calls those figures add up (1 for one; `concat` sums)
+    # an MoE model's routing of these rows in their pi_old forward (Run.recording_routing): [layers, B, P + T, k], the
+    # experts of each token; it travels with the batch, so a batch trained steps later replays its own experts
+    experts: torch.Tensor | None = None
 
     def __getitem__(self, idx):
         pick = lambda x: None if x is None else x[idx]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
                        pick(self.entropy), pick(self.sample_logp), pick(self.sample_logp_full), self.seconds,
-                       self.sampled_tokens, self.draws)  # fmt: skip
+                       self.sampled_tokens, self.draws,
+                       None if self.experts is None else self.experts[:, idx])  # fmt: skip
 
     def __len__(self):
         return self.prompt_ids.shape[0]
@@ -1055,7 +1059,8 @@ class Rollout:
         """The rows of `rolls`, in order, as one Rollout: prompts re-padded on the left and completions on
         the right (with `pad_id`, masks 0) to the widest part, so each row's prompt ++ completion is as
         it was. Parts may have no rows. seconds, sampled_tokens and draws add up (None if a part lacks
-        them): a concatenation of selections of several draws costs what those draws did."""
+        them): a concatenation of selections of several draws costs what those draws did. `experts` is
+        not kept (its positions moved with the padding): record the joined batch's pi_old forward."""
         P = max(r.prompt_ids.shape[1] for r in rolls)
         T = max(r.completion_ids.shape[1] for r in rolls)
         left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
@@ -2394,14 +2399,21 @@ class Run:
         routing record (drift, --routing-replay), --reward-model's kl_to_init. `rollout` refuses fewer rows."""
         return self.routing is not None or self.reference is not None
 
-    def recording_routing(self):
-        """Context for the script's pi_old forward: an MoE model records each token's experts in it (extras/moe.py)."""
-        return self.routing.record() if self.routing is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def recording_routing(self, roll: Rollout):
+        """Context for the script's pi_old forward of `roll`: an MoE model records each token's experts in it
+        (extras/moe.py) into `roll.experts`, which `rollout` reads when `roll` trains (drift, --routing-replay)."""
+        if self.routing is None:
+            yield
+            return
+        with self.routing.record():
+            yield
+        roll.experts = self.routing.indices
 
     def replayed_routing(self, rows: torch.Tensor, on: bool = True):
         """Context for an update's forward and backward on rows `rows` of the rollout: with `on` (grpo.py's
-        --routing-replay) an MoE model routes every token through the experts that the pi_old forward
-        recorded (extras/moe.py); otherwise nothing."""
+        --routing-replay) an MoE model routes every token through the experts that the rollout's pi_old forward
+        recorded (`Rollout.experts`: its own, whichever step sampled it; extras/moe.py); otherwise nothing."""
         if not on or self.routing is None:
             return contextlib.nullcontext()
         return self.routing.replay(self.routing.indices, rows)
@@ -2425,6 +2437,8 @@ class Run:
             raise ValueError("Run.rollout: pi_old is needed on every row (Run.reads_every_row: an MoE model's routing "
                              "record or --reward-model's kl_to_init), but has_old leaves rows out")  # fmt: skip
         self.roll, self.rewards, self.old_logp, self.updates = roll, rewards, old_logp, []
+        if self.routing is not None:  # MoE: the experts `roll`'s pi_old forward chose (drift, replay); None: none ran
+            self.routing.indices = roll.experts
         self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
         precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
         self.mismatch = precision.rollout_mismatch(roll, old_logp, has_old, weights, args) if precision else {}
@@ -2449,7 +2463,7 @@ class Run:
             mu = self.roll.sample_logp[rows]
             self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
         if self.trace is not None:
-            self.trace.update(rows, logp, entropy, info)
+            self.trace.update(rows, logp, entropy, info, on_policy)
         self.skipped += not stepped
         if stepped:
             numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}

@@ -275,7 +275,7 @@ def train(args: Args):
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
             old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
                 old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
         is_weights = common.is_weights(old_logp, roll, has_old, args)  # --is-correction; else None
         with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
@@ -289,7 +289,7 @@ def train(args: Args):
             ref = ref_logp[rows] if args.kl_coef else None
             weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
-            with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: step 4's experts in backward too
+            with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: roll.experts, in backward too
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
                 loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
                                        eps_high=args.eps_high, ref_logp=ref, kl_coef=args.kl_coef, agg=args.loss_agg,

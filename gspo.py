@@ -228,7 +228,7 @@ def train(args: Args):
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
             old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
                 old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
         is_weights = common.is_weights(old_logp, roll, has_old, args, per=args.variant)  # --is-correction; else None
         run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old, is_weights, rounds.sampled())

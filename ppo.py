@@ -270,7 +270,7 @@ def train(args: Args):
         if args.old_logp == "rollout":
             old_logp = roll.sample_logp_full * mask  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing():  # an MoE model records each token's experts here
+            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
                 old_logp = common.completion_logprobs(model, roll, args.temperature)[0]  # [B, T]
         is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
         with torch.no_grad():  # (--kl-coef 0: no reference forward)

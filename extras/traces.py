@@ -57,16 +57,18 @@ class Trace:
         self.has_old = [True] * len(self.rows) if has_old is None else has_old[self.rows].tolist()  # [n]
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
-    def update(self, rows, logp, entropy, info: dict):
+    def update(self, rows, logp, entropy, info: dict, on_policy: bool = False):
         """An update's forwarded rows [b], its log-probs and entropy [b, T], and its loss's `info`, whose
-        "ratio" and "clipped" ([b, T], or [b] for a sequence ratio) the trace keeps."""
+        "ratio" and "clipped" ([b, T], or [b] for a sequence ratio) the trace keeps; `on_policy`, as the script
+        marked it (Run.update: its forward ran at the weights that sampled the batch)."""
         detached = lambda x: None if x is None else x.detach()  # noqa: E731
-        self.updates.append((rows, logp.detach(), detached(entropy), {k: info.get(k) for k in ("ratio", "clipped")}))
+        kept = {k: info.get(k) for k in ("ratio", "clipped")}
+        self.updates.append((rows, logp.detach(), detached(entropy), kept, bool(on_policy)))
 
     def _update_entries(self, lengths: list[int]) -> dict:
         """row -> one entry per update that forwarded it (in update order), or None if none did."""
         per_row = {r: [] for r in self.rows}
-        for k, (rows, logp, entropy, filled) in enumerate(self.updates):
+        for k, (rows, logp, entropy, filled, on_policy) in enumerate(self.updates):
             ratio, clipped = filled.get("ratio"), filled.get("clipped")
             if ratio is not None and ratio.dim() == 1:  # GSPO's sequence ratio: every token gets its row's
                 ratio, clipped = ratio[:, None].expand_as(logp), clipped[:, None].expand_as(logp)
@@ -74,7 +76,7 @@ class Trace:
             for pos, r in enumerate(rows.tolist()):
                 if r in per_row:
                     row = {name: _values(None if x is None else x[pos], lengths[r]) for name, x in values.items()}
-                    per_row[r].append({"update": k, **row})
+                    per_row[r].append({"update": k, "on_policy": on_policy, **row})
         return {r: entries or None for r, entries in per_row.items()}
 
     def records(self) -> list[dict]:

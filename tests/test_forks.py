@@ -1,22 +1,30 @@
-"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on generated forks.
+"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on the README's forks.
 
 In a copy of the project, a script is copied to a fork and registered as a user would (README, "Fork it"): its
-name added to SCRIPTS and its parent's line copied in TRAITS. The shared tests that iterate SCRIPTS then run it:
-  - gspo.py copied to rloo.py: the unchanged copy passes them; a copy whose loss returns a bare tensor (no info)
-    fails them (the smoke run); a copy that stops passing its sampling generator to Run fails the shared resume
-    test, since the resumed run then samples from a reseeded generator and ends with other weights;
-  - grpo.py made one-step off-policy (the batch trained at step t was sampled at step t-1, as verl's one-step
-    off-policy trainer does; pi_old taken right after sampling and carried with the batch): it passes the quick
-    tier; the same fork taking pi_old from the current weights when it trains (the defining mistake of such a
-    fork) fails tests/test_pi_old.py, saying so.
-Each check runs pytest in the copy, in a subprocess (a minute or more each on 2 cores): slow tier. The
-quick tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and the one-step
-off-policy edit still applies to grpo.py.
+name added to SCRIPTS and its parent's line copied in TRAITS, with what the fork changes. The forks are made from
+the README's own text, so that the README and these tests cannot drift apart (a README whose recipe no longer
+applies fails the quick tier here):
+  - gspo.py copied to rloo.py: the unchanged copy passes the shared quick tier; a copy whose loss returns a bare
+    tensor (no info) fails it (the smoke run); a copy that stops passing its sampling generator to Run fails the
+    shared resume test, since the resumed run then samples from a reseeded generator and ends with other weights;
+  - a DAPO-style grpo.py (the README's DAPO defaults in its recipe, its TRAITS line changed as the README says):
+    it passes the shared quick tier;
+  - grpo.py made one-step off-policy by the README's code block (the batch trained at step t was sampled at step
+    t-1, as verl's one-step off-policy trainer does; pi_old taken right after sampling and carried with the
+    batch): it passes the shared quick tier, and the slow shared tests that read pi_old and the trace; with
+    --routing-replay each update replays its own (older) batch's experts (a Run that replays the last pi_old
+    forward's, another batch's, fails test_routing_replay_through_train); the same fork taking pi_old from the
+    current weights when it trains (the defining mistake of such a fork) fails tests/test_pi_old.py in the quick
+    tier, saying so.
+Each check runs pytest in the copy, in a subprocess (a minute or more each on 2 cores): slow tier. The quick
+tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and the README's recipes
+still apply to grpo.py.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,10 +34,20 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, SCRIPTS, TRAITS
 
-FORK = "rloo"
+FORK, DAPO = "rloo", "dapo"
 OFF_POLICY = "offgrpo"  # one-step off-policy GRPO
+# the shared tests of the quick tier that run each script in SCRIPTS
 SHARED_QUICK = ["tests/test_smoke.py", "tests/test_args.py", "tests/test_layout.py", "tests/test_pi_old.py",
-                "tests/test_fork_traps.py"]  # fmt: skip
+                "tests/test_fork_traps.py", "tests/test_flags_reach_update.py", "tests/test_temperature_training.py",
+                "tests/test_routing_replay_through_train.py"]  # fmt: skip
+# the slow shared tests that read pi_old, mismatch_* or the first update's log-probs (test_traces' browser tests read
+# gspo's runs only), for a fork that trains an older batch
+SHARED_OFF_POLICY_SLOW = [
+    "tests/test_rollout_mismatch.py",
+    "tests/test_traces.py",
+    "-k",
+    "first_update or log_the_mismatch or matches_a_recomputation or after_resume_equal",
+]
 
 
 def test_every_script_has_its_traits_and_its_file():
@@ -37,10 +55,17 @@ def test_every_script_has_its_traits_and_its_file():
     assert all((ROOT / f"{name}.py").is_file() for name in SCRIPTS)
 
 
-def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK) -> Path:
+def fork_section() -> str:
+    """The README's "Fork it" section."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Fork it")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
     """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged but for its loss's name, as
-    the README says: `<fork>_loss`), registered in the copy's
-    tests/helpers.py: its name added to SCRIPTS and its parent's TRAITS line copied, by lines appended after
+    the README says: `<fork>_loss`), registered in the copy's tests/helpers.py: its name added to SCRIPTS and its
+    parent's TRAITS line copied, with `traits` (a field's new value, "name=value") changed, by lines appended after
     both are defined, so that it works however the SCRIPTS line is written."""
     root = tmp_path / "project"
     ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
@@ -50,40 +75,75 @@ def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str
     assert edit is None or text != source, f"the edit no longer matches {parent}.py's text"
     (root / f"{fork}.py").write_text(text.replace(f"{parent}_loss", f"{fork}_loss"))  # its loss named after it
     helpers = root / "tests" / "helpers.py"
-    registered = f'\nSCRIPTS = (*SCRIPTS, "{fork}")\nTRAITS["{fork}"] = TRAITS["{parent}"]\n'
+    line = f'dataclasses.replace(TRAITS["{parent}"], {traits})' if traits else f'TRAITS["{parent}"]'
+    registered = f'\nimport dataclasses\nSCRIPTS = (*SCRIPTS, "{fork}")\nTRAITS["{fork}"] = {line}\n'
     helpers.write_text(helpers.read_text() + registered)
     return root
 
 
-CARRIED = "roll, records, rewards, parts, mask, loss_mask, advantages, plan, has_old, old_logp, is_weights, ref_logp"
+def dapo_defaults() -> dict[str, str]:
+    """The README's DAPO-style recipe, {field: its default as Python}: "`filter_groups` True, `eps_high` 0.28, ..."."""
+    sentence = re.search(r"DAPO-style fork of grpo\.py makes DAPO's flags its defaults: ([^.]+(?:\.\d+[^.]*)*)\.",
+                         " ".join(fork_section().split()))  # fmt: skip
+    assert sentence, "the README's fork section no longer gives a DAPO-style fork's defaults"
+    pairs = dict(re.findall(r"`(\w+)` ([^,]+?)(?:,|$)", sentence.group(1)))
+    assert len(pairs) >= 4, pairs
+    return pairs
+
+
+def dapo_traits() -> str:
+    """The TRAITS change the README gives a DAPO-style fork ("name=value")."""
+    found = re.search(r'DAPO-style fork.{0,80}?`(\w+="[\w-]+")`', " ".join(fork_section().split()))
+    assert found, "the README's fork section no longer says what a DAPO-style fork changes in TRAITS"
+    return found.group(1)
+
+
+def dapo_style(source: str) -> str:
+    """grpo.py with the README's DAPO defaults as its recipe: each field's first argument to arg() replaced."""
+    for name, value in dapo_defaults().items():
+        pattern = re.compile(rf"(\n    {name}: [^=]+= arg\(\s*)([^,\n]+)(,)")
+        assert len(pattern.findall(source)) == 1, f"grpo.py's Args has no one field {name}"
+        source = pattern.sub(lambda m, value=value: m.group(1) + value + m.group(3), source)
+    return source
+
+
+def off_policy_recipe() -> list[str]:
+    """The README's code block of a one-step off-policy fork, its lines at train()'s indentation (the block's
+    first level is train()'s body, 4 spaces in)."""
+    section = fork_section()
+    blocks = re.findall(r"\n( *)```python\n(.*?)\n *```", section, re.S)
+    recipes = [(indent, code) for indent, code in blocks if "carried.pop(0)" in code]
+    assert len(recipes) == 1, "the README's fork section has no one code block of the one-step off-policy fork"
+    indent, code = recipes[0]
+    return ["    " + line[len(indent) :] if line.strip() else "" for line in code.splitlines()]
 
 
 def one_step_off_policy(source: str, broken: bool = False) -> str:
-    """grpo.py made one-step off-policy: each step samples a batch and takes its pi_old at once (steps 1-5, the
-    weights that sampled it), carries it, and trains the batch the previous step sampled; the first step samples
-    two (both with the initial weights) and trains the first, as verl's one-step off-policy trainer starts.
+    """grpo.py made one-step off-policy by the README's code block: each step samples a batch and takes its pi_old
+    at once (steps 1-5, the weights that sampled it), carries it, and trains the batch the previous step sampled;
+    the first step samples two (both with the initial weights) and trains the first, as verl's one-step off-policy
+    trainer starts. The block's lines are the fork's, steps 1-5 of grpo.py (indented) where it says so.
     `broken`: pi_old retaken from the current weights when the carried batch is trained."""
+    recipe = off_policy_recipe()
+    at = lambda prefix: next(i for i, line in enumerate(recipe) if line.strip().startswith(prefix))  # noqa: E731
+    loop, steps, step6 = at("for _ in range("), at("...  # steps 1-5"), at("...  # step 6")
+    assert loop < steps < step6 and "run.rollout(" in "".join(recipe[steps:step6]), recipe
     start = source.index("        # 1. Sample G completions")
     end = source.index("        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old")
-    fork = (
-        "        # one-step off-policy: sample now (pi_old from the sampling weights), train the previous step's\n"
-        "        for _ in range(1 if carried else 2):\n"
-        + textwrap.indent(source[start:end], "    ")
-        + f"            carried.append(({CARRIED}))\n"
-        + "        sampled = rounds.sampled()  # this step's (last) sampling: the metrics that read the sampled batch\n"
-        + f"        {CARRIED} = carried.pop(0)\n"
-    )
+    after = source.index("\n", source.index("ref_logp=ref_logp)", end)) + 1  # the end of grpo.py's run.rollout
+    fork = "\n".join(recipe[loop:steps]) + "\n" + textwrap.indent(source[start:end], "    ")
+    fork += "\n".join(recipe[steps + 1 : step6]) + "\n"
     if broken:
         fork += (
             "        with torch.no_grad():  # the mistake: pi_old from the current weights, not those that sampled it\n"
             "            old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)\n"
         )
-    text = source[:start] + fork + source[end:]
+    text = source[:start] + fork + source[after:]
+    carried = recipe[at("carried = []")]
+    assert "Run(..., carried=carried)" in carried and "run.update(..., on_policy=False)" in recipe[step6], recipe
     for old, new in [
-        ("    run = common.Run(", "    carried = []  # batches sampled, with their pi_old, not yet trained (per rank)\n"
-                                "    run = common.Run("),
+        ("    run = common.Run(", f"{carried}\n    run = common.Run("),
         ("guard=guard)  # fmt: skip", "guard=guard, carried=carried)  # fmt: skip"),  # checkpointed: exact --resume
-        ("is_weights, rounds.sampled(),", "is_weights, sampled,"),
         ("on_policy=k == 0)", "on_policy=False)"),  # no update runs at the weights that sampled its batch
     ]:  # fmt: skip
         assert old in text, f"grpo.py no longer has {old!r}"
@@ -91,10 +151,12 @@ def one_step_off_policy(source: str, broken: bool = False) -> str:
     return text
 
 
-def test_the_one_step_off_policy_edit_applies_to_grpo():
+def test_the_readmes_fork_recipes_apply_to_grpo():
     source = (ROOT / "grpo.py").read_text()
-    for broken in (False, True):
-        compile(one_step_off_policy(source, broken), f"{OFF_POLICY}.py", "exec")
+    for name, text in [(DAPO, dapo_style(source)), (OFF_POLICY, one_step_off_policy(source)),
+                       (OFF_POLICY, one_step_off_policy(source, broken=True))]:  # fmt: skip
+        compile(text, f"{name}.py", "exec")
+    assert re.fullmatch(r"\w+=\"[\w-]+\"", dapo_traits())
 
 
 def pytest_in(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -148,13 +210,31 @@ def test_a_copy_that_keeps_its_generator_out_of_the_checkpoint_fails_the_resume_
     assert len(others) == len(SCRIPTS), proc.stdout[-4000:]  # ppo, grpo and gspo still resume exactly
 
 
+def same_tests_as(proc, fork: str, parent: str) -> None:
+    """The fork passed every test its parent passed (by test, not only by count) and failed none."""
+    passed, failed = fork_results(proc, fork)
+    strip = lambda lines, name: sorted(line.split(f"[{name}")[0] for line in lines)  # noqa: E731
+    assert passed and not failed, proc.stdout[-4000:]
+    assert strip(passed, fork) == strip(fork_results(proc, parent)[0], parent), proc.stdout[-4000:]
+
+
 @pytest.mark.slow
-def test_a_one_step_off_policy_grpo_passes_the_quick_tier(tmp_path):
+def test_a_dapo_style_grpo_passes_the_quick_tier(tmp_path):
+    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
+    proc = pytest_in(root, "-rA", "-m", "not slow", *SHARED_QUICK)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    same_tests_as(proc, DAPO, "grpo")
+
+
+@pytest.mark.slow
+def test_a_one_step_off_policy_grpo_passes_the_shared_tests(tmp_path):
     root = project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)
     proc = pytest_in(root, "-rA", "-m", "not slow", *SHARED_QUICK)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    passed, failed = fork_results(proc, OFF_POLICY)
-    assert passed and not failed and len(passed) == len(fork_results(proc, "grpo")[0]), proc.stdout[-4000:]
+    same_tests_as(proc, OFF_POLICY, "grpo")
+    proc = pytest_in(root, "-rA", *SHARED_OFF_POLICY_SLOW)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    same_tests_as(proc, OFF_POLICY, "grpo")
 
 
 @pytest.mark.slow
@@ -163,9 +243,27 @@ def test_a_one_step_off_policy_grpo_with_pi_old_from_the_current_weights_fails_t
         return one_step_off_policy(source, broken=True)
 
     root = project_with_fork(tmp_path, broken, parent="grpo", fork=OFF_POLICY)
-    proc = pytest_in(root, "-rA", "tests/test_pi_old.py", "-k", "weights_that_sampled")
+    proc = pytest_in(root, "-rA", "-m", "not slow", "tests/test_pi_old.py", "-k", "weights_that_sampled")
     passed, failed = fork_results(proc, OFF_POLICY)
     assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
     assert "pi_old was taken from the current weights" in proc.stdout, proc.stdout[-4000:]
     others = [line for line in proc.stdout.splitlines() if line.startswith("PASSED")]
     assert len(others) == len(SCRIPTS), proc.stdout[-4000:]  # ppo, grpo and gspo still pass
+
+
+# Run.rollout's line that hands the routing its trained batch's own experts: without it, every update replays the
+# last pi_old forward's, which in a one-step off-policy fork is another batch's (the newer one)
+OWN_EXPERTS = "self.routing.indices = roll.experts"
+
+
+@pytest.mark.slow
+def test_an_off_policy_fork_replaying_the_last_recorded_experts_fails_the_routing_replay_test(tmp_path):
+    root = project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)
+    common = (root / "common.py").read_text()
+    assert common.count(OWN_EXPERTS) == 1, "common.py's Run.rollout no longer hands the routing roll.experts"
+    (root / "common.py").write_text(common.replace(OWN_EXPERTS, "pass  # planted: the last recorded experts stay"))
+    proc = pytest_in(root, "-rA", "tests/test_routing_replay_through_train.py")
+    passed, failed = fork_results(proc, OFF_POLICY)
+    assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
+    assert "routed to other experts than the pi_old forward of their batch chose" in proc.stdout, proc.stdout[-4000:]
+    assert fork_results(proc, "grpo")[0], proc.stdout[-4000:]  # grpo trains the batch it last recorded: it passes

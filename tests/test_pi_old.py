@@ -7,6 +7,7 @@ gradient unchanged. A fork names its loss `<name>_loss` (README, "Fork it"), or 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -114,9 +115,11 @@ def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp
 
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     monkeypatch.setattr(module, loss_name(module, name), counting_loss)
-    # --max-grad-norm 1e30: no clipping, which would scale a wrongly normalised gradient back to the same norm
+    # --max-grad-norm 1e30: no clipping, which would scale a wrongly normalised gradient back to the same norm;
+    # --no-filter-groups where a script has the flag (a DAPO-style fork filters by default): constant groups train
+    unfiltered = ["--no-filter-groups"] if "filter_groups" in {f.name for f in dataclasses.fields(module.Args)} else []
     argv = [*TINY_BATCH, "--minibatches", "1", "--max-grad-norm", "1e30", *DEFAULT_GROUPS, *traits(name).test_flags,
-            "--reward", f"{reward}:rows"]  # fmt: skip
+            *unfiltered, "--reward", f"{reward}:rows"]  # fmt: skip
     for run in ("skip", "every"):
         if run == "every":
             monkeypatch.setattr(module, "group_advantages", lambda *a, **k: exact_advantages(*a, **k) + 1e-30)

@@ -1,40 +1,59 @@
 """grpo.py's --routing-replay through its own train() (GSPO paper, arXiv 2507.18071, section 5.3), not through
-RoutingReplay's functions alone (tests/test_moe.py): one step of the tiny MoE checkpoint with 2 minibatches x 2
-epochs, so that the weights have moved before every update after the first. What each forward routed is read
-where the experts receive it (a pre-hook on every block's `experts`, which is handed the chosen expert ids), not
-from RoutingReplay:
+RoutingReplay's functions alone (tests/test_moe.py), and through each fork of it in tests/helpers.SCRIPTS: two steps
+of the tiny MoE checkpoint with 2 minibatches x 2 epochs, so that the weights have moved before every update after
+the first. What each forward routed is read where the experts receive it (a pre-hook on every block's `experts`,
+which is handed the chosen expert ids), not from RoutingReplay:
 
 (a) with --routing-replay, every update's forward runs each token of its rows (prompt and completion, every layer)
-    through the experts the pi_old forward chose for it;
+    through the experts that the pi_old forward of its own batch chose for it, whichever step sampled that batch
+    (a one-step off-policy fork trains the batch sampled a step earlier; tests/test_forks.py);
 (b) and the router (each block's `gate`) still gets a non-zero gradient in every update (Megatron-LM PR #79: a
     replay that detached the router's logits trained every weight but the router's);
-(c) without --routing-replay, some update after the first routes some completion token elsewhere, so (a) is a
-    check that can fail: the weights moved enough for the routing to drift.
+(c) without --routing-replay, some update routes some completion token elsewhere, so (a) is a check that can fail:
+    the weights moved enough for the routing to drift.
 
-A train() that never enters the replay fails (a); a replay whose routing weights are detached from the router's
-logits fails (b)."""
+A train() that never enters the replay fails (a); a replay of another batch's experts (the last pi_old forward's,
+where a fork trains an older batch) fails (a); a replay whose routing weights are detached from the router's logits
+fails (b)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
+import pytest
 import torch
+from helpers import SCRIPTS
 from test_real_checkpoints import graded_reward
 
 import common
-import grpo
 
-# 4 prompts x 4 completions, 2 minibatches x 2 epochs (4 updates), no evaluation; a reward that varies within every
-# group, so that every update has a gradient
-ARGV = ["--model", "tiny-moe", "--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--minibatches",
-        "2", "--epochs", "2", "--max-new-tokens", "6", "--eval-size", "1", "--eval-every", "0",
+
+def has_routing_replay(name: str) -> bool:
+    return "routing_replay" in {f.name for f in dataclasses.fields(importlib.import_module(name).Args)}
+
+
+REPLAYING = [name for name in SCRIPTS if has_routing_replay(name)]  # grpo.py and each fork of it in SCRIPTS
+STEPS, UPDATES = 2, 4  # updates a step: 2 minibatches x 2 epochs
+# 4 prompts x 4 completions, no evaluation; a reward that varies within every group, so that every update has a
+# gradient
+ARGV = ["--model", "tiny-moe", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4",
+        "--minibatches", "2", "--epochs", "2", "--max-new-tokens", "6", "--eval-size", "1", "--eval-every", "0",
         "--no-anneal-lr"]  # fmt: skip
 
 
-def one_step(tmp_path, monkeypatch, replay: bool, out: str) -> dict:
-    """One step of grpo.py's train(); returns what it recorded: `pi_old` [layers, B, S, k] (the experts chosen in
-    the pi_old forward), `updates` (each update's [layers, rows, S, k]), `plan` (the loop's (idx, rows) of each
-    update), `mask` [B, T] (the completion mask), `gate_grads` (each optimizer step's router gradients, by layer)."""
+def rows_of(roll) -> list[tuple]:
+    """Each row of a Rollout as its padded token ids: the same key in the batch and in rows picked out of it."""
+    return [(tuple(p), tuple(c)) for p, c in zip(roll.prompt_ids.tolist(), roll.completion_ids.tolist())]
+
+
+def train(tmp_path, monkeypatch, name: str, replay: bool, out: str) -> dict:
+    """STEPS steps of `name`'s train(); returns what it recorded: `pi_old`, each pi_old forward's (batch rows,
+    experts [layers, B, S, k]), `updates`, each update forward's (rows, experts [layers, rows, S, k], completion mask
+    [rows, T]), `gate_grads` (each optimizer step's router gradients, by layer)."""
+    module = importlib.import_module(name)
     seen = {"phase": None, "experts": [], "forwards": [], "gate_grads": []}
-    load_model, plan_updates, logprobs_of_rows = common.load_model, common.plan_updates, common.logprobs_of_rows
+    load_model, logprobs_of_rows = common.load_model, common.logprobs_of_rows
     forward = common.CompletionLogprobs.forward
 
     def experts_input(block_experts, inputs):  # (hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])
@@ -57,21 +76,17 @@ def one_step(tmp_path, monkeypatch, replay: bool, out: str) -> dict:
             seen["phase"] = None
         assert len(seen["experts"]) == len(seen["blocks"]), f"{phase}: one forward, each block once"
         shape = (len(roll), roll.prompt_ids.shape[1] + roll.completion_ids.shape[1], -1)
-        seen["forwards"].append((phase, torch.stack([ids.view(shape) for ids in seen["experts"]])))
+        experts = torch.stack([ids.view(shape) for ids in seen["experts"]])
+        seen["forwards"].append((phase, rows_of(roll), experts, roll.completion_mask))
         return result
 
     def pi_old_forward(model, roll, rows, temperature=1.0):
-        seen["mask"] = roll.completion_mask
         return observed("pi_old", roll, lambda: logprobs_of_rows(model, roll, rows, temperature))
 
     def update_forward(self, roll, *args, **kwargs):
         if not torch.is_grad_enabled():  # (the drift measurement after the updates, evaluation)
             return forward(self, roll, *args, **kwargs)
         return observed("update", roll, lambda: forward(self, roll, *args, **kwargs))
-
-    def planning(*args, **kwargs):
-        seen["plan"] = plan_updates(*args, **kwargs)
-        return seen["plan"]
 
     class RecordingAdamW(torch.optim.AdamW):
         def step(self, closure=None):
@@ -80,24 +95,26 @@ def one_step(tmp_path, monkeypatch, replay: bool, out: str) -> dict:
             return super().step(closure)
 
     monkeypatch.setattr(common, "load_model", loading)
-    monkeypatch.setattr(common, "plan_updates", planning)
     monkeypatch.setattr(common, "logprobs_of_rows", pi_old_forward)
     monkeypatch.setattr(common.CompletionLogprobs, "forward", update_forward)
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     argv = [*ARGV, "--reward", "exact", graded_reward(tmp_path), "--out", str(tmp_path / out)]
-    common.main(grpo.train, grpo.Args, argv=argv + (["--routing-replay"] if replay else []))
+    common.main(module.train, module.Args, argv=argv + (["--routing-replay"] if replay else []))
     monkeypatch.undo()  # (the next run installs its own recorders)
 
-    phases = [phase for phase, _ in seen["forwards"]]
-    assert phases == ["pi_old"] + ["update"] * len(seen["plan"]), phases
-    assert len(seen["plan"]) == 4 and len(seen["gate_grads"]) == 4  # 2 epochs x 2 minibatches, each stepped
-    return {
-        "pi_old": seen["forwards"][0][1],
-        "updates": [ids for _, ids in seen["forwards"][1:]],
-        "plan": seen["plan"],
-        "mask": seen["mask"],
-        "gate_grads": seen["gate_grads"],
-    }
+    pi_old = [(rows, experts) for phase, rows, experts, _ in seen["forwards"] if phase == "pi_old"]
+    updates = [(rows, experts, mask) for phase, rows, experts, mask in seen["forwards"] if phase == "update"]
+    assert len(updates) == len(seen["gate_grads"]) == STEPS * UPDATES  # each update stepped
+    return {"pi_old": pi_old, "updates": updates, "gate_grads": seen["gate_grads"]}
+
+
+def recorded_for(pi_old: list, rows: list[tuple]) -> torch.Tensor:
+    """[layers, rows, S, k]: the experts that the pi_old forward of these rows' batch chose for them (the one
+    pi_old forward that holds them all, whichever step ran it)."""
+    batches = [(batch, experts) for batch, experts in pi_old if set(rows) <= set(batch)]
+    assert len(batches) == 1, f"{len(batches)} pi_old forwards hold the update's rows (one expected)"
+    batch, experts = batches[0]
+    return experts[:, [batch.index(row) for row in rows]]
 
 
 def moved_tokens(recorded: torch.Tensor, routed: torch.Tensor, mask: torch.Tensor | None = None) -> int:
@@ -109,25 +126,27 @@ def moved_tokens(recorded: torch.Tensor, routed: torch.Tensor, mask: torch.Tenso
     return int(differ.sum())
 
 
-def test_routing_replay_through_train_routes_each_update_as_pi_old_and_trains_the_router(tmp_path, monkeypatch):
-    replayed = one_step(tmp_path, monkeypatch, replay=True, out="replay")
-    layers = replayed["pi_old"].shape[0]
-    for k, ((_, rows), routed) in enumerate(zip(replayed["plan"], replayed["updates"])):
-        recorded = replayed["pi_old"][:, rows]
+@pytest.mark.parametrize("name", REPLAYING)
+def test_routing_replay_through_train_routes_each_update_as_pi_old_and_trains_the_router(tmp_path, monkeypatch,
+                                                                                         name):  # fmt: skip
+    replayed = train(tmp_path, monkeypatch, name, replay=True, out="replay")
+    layers = replayed["pi_old"][0][1].shape[0]
+    for k, (rows, routed, _) in enumerate(replayed["updates"]):
+        recorded = recorded_for(replayed["pi_old"], rows)
         assert routed.shape == recorded.shape, (k, routed.shape, recorded.shape)
-        # (a) every position of the update's rows, every layer: the experts of the pi_old forward
+        # (a) every position of the update's rows, every layer: the experts of its batch's pi_old forward
         moved = moved_tokens(recorded, routed)
-        assert moved == 0, f"update {k}: {moved} (layer, token) pairs routed to other experts than pi_old's"
+        assert moved == 0, (
+            f"update {k}: {moved} of {routed[..., 0].numel()} (layer, token) pairs routed to other experts than "
+            "the pi_old forward of their batch chose"
+        )
         # (b) every layer's router has a gradient (the recorded experts' rows of it, at least)
         for layer, grad in enumerate(replayed["gate_grads"][k]):
             assert grad is not None and grad.abs().max() > 0, f"update {k}, layer {layer}: no gradient to the router"
     assert layers == len(replayed["gate_grads"][0]) > 0
 
-    # (c) the same step without --routing-replay: a later update's own top-k moves some completion token, so (a)
-    # above is not true of any routing whatever
-    plain = one_step(tmp_path, monkeypatch, replay=False, out="plain")
-    drift = [
-        moved_tokens(plain["pi_old"][:, rows], routed, plain["mask"][rows])
-        for (_, rows), routed in zip(plain["plan"][1:], plain["updates"][1:])
-    ]
-    assert any(drift), f"no update after the first routed a completion token elsewhere ({drift}): (a) cannot fail"
+    # (c) the same steps without --routing-replay: an update's own top-k moves some completion token, so (a) above
+    # is not true of any routing whatever
+    plain = train(tmp_path, monkeypatch, name, replay=False, out="plain")
+    drift = [moved_tokens(recorded_for(plain["pi_old"], rows), routed, mask) for rows, routed, mask in plain["updates"]]
+    assert any(drift), f"no update routed a completion token elsewhere ({drift}): (a) cannot fail"

@@ -100,6 +100,8 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
     device = torch.device("cpu")
     initial, tok = common.load_model("tiny", device)
     reference, eos_ids = initial, common.eos_token_ids(initial, tok)
+    # the weights each step starts from: its first update's forward runs at them (whichever step sampled the batch)
+    starting = {1: initial, 2: common.load_model(str(runs[name]["after1"]), device)[0]}
     seen = {"clipped": 0, "not_clipped": 0, "not_forwarded": 0}
     for record in records:
         assert (
@@ -158,9 +160,20 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
                 assert (torch.tensor(u["clipped"]) == rule)[~near].all()
                 seen["clipped"] += sum(u["clipped"])
                 seen["not_clipped"] += n - sum(u["clipped"])
-            # the first update of a rollout is on-policy: its log-probs are pi_old's (the train-mode forward)
+                # an update the script marks on_policy ran at the weights that sampled the row: pi_old's log-probs
+                # (the three scripts mark each step's first; a fork, what its loop runs)
+                assert u["on_policy"] == (u["update"] == 0) or name not in ("ppo", "grpo", "gspo")
+                if u["on_policy"]:
+                    assert torch.allclose(torch.tensor(u["logp"]), old, atol=2e-5), "an on_policy update is not"
+            # the step's first update runs before its first optimizer step: its log-probs (the train-mode forward)
+            # are those of the weights the step started from, recomputed here: pi_old's too where the step trains
+            # what it has just sampled (the three scripts), not where a fork trains an older batch (one-step
+            # off-policy), which this check holds for all the same
             if c["updates"][0]["update"] == 0:
-                assert torch.allclose(torch.tensor(c["updates"][0]["logp"]), old, atol=2e-5)
+                at_start = logprobs(starting[record["step"]], record, c)
+                assert torch.allclose(torch.tensor(c["updates"][0]["logp"]), at_start, atol=2e-5), (
+                    f"step {record['step']}: the first update's log-probs are not those of the step's starting weights"
+                )
     assert seen["clipped"] and seen["not_clipped"], seen  # the clip rule was tested both ways
     if helpers.traits(name).skips_zero_advantage and "--kl-coef" not in OWN.get(name, []):  # (a KL term: every row)
         assert seen["not_forwarded"], "no row with advantage 0 was traced: the null path went untested"
@@ -314,7 +327,7 @@ def test_the_page_in_a_real_browser(page):
             k, on_policy, logp, ratio, clipped = re.fullmatch(
                 r"update (\d+)( \(on-policy\))?: logp (\S+)  ratio (\S+)  clipped (yes|no)", line
             ).groups()
-            assert int(k) == u["update"] and bool(on_policy) == (u["update"] == 0)
+            assert int(k) == u["update"] and bool(on_policy) == u["on_policy"]
             assert shows_rounded(logp, u["logp"][1], 4) and shows_rounded(ratio, u["ratio"][1], 6)
             assert clipped == ("yes" if u["clipped"][1] else "no")
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
@@ -555,11 +568,11 @@ def test_the_page_at_a_desktops_and_a_phones_width(default_runs, tmp_path, width
                 centre = mark.rect["x"] + mark.rect["width"] / 2 - bar.rect["x"] - 1  # inside the 1 px border
                 assert abs(centre - (bar.rect["width"] - 2) * (1 + x) / 2) < 2
             assert len(marks) == 2
-            # on-policy rows: those whose (last) update was the step's first
+            # on-policy rows: those whose (last) update the script marked on_policy (the step's first, here)
             shown = [c for r in records if r["step"] == step for c in r["completions"]]
             lines = [e.text for e in column.find_elements(By.CSS_SELECTOR, ".group .line")]
             labelled = [text for text in lines if "on-policy (update 0: ratio 1)" in text]
-            assert len(labelled) == sum(bool(c["updates"]) and c["updates"][-1]["update"] == 0 for c in shown)
+            assert len(labelled) == sum(bool(c["updates"]) and c["updates"][-1]["on_policy"] for c in shown)
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not severe, severe
     finally:

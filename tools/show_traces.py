@@ -125,6 +125,9 @@ function entryOf(c, which) {
   if (!c.updates) return null;
   return which === 'first' ? c.updates[0] : c.updates[c.updates.length - 1];
 }
+function onPolicy(u) {  // as the script marked the update (traces written before it kept `on_policy`: update 0)
+  return u.on_policy !== undefined ? u.on_policy : u.update === 0;
+}
 function hasSignal(r) {  // some advantage nonzero (records written before the trace kept `signal`)
   if (r.signal !== undefined) return r.signal;
   return r.completions.some((c) => [].concat(c.advantage).some((a) => a !== 0));
@@ -228,7 +231,7 @@ function tipText(c, t) {
     const fields = [`logp ${num(u.logp[t])}`];
     if (u.ratio) fields.push(`ratio ${num(u.ratio[t], RATIO_DIGITS)}`);
     if (u.clipped) fields.push(`clipped ${num(u.clipped[t])}`);
-    lines.push(`update ${u.update}${u.update === 0 ? ' (on-policy)' : ''}: ${fields.join('  ')}`);
+    lines.push(`update ${u.update}${onPolicy(u) ? ' (on-policy)' : ''}: ${fields.join('  ')}`);
   }
   return lines.join('\n');
 }
@@ -305,10 +308,10 @@ function render() {
         if (!c.updates) notes.push('not forwarded: no update');
         line.appendChild(span(notes.join('  '), 'note'));
         const u = entryOf(c, which);
-        if (u && u.update === 0 && q !== 'advantage' && q !== 'entropy' && q !== 'kl') {
+        if (u && onPolicy(u) && q !== 'advantage' && q !== 'entropy' && q !== 'kl') {
           // --old-logp rollout: pi_old is the sampler's log-prob, so even update 0's ratio is not exactly 1
           const one = u.ratio && u.ratio.every((x) => x === 1);
-          line.appendChild(span(`on-policy (update 0${one ? ': ratio 1' : ''})`, 'note on-policy'));
+          line.appendChild(span(`on-policy (update ${u.update}${one ? ': ratio 1' : ''})`, 'note on-policy'));
         }
         g.appendChild(line);
       }
