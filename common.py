@@ -893,7 +893,7 @@ def is_moe(model) -> bool:
 def local_config(name: str) -> dict:
     """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
     weights load. {} for a hub id, which only loading can read (Run checks the model: is_moe)."""
-    config = Path(model_path(name)) / "config.json"
+    config = Path(model_path(name, ask_hub=False)) / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
 
@@ -902,14 +902,15 @@ def declares_experts(name: str) -> bool:
     return any(local_config(name).get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def model_path(name: str) -> str:
+def model_path(name: str, ask_hub: bool = True) -> str:
     """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
-    use, extras/qwen3_tokenizer.py), a local directory, or a hub id's source (`hub_model_path`)."""
+    use, extras/qwen3_tokenizer.py), a local directory, or a hub id's source (`hub_model_path`; the id
+    itself with ask_hub=False)."""
     if name == TINY_QWEN3:
         return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
     if name in TINY_MODELS:
         return tiny_checkpoint(name)
-    if Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
+    if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
         return name
     return hub_model_path(name)
 
