@@ -893,7 +893,7 @@ def is_moe(model) -> bool:
 def local_config(name: str) -> dict:
     """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
     weights load. {} for a hub id, which only loading can read (Run checks the model: is_moe)."""
-    config = Path(model_path(name)) / "config.json"
+    config = Path(model_path(name, ask_hub=False)) / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
 
@@ -902,12 +902,57 @@ def declares_experts(name: str) -> bool:
     return any(local_config(name).get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def model_path(name: str) -> str:
+def model_path(name: str, ask_hub: bool = True) -> str:
     """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
-    use, extras/qwen3_tokenizer.py), or `name` itself."""
+    use, extras/qwen3_tokenizer.py), a local directory, or a hub id's source (`hub_model_path`; the id
+    itself with ask_hub=False)."""
     if name == TINY_QWEN3:
         return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
-    return tiny_checkpoint(name) if name in TINY_MODELS else name
+    if name in TINY_MODELS:
+        return tiny_checkpoint(name)
+    if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
+        return name
+    return hub_model_path(name)
+
+
+HUB_PROBE_S = 3.0  # how long a hub id waits for the hub to answer (huggingface_hub's own retries take ~50 s)
+
+
+@functools.cache  # one question to the hub per model and process
+def hub_model_path(name: str) -> str:
+    """A hub id's source. `name` itself (transformers downloads it, or checks its cache against the hub)
+    when the hub answers one HEAD request within HUB_PROBE_S seconds, or under HF_HUB_OFFLINE=1
+    (transformers reads the cache and asks nothing). Otherwise its snapshot in the local cache, loaded
+    from disk; not cached, a UsageError saying how to use the hub offline."""
+    import threading
+
+    from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return name
+    url, answer = hf_hub_url(name, "config.json"), []
+
+    def head():  # any HTTP status, even 401 / 404, means the hub is there: transformers then says the rest
+        try:
+            get_session().head(url, timeout=HUB_PROBE_S)
+            answer.append(None)
+        except Exception as e:
+            answer.append(_describe(e))
+
+    probe = threading.Thread(target=head, daemon=True)  # a thread: name resolution has no timeout of its own
+    probe.start()
+    probe.join(HUB_PROBE_S)
+    if answer and answer[0] is None:
+        return name
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):  # offline, with the model in the cache: load the snapshot, no retries
+        return str(Path(cached).parent)
+    why = answer[0] if answer else f"no answer in {HUB_PROBE_S:g} s"
+    raise UsageError(
+        f"--model {name}: cannot reach the hub ({constants.ENDPOINT}: {why}) and the model is not in the cache "
+        f"{constants.HF_HUB_CACHE}; connect, or download it where there is a network and set HF_HUB_OFFLINE=1"
+    )
 
 
 def add_lora(model, args):

@@ -21,19 +21,31 @@ def jsonl_objects(path: str, flag: str = "--data"):
     if not p.is_file():
         raise UsageError(f"{flag} {path}: file not found")
     try:
-        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+        text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{flag} {path}: cannot read ({e.__class__.__name__})") from e
-    for lineno, line in enumerate(lines, 1):
+    yield from text_objects(text, f"{flag} {path}")
+
+
+def text_objects(text: str, where: str):
+    """(line number, JSON object) for each non-blank line of JSONL `text`; invalid JSON or a line that is
+    not an object is a UsageError naming `where` (a flag and file, a URL) and the line."""
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{flag} {path}:{lineno}: invalid JSON ({e.msg})") from e
+            raise UsageError(f"{where}:{lineno}: invalid JSON ({e.msg})") from e
         if not isinstance(rec, dict):
-            raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object")
+            raise UsageError(f"{where}:{lineno}: expected a JSON object")
         yield lineno, rec
+
+
+def gsm8k_final_answer(answer: str) -> str | None:
+    """The final answer of a GSM8K solution ("...reasoning...\n#### 1,080"): the text after its last
+    '####', stripped ("1,080"); None without one. load_jsonl and tools/gsm8k.py both read it here."""
+    return answer.rsplit("####", 1)[-1].strip() if "####" in answer else None
 
 
 def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
@@ -58,9 +70,9 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
         if needs_answer and (not isinstance(answer, str) or not answer.strip()):
             raise UsageError(f"{flag} {path}:{lineno}: missing field 'answer'")
         if gsm8k and isinstance(answer, str) and (needs_answer or "####" in answer):
-            if "####" not in answer:
+            answer = gsm8k_final_answer(answer)
+            if answer is None:
                 raise UsageError(f"{flag} {path}:{lineno}: field 'answer' has no '#### N' final answer")
-            answer = answer.rsplit("####", 1)[-1]
         if isinstance(answer, str):
             rec["answer"] = answer.strip()
         records.append({**rec, "prompt": prompt})
