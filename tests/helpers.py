@@ -222,6 +222,19 @@ def main_in_process(module, argv, capsys) -> tuple:
     return status, captured.out, captured.err
 
 
+def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
+    """Hugging Face's generate, greedy, on the left-padded batch of `prompts` (on the model's device): each
+    completion up to and including its first EOS id (the reference for common.sample's greedy completion_lists)."""
+    import common
+
+    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad, device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
+    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+
+
 # ----------------------------------------------------------------------------------------------
 # Subprocess smoke runs
 # ----------------------------------------------------------------------------------------------
