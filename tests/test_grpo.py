@@ -301,34 +301,15 @@ def test_aggregation_anchors():
         grpo.aggregate(per_token, mask, "sum")
 
 
-FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0])
 GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, 0.0])
-
-
-@LIGHT
-@given(batches(), st.integers(1, 3), st.data())
-def test_aggregate_ignores_padding_columns(b, k, data):
-    per_token = [[l - o for l, o in zip(lr, orow)] for lr, orow in zip(b["logp"], b["old"])]
-    padded = [row + [data.draw(FINITE_GARBAGE) for _ in range(k)] for row in per_token]
-    pmask = [row + [0] * k for row in b["mask"]]
-    L = b["T"] + 3
-    for agg in AGGS:
-        x0 = t64(per_token).requires_grad_(True)
-        x1 = t64(padded).requires_grad_(True)
-        a0 = grpo.aggregate(x0, t64(b["mask"]), agg, max_len=L)
-        a1 = grpo.aggregate(x1, t64(pmask), agg, max_len=L)
-        # the same terms (|l - o| <= 2), summed with padding's zeros in another order: <= 36 terms, 3 more roundings
-        torch.testing.assert_close(a1, a0, rtol=0, atol=2 * gamma_n(39) * 2.0)
-        g0, g1 = _grad(a0, x0), _grad(a1, x1)
-        torch.testing.assert_close(g1[:, : b["T"]], g0, rtol=2 * gamma_n(3), atol=0)  # 1 / denominator: <= 3
-        assert torch.equal(g1[:, b["T"] :], torch.zeros_like(g1[:, b["T"] :]))
 
 
 @LIGHT
 @given(batches(), st.integers(1, 3), st.sampled_from(AGGS), st.booleans(), st.data())
 def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
     """Garbage (even inf / nan) in padded logp, old_logp and ref_logp changes neither loss, stats
-    nor the real gradient (sum-norm with a fixed max_len); padding gets exactly zero gradient."""
+    nor the real gradient (sum-norm with a fixed max_len); padding gets exactly zero gradient. (Through
+    grpo_loss, each aggregation's padding: aggregate's own.)"""
     T, L = b["T"], b["T"] + 3
     g = lambda: data.draw(GARBAGE)  # noqa: E731
     ref = [[l + 0.3 for l in row] for row in b["logp"]] if with_ref else None

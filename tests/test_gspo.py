@@ -127,41 +127,26 @@ def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
 
 
 @LIGHT
-@given(batches(), st.integers(1, 3), st.data())
-def test_padding_columns_change_nothing_sequence_variant(b, k, data):
-    """Appended padding (with any garbage, even inf / nan, in logp and old_logp) changes neither
-    the sequence ratio, the loss, the stats nor the real tokens' gradient; padding gets exactly 0."""
-    garbage = lambda: data.draw(GARBAGE)  # noqa: E731
+@given(batches(), st.integers(1, 3), st.sampled_from(VARIANTS), st.data())
+def test_padding_columns_change_nothing(b, k, variant, data):
+    """Appended padding, with any garbage in logp and old_logp (the sequence variant: even inf / nan; GSPO-token,
+    whose per-token ratio carries the padding's column, finite garbage), changes neither the sequence ratio, the
+    loss, the clip decisions nor the real tokens' gradient; padding gets exactly 0."""
+    garbage = lambda: data.draw(GARBAGE if variant == "sequence" else FINITE_GARBAGE)  # noqa: E731
     plogp, pold, pmask = _pad(b, k, garbage)
     T = b["T"]
     adv = t64(b["adv"])
     s0 = gspo.seq_log_ratio(t64(b["logp"]), t64(b["old"]), t64(b["mask"]))
     s1 = gspo.seq_log_ratio(t64(plogp), t64(pold), t64(pmask))
     torch.testing.assert_close(s1, s0, rtol=0, atol=2 * gamma_n(10) * 2.0)  # the mean of S_REL's derivation
-    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "sequence")
-    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "sequence")
+    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], variant)
+    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, variant)
     assert torch.isfinite(l1) and torch.isfinite(g1).all()
     torch.testing.assert_close(l1, l0, rtol=0, atol=LOSS_TOL)
     torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=GRAD_TOL)
     assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert clip_frac(st1, "sequence") == clip_frac(st0, "sequence")
-    assert torch.equal(st1["clipped"], st0["clipped"])
-
-
-@LIGHT
-@given(batches(), st.integers(1, 3), st.data())
-def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data):
-    garbage = lambda: data.draw(FINITE_GARBAGE)  # noqa: E731
-    plogp, pold, pmask = _pad(b, k, garbage)
-    T = b["T"]
-    adv = t64(b["adv"])
-    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "token")
-    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "token")
-    torch.testing.assert_close(l1, l0, rtol=0, atol=LOSS_TOL)
-    torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=GRAD_TOL)
-    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert clip_frac(st1, "token") == clip_frac(st0, "token")  # the same count over the same tokens
-    assert torch.equal(st1["clipped"][:, :T], st0["clipped"])  # the real tokens' decisions
+    assert clip_frac(st1, variant) == clip_frac(st0, variant)  # the same count over the same rows or tokens
+    assert torch.equal(st1["clipped"][..., :T] if variant == "token" else st1["clipped"], st0["clipped"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -476,7 +461,9 @@ def test_extreme_log_ratios_are_finite(variant, dtype):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_all_masked_row_gives_no_nan(variant):
+def test_all_masked_row_gives_no_nan_and_contributes_zero(variant):
+    """An all-masked row gives 0: no NaN anywhere, no gradient, and the loss is row 0's term over B = 2 whatever
+    row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
     old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]]).requires_grad_(True)
     mask = t64([[1, 1, 0], [0, 0, 0]])
@@ -486,18 +473,8 @@ def test_all_masked_row_gives_no_nan(variant):
     assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
     assert all(math.isfinite(v) for v in scalars(stats).values())
     assert torch.isfinite(stats["ratio"]).all()
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_all_masked_row_contributes_zero_to_the_loss(variant):
-    """An all-masked row must give 0. Row 1 has no tokens; the loss must be row 0's
-    term over B = 2 whatever row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
-    old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
-    logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]])
-    mask = t64([[1, 1, 0], [0, 0, 0]])
     s0 = math.exp((-0.1 + 0.1) / 2)
     expected = clipped_objective(0.7, s0, EPS_LOW, EPS_HIGH) / 2
-    loss, _ = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
     # s = exp of the mean of two differences that round (<= 2u each, of size <= 2), of size ~1; -A s / 2: 9
     # roundings or so, of size 0.35, against one on the expected side
     assert loss.item() == pytest.approx(expected, abs=2 * gamma_n(12) * 0.35), (
