@@ -190,25 +190,19 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
 
 
 def test_every_embedded_checkpoint_ships_under_its_recipe_key():
-    """tiny, tiny-sums, tiny-moe and tiny-rm all resolve to checkpoints/<checkpoint_key>: a run never
-    builds one. The key is the recipe's hash, so a changed recipe fails here until it is rebuilt
-    (python tools/build_checkpoints.py NAME --into checkpoints --force) and shipped again."""
+    """tiny, tiny-sums, tiny-moe and tiny-rm all resolve to checkpoints/<checkpoint_key>: a run never builds one.
+    common.TINY_KEYS (the directory names a run looks up; the runtime never reads the recipes) is tools/recipes.py's
+    checkpoint_key for each, so a changed recipe fails here until it is rebuilt (python tools/build_checkpoints.py
+    NAME --into checkpoints --force) and shipped again."""
     from pathlib import Path
 
-    for name in (*common.TINY_MODELS, common.TINY_RM):
-        path = Path(common.tiny_checkpoint(name))
-        assert path == common.SHIPPED_CHECKPOINTS / recipes.checkpoint_key(name), name
-        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), name
-    assert len({recipes.checkpoint_key(n) for n in (*common.TINY_MODELS, common.TINY_RM)}) == 4
-
-
-def test_the_shipped_keys_are_the_recipes_keys():
-    """common.TINY_KEYS (the directory names a run looks up; the runtime never reads the recipes) is
-    tools/recipes.py's checkpoint_key for every embedded checkpoint: a recipe changed without a rebuild
-    and a new key in TINY_KEYS fails here."""
     assert set(common.TINY_KEYS) == {*common.TINY_MODELS, common.TINY_RM}
     for name, key in common.TINY_KEYS.items():
         assert recipes.checkpoint_key(name) == key, name
+        path = Path(common.tiny_checkpoint(name))
+        assert path == common.SHIPPED_CHECKPOINTS / key, name
+        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), name
+    assert len(set(common.TINY_KEYS.values())) == 4
 
 
 @pytest.mark.slow
