@@ -222,6 +222,19 @@ def main_in_process(module, argv, capsys) -> tuple:
     return status, captured.out, captured.err
 
 
+def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
+    """Hugging Face's generate, greedy, on the left-padded batch of `prompts` (on the model's device): each
+    completion up to and including its first EOS id (the reference for common.sample's greedy completion_lists)."""
+    import common
+
+    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad, device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
+    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+
+
 # ----------------------------------------------------------------------------------------------
 # Subprocess smoke runs
 # ----------------------------------------------------------------------------------------------
@@ -287,23 +300,28 @@ def run_smoke(script: str, out: Path, extra=(), timeout=240):
     rows = [json.loads(line) for line in lines if line.strip()]
     assert len(rows) == 2, rows
     assert [r["step"] for r in rows] == [1, 2]
+    # the share clipped in the loss's own unit: tokens (clip_frac), or sequences (GSPO's sequence variant:
+    # clip_frac_seqs), never both
+    clip = "clip_frac_seqs" if "clip_frac_seqs" in rows[0] else "clip_frac"
+    keys = (METRIC_KEYS - {"clip_frac"}) | {clip}
     for r in rows:
-        missing = METRIC_KEYS - r.keys()
+        missing = keys - r.keys()
         assert not missing, f"metrics row lacks {missing}"
-        for k in METRIC_KEYS - {"step"}:
+        assert not ({"clip_frac", "clip_frac_seqs"} - {clip}) & r.keys(), f"both clip_frac and clip_frac_seqs: {r}"
+        for k in keys - {"step"}:
             assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0
         assert 0.0 <= r["eval_accuracy"] <= 1.0
-        assert 0.0 <= r["clip_frac"] <= 1.0
+        assert 0.0 <= r[clip] <= 1.0
         assert r["entropy"] >= 0.0 and r["response_len"] >= 1.0
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
 
     summary = json.loads((out / "summary.json").read_text())
-    missing = SUMMARY_KEYS - summary.keys()
+    missing = (SUMMARY_KEYS - {"mean_clip_frac"} | {f"mean_{clip}"}) - summary.keys()
     assert not missing, f"summary.json lacks {missing}"
     assert summary["steps"] == 2 and summary["model"] == "tiny" and summary["task"] == "arith"
     assert summary["seed"] == 0
-    assert math.isclose(summary["mean_clip_frac"], sum(r["clip_frac"] for r in rows) / 2, abs_tol=LOGGED_TOL)
+    assert math.isclose(summary[f"mean_{clip}"], sum(r[clip] for r in rows) / 2, abs_tol=LOGGED_TOL)
     assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
     assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
     assert isinstance(summary["args"], dict)

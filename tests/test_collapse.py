@@ -38,10 +38,6 @@ def first_warning(before, accuracies):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_the_constants_are_the_issues():
-    assert (common.COLLAPSE_DROP, common.COLLAPSE_EVALS, WINDOW, SHARE) == (0.1, 2, 50, 0.9)
-
-
 @pytest.mark.parametrize(
     "before, accuracies, expected",
     [

@@ -1,7 +1,7 @@
-"""Data parallel on CPU with gloo: each script's own train() on 2 ranks equals one process on the same rollout
-(the loss normalisers and PPO's whitening are global; tests/test_distributed_flags.py does it beyond the default
-flags), a 2-process torchrun run of each script completes with rank 0 alone writing the outputs, a reward that
-fails on one rank stops every rank, and a fork's per-rank state resumes exactly."""
+"""Data parallel on CPU with gloo: a 2-process torchrun run of each script completes with rank 0 alone writing the
+outputs, a reward that fails on one rank stops every rank, and a fork's per-rank state resumes exactly. Here too the
+recorder that tests/test_distributed_flags.py runs each script's own train() through (FIXED_ROLLOUT_RUN), where
+2 ranks equal one process on the same rollout (the loss normalisers and PPO's whitening global)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,7 @@ for p in (ROOT, Path(__file__).parent):
 
 from helpers import (  # noqa: E402
     SCRIPTS,
-    assert_within,
-    forward_roundings,
     needs_torchrun,
-    probable_gamma,
     torchrun_cmd,
 )
 from test_real_checkpoints import GSM8K, assert_trained, build_tiny_qwen2, graded_reward  # noqa: E402
@@ -245,62 +242,6 @@ common.Sampler = FixedSampler
 torch.optim.AdamW = RecordingAdamW
 common.main(algo.train, algo.Args, argv=sys.argv[2:])
 """
-
-
-def _fixed_rollout_run(tmp_path, algo, nproc):
-    """One update of `algo`'s train() on the fixed rollout of 4 prompts x 4; nproc 0: one plain process.
-    Returns the record directory."""
-    run = tmp_path / "fixed_rollout_run.py"
-    run.write_text(FIXED_ROLLOUT_RUN.format(root=str(ROOT)))
-    record = tmp_path / f"record-{nproc}"
-    record.mkdir()
-    launcher = (
-        [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
-        if nproc
-        else [sys.executable]
-    )
-    cmd = [*launcher, str(run), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step", "4", "--group-size",
-           "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", "8", "--max-grad-norm", "1e30",
-           "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward", graded_reward(tmp_path),
-           "--out", str(tmp_path / f"out-{nproc}")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return record
-
-
-@needs_torchrun
-@pytest.mark.parametrize("algo", SCRIPTS)
-def test_script_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, algo):
-    """The script's own update (its loss, its normalisers and whitening, DDP's gradient averaging), one step of
-    minibatch 1 and epoch 1 on 2 gloo ranks, against one process on the same 16 rows: the averaged gradient
-    each optimizer is stepped with equals the single process's to float32 roundoff, on both ranks alike, and the
-    step moves the weights. (AdamW's first step is about lr * sign(g): weights alone would hide a gradient
-    summed over ranks rather than averaged.)"""
-    from transformers import AutoConfig
-
-    single, ddp = _fixed_rollout_run(tmp_path, algo, 0), _fixed_rollout_run(tmp_path, algo, WORLD)
-    records = sorted(f.name.removesuffix("-rank0.pt") for f in single.glob("*-rank0.pt"))
-    assert records == [f"opt{i}-step0" for i in range(len(records))] and records, records  # ppo: policy, critic
-    assert sorted(f.name for f in ddp.iterdir()) == sorted(f"{r}-rank{k}.pt" for r in records for k in range(WORLD))
-    # The first-order model of logit_tol: each gradient element is a sum over the backward's chains, as long
-    # as the forward's, and over the batch's B * L positions (a weight's gradient), of terms the size of the
-    # tensor's gradient scale; the two runs sum in other orders (16 rows or 8 padded alike, the all-reduce).
-    B, L = 16, max(len(e["prompt"]) for e in common.arith_split()[0]) + 8  # rows; the longest prompt + completion
-    n = forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1
-    for r in records:
-        one, ranks = torch.load(single / f"{r}-rank0.pt"), [torch.load(ddp / f"{r}-rank{k}.pt") for k in range(WORLD)]
-        for k in range(WORLD):  # every replica was stepped with the same averaged gradient, and stays the same
-            assert all(torch.equal(a, b) for a, b in zip(ranks[k]["grads"], ranks[0]["grads"])), (r, k)
-            assert all(torch.equal(a, b) for a, b in zip(ranks[k]["after"], ranks[0]["after"])), (r, k)
-        assert any(g.abs().max() > 0 for g in one["grads"]), r  # the rollout has a learning signal
-        for i, (g1, g2) in enumerate(zip(one["grads"], ranks[0]["grads"])):
-            scale = g1.abs().max().item()
-            assert_within(g2, g1, 2 * probable_gamma(n) * scale, f"{algo} {r} gradient {i}")
-        # the update was applied: every tensor with a gradient moved (PPO's critic: its head starts at 0, so only
-        # the head has one)
-        for i, (a, b, g) in enumerate(zip(ranks[0]["after"], ranks[0]["before"], ranks[0]["grads"])):
-            assert torch.equal(a, b) == (not g.any()), (r, i)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 whose ranks hold different numbers of prompts equal the unsharded ones (and finish); a step on bf16 gathered
 weights is the float32 step to bf16 precision, PPO's critic too; and each script under `torchrun --fsdp`
 equals its DDP run, resumes exactly, and writes a standard final/. The references are independent of FSDP:
-one process, or DDP (whose equality with one process tests/test_distributed.py checks). Each script's own
+one process, or DDP (whose equality with one process tests/test_distributed_flags.py checks). Each script's own
 update under --fsdp against one process (float32, its critic too): tests/test_distributed_flags.py."""
 
 from __future__ import annotations

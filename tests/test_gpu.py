@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, assert_within, logit_scale, logit_tol, logprob_tol, torchrun_cmd
+from helpers import ROOT, assert_within, greedy_generate, logit_scale, logit_tol, logprob_tol, torchrun_cmd
 from safetensors.torch import load_file
 
 import common
@@ -141,12 +141,7 @@ def greedy_against_generate(model, tok):
     prompts = common.encode_prompts(tok, train[:32])
     eos, pad, T = common.eos_token_ids(model, tok), tok.pad_token_id, 24
     ours = common.sample(model, prompts, T, eos, pad, greedy=True).completion_lists()
-    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad, device=model.device)
-    with torch.no_grad():
-        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
-    return prompts, ours, [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    return prompts, ours, greedy_generate(model, prompts, T, eos, pad)
 
 
 def test_greedy_samples_equal_hf_generate_in_float32(tiny):

@@ -16,6 +16,7 @@ import torch
 from helpers import (
     assert_within,
     entropy_tol,
+    greedy_generate,
     log_softmax_bounds,
     logit_scale,
     logp_entropy_f64,
@@ -72,16 +73,6 @@ def cuda_decoder(monkeypatch):
     attention = common._attention
     monkeypatch.setattr(common._StaticKVDecoder, "FUSED_ON", ())
     monkeypatch.setattr(common, "_attention", lambda *a: as_cuda_lays_it_out(attention(*a, fused=True)))
-
-
-def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
-    """Hugging Face's generate, greedy: each completion up to and including its first EOS id."""
-    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
-    with torch.no_grad():
-        out = model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, max_new_tokens=T,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-    rows = out[:, batch.prompt_ids.shape[1] :].tolist()
-    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,27 +5,17 @@ Every expected value comes from an independent computation: a float64 plain-Pyth
 separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
-import helpers
 import pytest
 import torch
 from helpers import (
     F64,
     LIGHT,
-    LOGGED_TOL,
     batches,
     clipped_objective,
-    float32_round,
-    group_advantage_tol,
-    group_mean_std,
     is_clipped,
     loop_geo_mean_ratio,
-    loop_group_advantages,
     loop_seq_ratio,
     t64,
     unit_roundoff,
@@ -137,41 +127,26 @@ def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
 
 
 @LIGHT
-@given(batches(), st.integers(1, 3), st.data())
-def test_padding_columns_change_nothing_sequence_variant(b, k, data):
-    """Appended padding (with any garbage, even inf / nan, in logp and old_logp) changes neither
-    the sequence ratio, the loss, the stats nor the real tokens' gradient; padding gets exactly 0."""
-    garbage = lambda: data.draw(GARBAGE)  # noqa: E731
+@given(batches(), st.integers(1, 3), st.sampled_from(VARIANTS), st.data())
+def test_padding_columns_change_nothing(b, k, variant, data):
+    """Appended padding, with any garbage in logp and old_logp (the sequence variant: even inf / nan; GSPO-token,
+    whose per-token ratio carries the padding's column, finite garbage), changes neither the sequence ratio, the
+    loss, the clip decisions nor the real tokens' gradient; padding gets exactly 0."""
+    garbage = lambda: data.draw(GARBAGE if variant == "sequence" else FINITE_GARBAGE)  # noqa: E731
     plogp, pold, pmask = _pad(b, k, garbage)
     T = b["T"]
     adv = t64(b["adv"])
     s0 = gspo.seq_log_ratio(t64(b["logp"]), t64(b["old"]), t64(b["mask"]))
     s1 = gspo.seq_log_ratio(t64(plogp), t64(pold), t64(pmask))
     torch.testing.assert_close(s1, s0, rtol=0, atol=2 * gamma_n(10) * 2.0)  # the mean of S_REL's derivation
-    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "sequence")
-    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "sequence")
+    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], variant)
+    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, variant)
     assert torch.isfinite(l1) and torch.isfinite(g1).all()
     torch.testing.assert_close(l1, l0, rtol=0, atol=LOSS_TOL)
     torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=GRAD_TOL)
     assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert clip_frac(st1, "sequence") == clip_frac(st0, "sequence")
-    assert torch.equal(st1["clipped"], st0["clipped"])
-
-
-@LIGHT
-@given(batches(), st.integers(1, 3), st.data())
-def test_padding_columns_change_nothing_token_variant_finite_garbage(b, k, data):
-    garbage = lambda: data.draw(FINITE_GARBAGE)  # noqa: E731
-    plogp, pold, pmask = _pad(b, k, garbage)
-    T = b["T"]
-    adv = t64(b["adv"])
-    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], "token")
-    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, "token")
-    torch.testing.assert_close(l1, l0, rtol=0, atol=LOSS_TOL)
-    torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=GRAD_TOL)
-    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert clip_frac(st1, "token") == clip_frac(st0, "token")  # the same count over the same tokens
-    assert torch.equal(st1["clipped"][:, :T], st0["clipped"])  # the real tokens' decisions
+    assert clip_frac(st1, variant) == clip_frac(st0, variant)  # the same count over the same rows or tokens
+    assert torch.equal(st1["clipped"][..., :T] if variant == "token" else st1["clipped"], st0["clipped"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -462,79 +437,6 @@ def test_on_policy_gradient_equals_reinforce(b, variant):
 
 
 # ----------------------------------------------------------------------------------------------
-# Group advantages
-# ----------------------------------------------------------------------------------------------
-
-REWARD = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 2)))
-
-
-@pytest.mark.numeric
-@LIGHT
-@given(st.integers(2, 6), st.integers(1, 4), st.data())
-def test_group_advantages_match_loop(G, n_groups, data):
-    rewards = data.draw(st.lists(REWARD, min_size=G * n_groups, max_size=G * n_groups))
-    adv = gspo.group_advantages(torch.tensor(rewards), G)
-    assert adv.shape == (G * n_groups,)
-    r32 = float32_round(rewards)
-    expected = loop_group_advantages(r32, G)
-    for g, (mean, std) in enumerate(group_mean_std(adv.double().tolist(), G)):
-        grp = r32[g * G : (g + 1) * G]
-        got = adv[g * G : (g + 1) * G]
-        if all(x == grp[0] for x in grp):
-            assert torch.equal(got, torch.zeros(G))  # exact zero, not residue / eps
-            continue
-        rstd = torch.tensor(grp, dtype=torch.float64).std().item()
-        tol = group_advantage_tol(grp)  # float32 against float64 (helpers)
-        for x, e in zip(got.tolist(), expected[g * G : (g + 1) * G]):
-            assert x == pytest.approx(e, abs=tol)
-        assert mean == pytest.approx(0.0, abs=tol)  # the exact advantages' mean is 0
-        # Bessel std: 1 up to eps; a std moves by <= sqrt(2) max|d adv|
-        assert std == pytest.approx(rstd / (rstd + 1e-6), abs=math.sqrt(2) * tol)
-        assert std == pytest.approx(1.0, abs=math.sqrt(2) * tol + 1e-6 / rstd)
-
-
-@pytest.mark.parametrize(
-    "rewards, expected",
-    [
-        ([1.0, 0.0, 0.0, 0.0], [1.5, -0.5, -0.5, -0.5]),
-        ([0.0, 1.0, 1.0, 0.0], [-math.sqrt(3) / 2, math.sqrt(3) / 2, math.sqrt(3) / 2, -math.sqrt(3) / 2]),
-    ],
-)
-def test_group_advantages_hand_cases(rewards, expected):
-    got = gspo.group_advantages(torch.tensor(rewards), 4).tolist()
-    std = torch.tensor(rewards, dtype=F64).std().item()
-    for g, e in zip(got, expected):  # float32 (helpers.group_advantage_tol); eps = 1e-6 beside the std
-        assert g == pytest.approx(e * std / (std + 1e-6), abs=group_advantage_tol(float32_round(rewards)))
-
-
-CONSTANT_VALUES = [0.1, 0.3, 0.7, 1 / 3, 2.2, 1e-3, 0.0, 1.0, -0.6]
-
-
-@pytest.mark.parametrize("G", [3, 5, 7, 8])
-def test_group_advantages_exactly_zero_for_constant_groups(G):
-    varied = [1.0] + [0.0] * (G - 1)
-    rewards = []
-    for v in CONSTANT_VALUES:
-        rewards += [v] * G + varied
-    adv = gspo.group_advantages(torch.tensor(rewards), G).view(-1, G)
-    for k in range(len(CONSTANT_VALUES)):
-        assert torch.equal(adv[2 * k], torch.zeros(G)), (CONSTANT_VALUES[k], adv[2 * k].tolist())
-        assert adv[2 * k + 1, 0].item() > 0  # the non-constant neighbour is untouched
-
-
-def test_constant_groups_are_a_real_trap():
-    """The exact-zero test above is meaningful: the naive float32 z-score leaves residue for some
-    of those constant groups (NeMo-RL #4161)."""
-    residue = False
-    for G in (3, 5, 7, 8):
-        for v in CONSTANT_VALUES:
-            r = torch.full((G,), v, dtype=torch.float32)
-            naive = (r - r.mean()) / (r.std() + 1e-6)
-            residue |= bool(naive.ne(0).any())
-    assert residue
-
-
-# ----------------------------------------------------------------------------------------------
 # Numerics
 # ----------------------------------------------------------------------------------------------
 
@@ -559,7 +461,9 @@ def test_extreme_log_ratios_are_finite(variant, dtype):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_all_masked_row_gives_no_nan(variant):
+def test_all_masked_row_gives_no_nan_and_contributes_zero(variant):
+    """An all-masked row gives 0: no NaN anywhere, no gradient, and the loss is row 0's term over B = 2 whatever
+    row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
     old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]]).requires_grad_(True)
     mask = t64([[1, 1, 0], [0, 0, 0]])
@@ -569,142 +473,13 @@ def test_all_masked_row_gives_no_nan(variant):
     assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
     assert all(math.isfinite(v) for v in scalars(stats).values())
     assert torch.isfinite(stats["ratio"]).all()
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_all_masked_row_contributes_zero_to_the_loss(variant):
-    """An all-masked row must give 0. Row 1 has no tokens; the loss must be row 0's
-    term over B = 2 whatever row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
-    old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
-    logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]])
-    mask = t64([[1, 1, 0], [0, 0, 0]])
     s0 = math.exp((-0.1 + 0.1) / 2)
     expected = clipped_objective(0.7, s0, EPS_LOW, EPS_HIGH) / 2
-    loss, _ = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
     # s = exp of the mean of two differences that round (<= 2u each, of size <= 2), of size ~1; -A s / 2: 9
     # roundings or so, of size 0.35, against one on the expected side
     assert loss.item() == pytest.approx(expected, abs=2 * gamma_n(12) * 0.35), (
         f"variant={variant}: loss {loss.item()}, expected {expected} (empty row contributed {loss.item() - expected})"
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# End to end
-# ----------------------------------------------------------------------------------------------
-
-
-def run_smoke(script, out, extra=()):
-    """helpers.run_smoke for gspo.py. Its checks name clip_frac, a share of tokens: GSPO-token's key; the sequence
-    variant (the default) logs clip_frac_seqs, a share of sequences, in its place, and summary.json has
-    mean_clip_frac_seqs. For it, the same checks with that key (requests-B.md: helpers.run_smoke could take the
-    key, and this copy go)."""
-    extra = list(extra)
-    if "token" in extra:
-        return helpers.run_smoke(script, out, extra)
-    env = dict(os.environ)
-    env.setdefault("RLREF_THREADS", "1")
-    cmd = [sys.executable, script, *helpers.SMOKE_ARGS, *extra, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1, 2]
-    keys = helpers.METRIC_KEYS - {"clip_frac"} | {"clip_frac_seqs"}
-    for r in rows:
-        assert keys <= r.keys(), f"metrics row lacks {keys - r.keys()}"
-        assert "clip_frac" not in r  # a share of sequences is not logged under the token-level name
-        for k in keys - {"step"}:
-            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
-        assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["eval_accuracy"] <= 1.0
-        assert 0.0 <= r["clip_frac_seqs"] <= 1.0
-        assert r["entropy"] >= 0.0 and r["response_len"] >= 1.0
-        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-    summary = json.loads((out / "summary.json").read_text())
-    keys = helpers.SUMMARY_KEYS - {"mean_clip_frac"} | {"mean_clip_frac_seqs"}
-    assert keys <= summary.keys(), f"summary.json lacks {keys - summary.keys()}"
-    assert "mean_clip_frac" not in summary
-    assert summary["steps"] == 2 and summary["model"] == "tiny" and summary["task"] == "arith"
-    assert summary["seed"] == 0 and isinstance(summary["args"], dict)
-    assert math.isclose(summary["mean_clip_frac_seqs"], sum(r["clip_frac_seqs"] for r in rows) / 2, abs_tol=LOGGED_TOL)
-    assert summary["eval_accuracy_after"] == rows[-1]["eval_accuracy"]
-    assert summary["wall_time_s"] > 0 and summary["peak_mem_mb"] > 0
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model, tok = AutoModelForCausalLM.from_pretrained(out / "final"), AutoTokenizer.from_pretrained(out / "final")
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tok("1+2=")["input_ids"]])).logits
-    assert torch.isfinite(logits).all()
-    return rows, summary
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_smoke_run(tmp_path, variant):
-    rows, summary = run_smoke("gspo.py", tmp_path / "run", ["--variant", variant])
-    assert summary["algo"] == "gspo"
-    assert summary["args"]["variant"] == variant
-    assert summary["args"]["minibatches"] == 2 and summary["args"]["group_size"] == 4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("minibatches, lr", [(1, 3e-4), (4, 1e-12)])
-def test_pi_old_is_the_current_policy_before_any_update(tmp_path, minibatches, lr):
-    """pi_old's log-probs come from one no-grad pass before the updates. One minibatch, or four with
-    an lr too small to move a float32 weight: every update is on-policy, so every ratio is 1 to
-    rounding (the no-grad pass and the training forward may batch rows differently), never
-    clipped; a row whose pi_old was taken from the wrong row or never filled would be far off."""
-    rows, _ = run_smoke("gspo.py", tmp_path / "run", ["--minibatches", str(minibatches), "--lr", str(lr)])
-    for r in rows:
-        assert r["ratio_max_dev"] <= 1e-5 and r["clip_frac_seqs"] == 0.0, r  # the default: the sequence variant
-
-
-# A reward that depends on the row alone (row i of B): 1 for the first row of every even group of
-# 4, else 0, so that exactly half the groups are constant whatever the model samples on this CPU.
-ALTERNATING_CONSTANT_GROUPS = (
-    'def rows_reward(tok, roll, answers, parser="exact"):\n'
-    "    B = len(answers)\n"
-    "    return torch.tensor([float(i % 8 == 0) for i in range(B)]), torch.ones(B)\n"
-    "common.score_rollout = rows_reward\n"
-)
-
-
-def patched_script(path, patch: str):
-    """A copy of gspo.py's entry point with `patch` (Python source) run first."""
-    from helpers import ROOT
-
-    path.write_text(
-        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport torch\nimport common, gspo\n"
-        + patch
-        + "common.main(gspo.train, gspo.Args)\n"
-    )
-    return path
-
-
-@pytest.mark.slow
-def test_skipping_zero_advantage_rows_leaves_the_run_unchanged(tmp_path):
-    """train() forwards only the rows with a non-zero advantage. The precondition is built, not
-    hoped for: the reward is patched to depend on the row alone ([1, 0, 0, 0] in even groups,
-    [0, 0, 0, 0] in odd ones), so on any CPU half the groups are constant and their rows skipped.
-    A second copy also shifts every advantage by 1e-30 (none is exactly 0, so no row is skipped;
-    1e-30 is lost next to any real advantage). The two runs' weights and metrics agree (clip_frac
-    aside: it counts the rows that enter the loss, which is what differs)."""
-    from safetensors.torch import load_file
-
-    skip_script = patched_script(tmp_path / "skip.py", ALTERNATING_CONSTANT_GROUPS)
-    every_script = patched_script(
-        tmp_path / "every.py",
-        ALTERNATING_CONSTANT_GROUPS
-        + "exact = gspo.group_advantages\n"
-        + "gspo.group_advantages = lambda rewards, group_size: exact(rewards, group_size) + 1e-30\n",
-    )
-    skip, _ = run_smoke(str(skip_script), tmp_path / "skip", ["--variant", "token"])
-    every, _ = run_smoke(str(every_script), tmp_path / "every", ["--variant", "token"])
-    assert all(r["zero_std_frac"] == 0.5 for r in skip)  # by construction: half the rows are left out
-    for a, b in zip(skip, every):
-        for key in ("reward", "eval_accuracy", "entropy", "grad_norm", "loss"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    weights = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("skip", "every")]
-    for name, w in weights[0].items():
-        torch.testing.assert_close(w, weights[1][name], rtol=1e-5, atol=1e-6)
 
 
 def test_ratio_statistics_leave_empty_rows_out():

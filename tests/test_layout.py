@@ -16,7 +16,6 @@ module. On a 2-core machine each run costs a few seconds, most of it importing t
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -38,12 +37,9 @@ if str(ROOT) not in sys.path:
 
 import importlib  # noqa: E402
 
-from helpers import LIGHT, LOGGED_TOL, SCRIPTS, batches, gamma, is_clipped, loop_seq_ratio, traits  # noqa: E402
+from helpers import LIGHT, LOGGED_TOL, SCRIPTS, traits  # noqa: E402
 
 import common  # noqa: E402
-import grpo  # noqa: E402
-import gspo  # noqa: E402
-import ppo  # noqa: E402
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
          "--minibatches", "2", "--eval-every", "0"]  # fmt: skip
@@ -370,99 +366,13 @@ def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
     grouped = [name for name in SCRIPTS if traits(name).grouped]
     assert grouped and all(hasattr(MODULES[name], "group_advantages") for name in grouped), grouped
     for name, scale in [(name, scale) for name in grouped for scale in ("std", "none")]:
-        if group_size == 1:  # every group of one is constant, and group_advantages refuses it (below)
+        if (
+            group_size == 1
+        ):  # every group of one is constant, and group_advantages refuses it (test_group_advantages.py)
             assert all(expected)
             continue
         adv = MODULES[name].group_advantages(rewards, group_size, scale).view(-1, group_size)
         assert (adv == 0).all(1).tolist() == expected, (name, scale, flat)
-
-
-@pytest.mark.parametrize("name", [name for name in SCRIPTS if traits(name).grouped])
-def test_group_advantages_refuse_a_group_of_one(name):
-    """A completion alone is its own baseline: every advantage 0, silently, and nothing trains. The command line
-    refuses --group-size 1; the function, which a fork may call with a group size of its own, refuses it too."""
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        MODULES[name].group_advantages(torch.tensor([1.0, 0.0, 0.5]), 1)
-    assert MODULES[name].group_advantages(torch.tensor([1.0, 0.0]), 2).abs().min() > 0  # G = 2 still works
-
-
-def loss_functions():
-    return [(name, fn) for name, module in MODULES.items() for fname, fn in vars(module).items()
-            if fname.endswith("_loss") and inspect.isfunction(fn) and fn.__module__ == name]  # fmt: skip
-
-
-def test_no_loss_takes_a_trace():
-    found = loss_functions()
-    assert {name for name, _ in found} == set(SCRIPTS), "a script in SCRIPTS defines no *_loss function"
-    for name, fn in found:
-        assert "trace" not in inspect.signature(fn).parameters, f"{name}.{fn.__name__} takes trace="
-
-
-def tensors(b):
-    t = lambda rows: torch.tensor(rows, dtype=torch.float32)
-    logp = t(b["logp"]).requires_grad_()
-    return logp, t(b["old"]), t(b["adv"]), t(b["mask"])
-
-
-def check_info(loss, info, shape, ratio, mask, adv, eps_low, eps_high):
-    """info["ratio"] / info["clipped"] against float64 loops; only real tokens (mask 1) are compared."""
-    assert loss.dim() == 0 and loss.requires_grad
-    assert info["ratio"].shape == shape and info["clipped"].shape == shape, (info["ratio"].shape, shape)
-    assert not info["ratio"].requires_grad and info["clipped"].dtype == torch.bool
-    got_r, got_c = info["ratio"].double().tolist(), info["clipped"].tolist()
-    if len(shape) == 1:  # one ratio per sequence: every row is compared
-        got_r, got_c, ratio = [[x] for x in got_r], [[x] for x in got_c], [[x] for x in ratio]
-        mask = [[1] for _ in ratio]
-    for i, (want_row, got_row, clip_row, mask_row) in enumerate(zip(ratio, got_r, got_c, mask)):
-        for t, (want, got, clipped, real) in enumerate(zip(want_row, got_row, clip_row, mask_row)):
-            if not real:
-                continue
-            # float32 inputs (batches(): |logp|, |old| <= 6, |d| <= 2) round once each, so d is within u (6 + 6 + 2);
-            # a sequence's mean adds <= 8 roundings of size 2, exp 2u: relative gamma_32 at most
-            rel = gamma(32, torch.float32)
-            assert math.isclose(got, want, rel_tol=rel), (i, t, got, want)
-            if min(abs(want - (1 + eps_high)), abs(want - (1 - eps_low))) > rel * want:  # beyond a bound's rounding
-                assert clipped == is_clipped(adv[i], want, eps_low, eps_high), (i, t, want, adv[i])
-
-
-def loop_token_ratio(b):
-    return [[math.exp(l - o) for l, o in zip(lr, orow)] for lr, orow in zip(b["logp"], b["old"])]
-
-
-@LIGHT
-@given(b=batches(), eps=st.sampled_from([(0.2, 0.2), (0.2, 0.28), (3e-4, 4e-4)]))
-def test_losses_return_loss_and_info(b, eps):
-    eps_low, eps_high = eps
-    B, T = b["B"], b["T"]
-    logp, old, adv, mask = tensors(b)
-    b = {**b, "adv": adv.double().tolist()}  # the advantages the losses see, float32 (a tiny one underflows to 0)
-    token = loop_token_ratio(b)
-
-    loss, info = grpo.grpo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
-    check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
-
-    adv_tok = adv[:, None].expand(B, T).contiguous()
-    loss, info = ppo.ppo_policy_loss(logp, old, adv_tok, mask, eps_low=eps_low, eps_high=eps_high)
-    check_info(loss, info, (B, T), token, b["mask"], b["adv"], eps_low, eps_high)
-
-    seq = loop_seq_ratio(b["logp"], b["old"], b["mask"])
-    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, variant="sequence")
-    check_info(loss, info, (B,), seq, b["mask"], b["adv"], eps_low, eps_high)
-    assert "clip_frac_seqs" in info and "clip_frac" not in info
-
-    loss, info = gspo.gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, variant="token")
-    check_info(loss, info, (B, T), [[s] * T for s in seq], b["mask"], b["adv"], eps_low, eps_high)
-    assert "clip_frac" in info and "clip_frac_seqs" not in info
-
-
-def test_load_model_has_no_dtype():
-    assert "dtype" not in inspect.signature(common.load_model).parameters
-
-
-def test_shared_code_reads_no_algorithm_flag():
-    source = (ROOT / "common.py").read_text()
-    for flag in ("eps_", "kl_coef", "variant", "loss_agg"):
-        assert not re.search(rf"args\.{flag}|getattr\(args, ['\"]{flag}", source), f"common.py reads args.{flag}"
 
 
 def test_experts_are_known_from_the_config_before_loading(tmp_path):

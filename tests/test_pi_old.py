@@ -93,10 +93,10 @@ def rows(prompts, completions, **kwargs):
 
 @pytest.mark.parametrize("name", [s for s in SCRIPTS if traits(s).skips_zero_advantage])  # (at their defaults)
 def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp_path, monkeypatch):
-    """train() forwards only the rows whose advantage is not 0 (the slow tier's twin runs 2 steps from the
-    command line). One update on the same rollout, once skipping half the rows and once with every advantage
-    shifted by 1e-30 (none exactly 0, so none skipped; 1e-30 is lost next to a real advantage): the gradients
-    the optimizer is stepped with agree to rounding, and the skipping run did forward fewer rows."""
+    """train() forwards only the rows whose advantage is not 0. One update on the same rollout, once skipping half
+    the rows and once with every advantage shifted by 1e-30 (none exactly 0, so none skipped; 1e-30 is lost next to
+    a real advantage): the gradients the optimizer is stepped with agree to rounding, and the skipping run did
+    forward fewer rows."""
     module = importlib.import_module(name)
     reward = tmp_path / "rows.py"
     reward.write_text(ROW_REWARD)

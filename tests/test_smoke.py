@@ -1,7 +1,6 @@
 """A 2-step run of each script in tests/helpers.py's SCRIPTS, in this process (common.main, no torch
-import per run: about 3 s each on one core), for the quick tier (`pytest -m "not slow"`). The
-subprocess smoke runs in test_ppo.py, test_grpo.py and test_gspo.py check the same and more, from the
-command line, and are in the slow tier."""
+import per run: about 3 s each on one core), for the quick tier (`pytest -m "not slow"`); and the same
+from the command line, checking the outputs every run writes (helpers.run_smoke), in the slow tier."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import SCRIPTS, SMOKE_ARGS
+from helpers import SCRIPTS, SMOKE_ARGS, run_smoke
 from safetensors.torch import load_file
 
 import common
@@ -44,3 +43,10 @@ def test_two_steps_train_log_and_save(name, tmp_path, capsys):
     assert start.keys() == final.keys()
     assert all(torch.isfinite(w).all() for w in final.values())
     assert any(not torch.equal(start[k], final[k]) for k in start)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_two_steps_from_the_command_line(name, tmp_path):
+    _, summary = run_smoke(f"{name}.py", tmp_path / "run")
+    assert summary["algo"] == name

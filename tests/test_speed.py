@@ -1,5 +1,5 @@
-"""Tests for the fast paths in common.py: chunked log-probs at a realistic vocabulary size, and the
-sampler's own decoder (static KV cache, dropped rows) against Hugging Face.
+"""Tests for the sampler's own decoder in common.py (static KV cache, dropped rows) against Hugging Face, for each
+architecture it takes. (Chunked log-probs against float64, at a small and at Qwen's vocabulary: test_common.py.)
 
 The benchmarks themselves are scripts, not tests: benchmarks/sampler.py, benchmarks/memory.py,
 benchmarks/speed.py, benchmarks/gpu.sh.
@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_within, log_softmax_bounds
+from helpers import greedy_generate
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -21,47 +21,6 @@ from transformers import (
 )
 
 import common
-
-# ---------------------------------------------------------------------------------------------
-# Log-probs: chunked through the output projection, with checkpointing
-# ---------------------------------------------------------------------------------------------
-
-
-def _naive_f64(hidden, weight, targets, temperature):
-    """The whole [B, T, V] logits at once, float64: log p(target) and entropy."""
-    logp_all = torch.log_softmax(hidden.double() @ weight.double().T / temperature, -1)
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
-
-
-@pytest.mark.numeric
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprobs_equal_naive_at_large_vocab_with_gradients(monkeypatch, temperature):
-    B, T, H, V, chunk = 3, 40, 32, 5000, 48  # 120 tokens in chunks of 48: 48 + 48 + 24
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(B, T, H, generator=g).requires_grad_(True)
-    weight = (0.3 * torch.randn(V, H, generator=g)).requires_grad_(True)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    coef = torch.randn(B, T, generator=g)  # an arbitrary upstream gradient for logp
-
-    calls = []
-    real_chunk = common._logp_entropy_chunk
-    monkeypatch.setattr(common, "_logp_entropy_chunk", lambda h, *a: calls.append(h.shape[0]) or real_chunk(h, *a))
-    logp, ent = common.logprobs_from_hidden(hidden, weight, targets, temperature, chunk_tokens=chunk)
-    assert calls == [48, 48, 24], "the vocabulary-sized logits must really be made in 3 chunks"
-    (coef * logp).sum().backward()
-    assert len(calls) == 6, "checkpointing recomputes each chunk in backward"
-
-    h64 = hidden.detach().double().requires_grad_(True)
-    w64 = weight.detach().double().requires_grad_(True)
-    ref_logp, ref_ent = _naive_f64(h64, w64, targets, temperature)
-    (coef.double() * ref_logp).sum().backward()
-    bound = log_softmax_bounds(hidden, weight, targets, temperature, coef)  # float32's, from its roundoff
-    assert_within(logp, ref_logp.detach(), bound["logp"], "log p")
-    assert_within(ent, ref_ent.detach(), bound["entropy"], "entropy")
-    assert_within(hidden.grad, h64.grad, bound["grad_hidden"], "d/dhidden")
-    assert_within(weight.grad, w64.grad, bound["grad_weight"], "d/dweight")
-
 
 # ---------------------------------------------------------------------------------------------
 # Sampler: the fast decoder against HF generate, for each architecture it accepts
@@ -110,20 +69,6 @@ def encode(tok):
     return [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
 
-def generate_lists(model, prompts, T, eos, pad):
-    batch = common.Rollout.from_lists(prompts, [[]] * len(prompts), pad)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=batch.prompt_ids,
-            attention_mask=batch.prompt_mask,
-            max_new_tokens=T,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )[:, batch.prompt_ids.shape[1] :]
-    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out.tolist()]
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("T, grow", [(12, None), (40, None), (12, 3)])
 def test_fast_decoder_greedy_equals_generate(char_tok, monkeypatch, arch, T, grow):
@@ -135,11 +80,11 @@ def test_fast_decoder_greedy_equals_generate(char_tok, monkeypatch, arch, T, gro
     assert common._StaticKVDecoder.supports(model)
     prompts, pad = encode(char_tok), char_tok.pad_token_id
     free = common.sample(model, prompts, T, [], pad, greedy=True)
-    assert free.completion_lists() == generate_lists(model, prompts, T, [], pad)
+    assert free.completion_lists() == greedy_generate(model, prompts, T, [], pad)
     # EOS ids taken from the free run, so that rows stop at different steps (and get dropped)
     eos = sorted({free.completion_ids[0, 1].item(), free.completion_ids[2, 3].item(), free.completion_ids[4, 2].item()})
     ours = common.sample(model, prompts, T, eos, pad, greedy=True)
-    assert ours.completion_lists() == generate_lists(model, prompts, T, eos, pad)
+    assert ours.completion_lists() == greedy_generate(model, prompts, T, eos, pad)
     assert ours.completion_mask.sum(1).min() < T
 
 
