@@ -1,8 +1,8 @@
 """The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro: Args instances share
 no mutable default; every script's Args subclasses common.SharedArgs, so its fields are the shared ones first and
 then its own: its training recipe (common.RECIPE, declared in its own file) and its algorithm's flags; --help
-shows each field's docstring and default; --resume takes the checkpoint's flags as defaults; --task sums its own;
-a list flag takes several values. A fork whose Args lacks a recipe field stops at start-up."""
+shows each field's docstring and default; --resume takes the checkpoint's flags as defaults; a list flag takes
+several values. A fork whose Args lacks a recipe field stops at start-up."""
 
 import dataclasses
 import importlib
@@ -95,11 +95,6 @@ def test_resume_takes_the_checkpoints_flags_and_lets_only_some_change(tmp_path):
         common.parse_args(MODULES["gspo"].Args, ["--resume", out, "--lr", "6e-4"])  # the script's default, given
     with pytest.raises(common.UsageError, match="--variant sequence differs from the checkpoint's token"):
         common.parse_args(MODULES["gspo"].Args, ["--resume", out, "--variant", "sequence"])
-
-
-def test_task_sums_brings_its_defaults_for_the_flags_not_given():
-    args = common.parse_args(MODULES["gspo"].Args, ["--task", "sums", "--lr", "1e-3"])
-    assert (args.model, args.max_new_tokens, args.lr) == ("tiny-sums", 64, 1e-3)
 
 
 def test_list_flags_take_several_values_given_once_or_repeated_and_none_is_a_numbers_none():
