@@ -294,7 +294,7 @@ def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
     hints = typing.get_type_hints(args_cls)
     lists = {_flag(n) for n, h in hints.items() if typing.get_origin(h) is list}
     nullable = {_flag(n) for n, h in hints.items() if type(None) in typing.get_args(h) and _choices(h) is None}
-    known = {"--help", *map(_flag, hints), *(_flag("no_" + n) for n, h in hints.items() if h is bool)}
+    known = {"-h", "--help", *map(_flag, hints), *(_flag("no_" + n) for n, h in hints.items() if h is bool)}
     out, values, flag = [], {}, None
     for a in argv:
         if a.startswith("--") or a == "-h":
