@@ -267,7 +267,7 @@ def _cli(args_cls, argv: list[str], defaults):
             return tyro.cli(args_cls, args=argv, default=defaults, description=description)
     except SystemExit as e:
         if e.code:
-            raise UsageError(_tyro_error(err.getvalue())) from None
+            raise UsageError(_tyro_error(err.getvalue()) or f"bad command line (python {sys.argv[0]} --help)") from None
         raise
 
 
