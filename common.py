@@ -4,7 +4,7 @@ execute, with the flag checks and error paths around it, and some of what only a
 a flag switches on: extras/).
 
 Its sections (a script's train() reaches into several of them each step, in no one order):
-   1. Command line     SharedArgs (the flags every script shares) -> argparse, one-line errors (exit 2), main()
+   1. Command line     SharedArgs (the flags every script shares) read by tyro, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
    4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import difflib
 import functools
 import importlib.util
+import io
+import itertools
 import json
 import math
 import os
@@ -52,8 +53,11 @@ import shutil
 import signal
 import sys
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -64,36 +68,8 @@ from tqdm import tqdm
 STARTED = time.perf_counter()  # the script's start (its import of this file): summary.json's wall_time_s counts from it
 
 # ---------------------------------------------------------------------------------------------
-# 1. Command line: flags from a dataclass, checks with one-line errors (exit status 2), main()
+# 1. Command line: each script's Args dataclass read by tyro, checks with one-line errors (exit status 2), main()
 # ---------------------------------------------------------------------------------------------
-
-
-def arg(default, help: str, choices: tuple | None = None, shown: str | None = None):
-    """A dataclass field that carries its --help text and, for a flag with a fixed set of values, its
-    `choices`: any other value (given, resumed or passed to Args directly) is a one-line error. --help
-    appends "(default: VALUE)"; `shown` replaces VALUE where the value alone would not say what happens
-    (a None or [] that the run fills in), so that the help text itself never states a default."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "shown": shown}
-    if isinstance(default, (list, dict)):  # a fresh copy per instance: never one shared list, nor LORA_TARGETS itself
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _did_you_mean(word: str, candidates) -> str:
-    """' (did you mean X?)' for the candidate nearest `word`, or '' when none is near."""
-    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
-def check_choices(args):
-    """Every field declared with `choices` holds one of them (None stays allowed where it is the default)."""
-    for f in dataclasses.fields(args):
-        choices, value = f.metadata.get("choices"), getattr(args, f.name)
-        if choices and value not in choices and not (value is None and f.default is None):
-            raise UsageError(
-                f"{_flag(f.name)} must be one of {', '.join(map(str, choices))}, got {value!r}"
-                + _did_you_mean(str(value), choices)
-            )
 
 
 class UsageError(Exception):
@@ -106,6 +82,12 @@ def die(message: str, status: int = 2):
     sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
     sys.stderr.flush()
     sys.exit(status)
+
+
+def _did_you_mean(word: str, candidates) -> str:
+    """' (did you mean X?)' for the candidate nearest `word`, or '' when none is near."""
+    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def _number(kind):
@@ -121,18 +103,9 @@ def _number(kind):
     return parse
 
 
-def _optional(kind):
-    def parse(s: str):
-        return None if s.lower() == "none" else kind(s)
-
-    parse.__name__ = getattr(kind, "__name__", "value")
-    return parse
-
-
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose own errors (an unknown flag, a bad value) are one line and exit status 2, no usage dump:
-    the scripts' parser, and the tools' (tools/). A flag must be spelled out (argparse would take --step for
-    --steps), and an unknown one is answered with the nearest real flag."""
+    """The tools' parser (tools/, experiments/): argparse whose own errors are one line, exit status 2, a flag
+    spelled out (argparse would take --step for --steps), an unknown one answered with the nearest real flag."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
@@ -151,13 +124,7 @@ class ArgumentParser(argparse.ArgumentParser):
         die(message)
 
 
-# The values of the flags with a fixed set of them (--task, --report-to, the rollout's), and LoRA's default targets
-TASKS = ("arith", "sums", "gsm8k", "jsonl")
-REPORT_TO = ("none", "tensorboard")
-THINKING = ("off", "on")
-ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OLD_LOGP = ("recompute", "rollout")
-IS_CORRECTIONS = ("none", "tis", "mask")
+ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype's values
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # attention and MLP
 
 
@@ -186,90 +153,81 @@ NOT_IN_UPDATE = {
 @dataclass
 class SharedArgs:
     """The flags every script shares that are not its recipe (model, data, reward, output, device, logging,
-    checkpoints, the extras'). A script's Args adds the RECIPE fields and its own; `check()` checks its own."""
+    checkpoints, the extras'). A script's Args adds the RECIPE fields and its own; `check()` checks its own.
+    Each field is a flag (--eval-every for eval_every), its docstring the flag's help (tyro reads them)."""
 
-    model: str = arg(
-        "tiny",
-        "'tiny' (Qwen3, shipped in checkpoints/), 'tiny-moe' (its Qwen3-MoE twin), 'tiny-qwen3' (random weights, "
-        "Qwen3's real tokenizer) or a local dir / hub id",
-    )
-    task: str = arg(
-        None,
-        "arith, sums (long; sets --model, --max-new-tokens, --lr), gsm8k or jsonl",
-        choices=TASKS,
-        shown="arith; jsonl with --data alone",
-    )
-    data: str = arg(None, "JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records")
-    eval_data: str = arg(None, "JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data")
-    system_prompt: str = arg(
-        None,
-        "instruction a chat template puts before each prompt ('': none)",
-        shown="one asking for the answer as --reward reads it",
-    )
-    thinking: str = arg(
-        "off",
-        "a chat template with Qwen3's enable_thinking: on lets the model reason in <think>...</think> first "
-        "(the answer is read after </think>); off closes an empty think block in the prompt",
-        choices=THINKING,
-    )
-    reward: list[str] = arg(
-        [],
-        "exact, boxed, format, module:function or file.py:function; several add up",
-        shown="exact; none with --reward-model",
-    )
-    reward_weights: list[float] = arg([], "one weight per --reward", shown="1 each")
-    reward_model: str = arg(
-        None, "learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"
-    )
-    reward_model_weight: float = arg(1.0, "weight of --reward-model in the weighted sum")
-    reward_model_norm: bool = arg(False, "whiten the reward model's scores per batch (mean 0, std 1)")
-    top_p: float = arg(1.0, "nucleus sampling threshold (1 = off)")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (less memory, about 30% slower)")
-    entropy_coef: float = arg(0.0, "weight of an entropy bonus in the loss, on every row (0: none, as in the paper)")
-    eval_every: int = arg(10, "evaluate every N steps (0: only before and after training)")
-    eval_size: int = arg(500, "held-out prompts used for evaluation")
-    eval_samples: int = arg(0, "also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)")
-    report_to: str = arg(
-        "none", "tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)", choices=REPORT_TO
-    )
-    trace_every: int | None = arg(
-        None, "write per-token traces to OUT/traces.jsonl every N steps (0: off)", shown="none, at each evaluation"
-    )
-    trace_groups: int = arg(
-        4, "groups (PPO: prompts) of a traced step's rollout that its trace keeps, those with signal first"
-    )
-    seed: int = arg(0, "random seed (data order, sampling, init)")
-    out: str = arg(None, "output directory (named for the script, so that a fork writes its own)")
-    overwrite: bool = arg(
-        False, "replace the run --out holds even if another script wrote it (a non-run directory is never deleted)"
-    )
-    save_every: int = arg(0, "write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)")
-    resume: str = arg(
-        None,
-        "continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow",
-        shown="none, a new run",
-    )
-    max_consecutive_skips: int = arg(3, "stop (exit status 3) after this many non-finite updates in a row")
-    device: str = arg("auto", "auto, cpu or cuda")
-    fsdp: bool = arg(
-        False, "under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"
-    )
-    lora_rank: int = arg(0, "LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)")
-    lora_alpha: float | None = arg(
-        None, "LoRA: the adapters' update is scaled by alpha / r", shown="none, 2 x --lora-rank"
-    )
-    lora_targets: list[str] = arg(LORA_TARGETS, "LoRA: the projections that get adapters (attention and MLP)")
-    merge_lora: bool = arg(False, "LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in")
-    rollout_dtype: str = arg(
-        "float32", "dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy", ROLLOUT_DTYPES
-    )
-    old_logp: str = arg(
-        "recompute", "pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)", OLD_LOGP
-    )
-    is_correction: str = arg(
-        "none", "weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask", IS_CORRECTIONS
-    )
-    is_cap: float = arg(2.0, "--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it")
+    model: str = "tiny"
+    """tiny (Qwen3, in checkpoints/), tiny-moe (its MoE twin), tiny-qwen3 (Qwen3's tokenizer), a local dir / hub id"""
+    task: Literal["arith", "sums", "gsm8k", "jsonl"] | None = None
+    """sums is long (sets --model, --max-new-tokens, --lr); None: arith, or jsonl with --data alone"""
+    data: str | None = None
+    """JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records"""
+    eval_data: str | None = None
+    """JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data"""
+    system_prompt: str | None = None
+    """instruction a chat template puts before each prompt ('': none; None: one asking for what --reward reads)"""
+    thinking: Literal["off", "on"] = "off"
+    """Qwen3's enable_thinking: on reasons in <think>...</think>, the answer read after it; off: an empty think"""
+    reward: list[str] = field(default_factory=list)
+    """exact, boxed, format, module:function or file.py:function; several add up (none: exact, or --reward-model)"""
+    reward_weights: list[float] = field(default_factory=list)
+    """one weight per --reward (none given: 1 each)"""
+    reward_model: str | None = None
+    """learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"""
+    reward_model_weight: float = 1.0
+    """weight of --reward-model in the weighted sum"""
+    reward_model_norm: bool = False
+    """whiten the reward model's scores per batch (mean 0, std 1)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (1 = off)"""
+    grad_checkpointing: bool = False
+    """recompute activations in backward (less memory, about 30% slower)"""
+    entropy_coef: float = 0.0
+    """weight of an entropy bonus in the loss, on every row (0: none, as in the paper)"""
+    eval_every: int = 10
+    """evaluate every N steps (0: only before and after training)"""
+    eval_size: int = 500
+    """held-out prompts used for evaluation"""
+    eval_samples: int = 0
+    """also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)"""
+    report_to: Literal["none", "tensorboard"] = "none"
+    """tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)"""
+    trace_every: int | None = None
+    """write per-token traces to OUT/traces.jsonl every N steps (0: off; None: at each evaluation)"""
+    trace_groups: int = 4
+    """groups (PPO: prompts) of a traced step's rollout that its trace keeps, those with signal first"""
+    seed: int = 0
+    """random seed (data order, sampling, init)"""
+    out: str | None = None
+    """output directory (runs/ and the script's name, so that a fork writes its own)"""
+    overwrite: bool = False
+    """replace the run --out holds even if another script wrote it (a non-run directory is never deleted)"""
+    save_every: int = 0
+    """write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)"""
+    resume: str | None = None
+    """continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"""
+    max_consecutive_skips: int = 3
+    """stop (exit status 3) after this many non-finite updates in a row"""
+    device: str = "auto"
+    """auto, cpu or cuda"""
+    fsdp: bool = False
+    """under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"""
+    lora_rank: int = 0
+    """LoRA: train rank-r adapters (peft) on the frozen base instead of every weight (0: off)"""
+    lora_alpha: float | None = None
+    """LoRA: the adapters' update is scaled by alpha / r (None: 2 x --lora-rank)"""
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """LoRA: the projections that get adapters (attention and MLP)"""
+    merge_lora: bool = False
+    """LoRA: also write OUT/final/merged, a standard checkpoint, adapters merged in"""
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the sampler runs in: bfloat16 samples from a bf16 copy of the policy"""
+    old_logp: Literal["recompute", "rollout"] = "recompute"
+    """pi_old: the trainer's forward (recompute) or the sampler's log-probs (rollout)"""
+    is_correction: Literal["none", "tis", "mask"] = "none"
+    """weigh the loss by pi_old / mu: token-level truncated IS (tis) or a sequence mask"""
+    is_cap: float = 2.0
+    """--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it"""
 
     def __post_init__(self):
         missing = [name for name in RECIPE if not hasattr(self, name)]
@@ -288,100 +246,96 @@ class SharedArgs:
         """The script's own flags' range checks (raise UsageError naming the flag); setup() calls it first."""
 
 
-# The --help group of each shared flag, in SharedArgs' order; a script's own flags come first, in a group of their own.
-HELP_GROUPS = {
-    "model and data": "model task data eval_data system_prompt thinking",
-    "reward": "reward reward_weights reward_model reward_model_weight reward_model_norm",
-    "sampling and optimisation": "top_p grad_checkpointing entropy_coef",
-    "evaluation and logging": "eval_every eval_size eval_samples report_to trace_every trace_groups",
-    "run: seed, output, checkpoints, device": "seed out overwrite save_every resume max_consecutive_skips device fsdp",
-    "LoRA": "lora_rank lora_alpha lora_targets merge_lora",
-    "rollout precision (docs/rollout_mismatch.md)": "rollout_dtype old_logp is_correction is_cap",
-}
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _tyro_error(text: str) -> str:
+    """tyro's error box as one line: its first paragraph."""
+    lines = [re.sub(r"\x1b\[[\d;]*m", "", line).strip(" │|╭╮╰╯") for line in text.strip().splitlines()]
+    lines = ["" if re.fullmatch(r"[─-]*", line) else line for line in lines[1:]]  # the title, then the text
+    return " ".join(itertools.takewhile(bool, lines[1:] if lines and not lines[0] else lines))
+
+
+def _cli(args_cls, argv: list[str], defaults):
+    """tyro.cli over `argv` with `defaults` (an Args instance): --help exits 0, a bad flag or value is one line."""
+    import tyro
+
+    may_change = ", ".join(_flag(n) for n in RESUME_MAY_CHANGE if n != "resume")
+    description = (sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0]
+    description += f"\nWith --resume, the checkpoint's flags are the defaults; of them only {may_change} may change."
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(args_cls, args=argv, default=defaults, description=description)
+    except SystemExit as e:
+        if e.code:
+            raise UsageError(_tyro_error(err.getvalue()) or f"bad command line (python {sys.argv[0]} --help)") from None
+        raise
+
+
+def _choices(hint) -> tuple | None:
+    """The values a Literal[...] annotation allows (and None where it is optional); None for any other type."""
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if not any(typing.get_origin(p) is Literal for p in parts):
+        return None
+    return tuple(v for p in parts for v in (typing.get_args(p) if typing.get_origin(p) is Literal else (None,)))
+
+
+def check_choices(args):
+    """Each Literal field holds one of its values, whether given, resumed from a checkpoint or passed to Args."""
+    for name, hint in typing.get_type_hints(type(args)).items():
+        allowed, value = _choices(hint), getattr(args, name)
+        if allowed is not None and value not in allowed:
+            shown = ", ".join(str(v) for v in allowed if v is not None)
+            raise UsageError(f"{_flag(name)} must be one of {shown}, got {value!r}")
+
+
+def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
+    """The command line as tyro reads it: "--reward a --reward b" as "--reward a b" (tyro keeps the last list),
+    "--dual-clip none" as "--dual-clip None" (the None of a number); an unknown flag refused with the nearest."""
+    hints = typing.get_type_hints(args_cls)
+    lists = {_flag(n) for n, h in hints.items() if typing.get_origin(h) is list}
+    nullable = {_flag(n) for n, h in hints.items() if type(None) in typing.get_args(h) and _choices(h) is None}
+    known = {"-h", "--help", *map(_flag, hints), *(_flag("no_" + n) for n, h in hints.items() if h is bool)}
+    out, values, flag = [], {}, None
+    for a in argv:
+        if a.startswith("--") or a == "-h":
+            flag, eq, value = a.partition("=")
+            if flag not in known:  # tyro's own message suggests a flag by its help text, not by its name
+                raise UsageError(f"unrecognized argument {a}{_did_you_mean(flag, known)}")
+            if flag in lists:
+                values.setdefault(flag, []).extend([value] if eq else [])
+                continue
+            a = f"{flag}=None" if eq and flag in nullable and value.lower() == "none" else a
+        elif flag in lists:
+            values[flag].append(a)
+            continue
+        elif flag in nullable and a.lower() == "none":
+            a = "None"
+        out.append(a)
+    return out + [a for flag, given in values.items() for a in (flag, *given)]
+
+
 def parse_args(args_cls, argv=None):
-    """Turn a dataclass whose fields carry `help` metadata into a CLI (underscores -> dashes).
-    With --resume DIR the run's flags are the checkpoint's, overridden by those given on this
-    command line; see `resumed_args`."""
-
-    # SUPPRESS: the namespace holds only the flags actually given; the dataclass fills the rest
-    algo, defaults = script_name(args_cls), args_cls()
-    parser = ArgumentParser(
-        usage=f"{algo}.py [flags]   (python {algo}.py --help lists them, grouped)",
-        description=(sys.modules[args_cls.__module__].__doc__ or "").split("\n")[0],
-        epilog="With --resume, every flag not marked 'may change on --resume' keeps the checkpoint's value.",
-        argument_default=argparse.SUPPRESS,
-    )
-    shared = {name: title for title, names in HELP_GROUPS.items() for name in names.split()}
-    recipe = parser.add_argument_group(f"{algo}.py's training recipe")
-    own = parser.add_argument_group(f"{algo}.py's own flags")
-    groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
-    for f in dataclasses.fields(args_cls):
-        group = groups[shared[f.name]] if f.name in shared else recipe if f.name in RECIPE else own
-        resume = "; may change on --resume" if f.name in RESUME_MAY_CHANGE else ""
-        shown = f.metadata.get("shown") or shown_default(getattr(defaults, f.name))
-        help_text = f"{f.metadata.get('help', '')} (default: {shown}{resume})".replace("%", "%%")
-        choices = f.metadata.get("choices")
-        metavar = {"metavar": "{" + ",".join(map(str, choices)) + "}"} if choices else {}  # checked by check_choices
-        how, kind = _parser_of(f, algo)
-        if how == "bool":
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text)
-        elif how == "list":  # "--reward a b" and "--reward a --reward b" alike
-            group.add_argument(_flag(f.name), type=kind, nargs="+", action="extend", help=help_text)
-        else:
-            group.add_argument(_flag(f.name), type=kind, help=help_text, **metavar)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i in range(len(argv) - 1, 0, -1):  # argparse takes "-1e-3" for an option; "--lr=-1e-3" is a value
-        flag, value = argv[i - 1], argv[i]
-        if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-[\d.]+[eE][-+]?\d+|-inf", value):
-            argv[i - 1 : i + 1] = [f"{flag}={value}"]
-    given = vars(parser.parse_args(argv))
-    if given.get("resume"):
-        given = extra("resume", "--resume").resumed_args(given, algo, {f.name for f in dataclasses.fields(args_cls)})
-    given = with_task_defaults(given, {f.name for f in dataclasses.fields(args_cls)})  # --task sums: its own
-    args = args_cls(**given)
-    check_choices(args)
+    """The script's Args from its command line (tyro). With --resume DIR the checkpoint's flags are the defaults
+    (extras/resume.py: only RESUME_MAY_CHANGE may differ from them); --task sums brings its own defaults."""
+    argv = _tyro_argv(args_cls, list(sys.argv[1:] if argv is None else argv))
+    args = _cli(args_cls, argv, args_cls())
+    if args.resume:
+        return extra("resume", "--resume").resumed_args(args_cls, args.resume, lambda d: _cli(args_cls, argv, d))
+    if args.task == "sums":
+        defaults = dataclasses.replace(args_cls(), **extra("sums_task", "--task sums").TASK_DEFAULTS["sums"])
+        args = _cli(args_cls, argv, defaults)
     return args
-
-
-_KINDS = {"int": _number(int), "float": _number(float), "str": str}
-SUPPORTED_TYPES = "bool, int, float, str, int | None, float | None, str | None, list[int], list[float], list[str]"
-
-
-def _parser_of(f, algo: str) -> tuple:
-    """("bool" | "value" | "list", argparse type) of an Args field, from its annotation (string or type)
-    read exactly; any other (bool | None, a tuple) is refused at start-up, not parsed as something else."""
-    t = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # "int | None" whether string or type
-    t = re.sub(r"^Optional\[(.*)\]$", r"\1|None", t.replace("typing.", "").replace(" ", ""))
-    t = "|".join(sorted(t.split("|"), key=lambda part: part == "None"))  # None | int -> int|None
-    if t == "bool":
-        return "bool", None
-    base, optional = (t[: -len("|None")], True) if t.endswith("|None") else (t, False)
-    listed = re.fullmatch(r"list\[(\w+)\]", base)
-    kind = _KINDS.get(listed[1] if listed else base)
-    if kind is None or (listed and optional):
-        raise UsageError(f"{algo}.py's Args field {f.name} is annotated {f.type}, which the command line cannot "
-                         f"parse; supported: {SUPPORTED_TYPES}")  # fmt: skip
-    return ("list" if listed else "value"), _optional(kind) if optional else kind
-
-
-def shown_default(value) -> str:
-    """A default as --help states it, as one would type it: on / off, a list's items, none."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, list):
-        return " ".join(map(str, value)) or "none"
-    return "none" if value is None else str(value)
 
 
 def check_common_args(args, needs_group: bool):
     """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
     any model is loaded or any output is written."""
+    for name, value in vars(args).items():  # NaN passes every range check: refused in any float flag
+        if any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
+            raise UsageError(f"{_flag(name)} must be a number, got nan")
     for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size max_consecutive_skips".split():
         if getattr(args, name) < 1:
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
@@ -690,13 +644,6 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-def with_task_defaults(given: dict, fields: set) -> dict:
-    """The flags given, plus --task's own defaults for those not given (explicit flags win)."""
-    task_defaults = extra("sums_task", "--task sums").TASK_DEFAULTS["sums"] if given.get("task") == "sums" else {}
-    defaults = {k: v for k, v in task_defaults.items() if k in fields}
-    return {**defaults, **given}
-
-
 def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
     """The records of a --data / --eval-data file (extras/data_files.py: JSONL or GSM8K, checked)."""
     return extra("data_files", flag).load_jsonl(path, flag, needs_answer)
@@ -717,8 +664,6 @@ def load_task(
     check = check or (lambda where, records: None)
     if task is None:
         task = "jsonl" if data else "arith"
-    if task not in TASKS:
-        raise UsageError(f"--task {task!r} is unknown; expected one of {', '.join(TASKS)}")
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
     if held_out is not None:
         check(f"--eval-data {eval_data}", held_out)

@@ -42,11 +42,12 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 import common
-from common import arg, masked_mean
+from common import masked_mean
 
 LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp: token ratios, +-20 as verl
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -55,40 +56,48 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 @dataclass
 class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then GRPO's own
     # The training recipe: batch shape, sampling, optimiser and schedule
-    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(64, "prompts sampled per step")
-    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    lr: float = arg(3e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (each after the first: off-policy)")
-    epochs: int = arg(1, "passes over each rollout")
+    steps: int = 1000
+    """number of rollout + update steps (about 5 minutes on 2 CPU cores)"""
+    prompts_per_step: int = 64
+    """prompts sampled per step"""
+    group_size: int = 4
+    """completions per prompt (G); the group is the advantage baseline"""
+    max_new_tokens: int = 8
+    """maximum completion length in tokens"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    lr: float = 3e-4
+    """AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping threshold"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)"""
+    minibatches: int = 2
+    """minibatch updates per epoch over each rollout (each after the first: off-policy)"""
+    epochs: int = 1
+    """passes over each rollout"""
     # and how a step fills its batch (DAPO's dynamic sampling; off: the paper's algorithm)
-    filter_groups: bool = arg(
-        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
-    )
-    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
+    filter_groups: bool = False
+    """DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"""
+    max_sample_rounds: int = 3
+    """--filter-groups: at most this many sampling rounds a step"""
     # GRPO's own
-    eps_low: float = arg(0.2, "lower clip range of the token ratio")
-    eps_high: float = arg(0.2, "upper clip range of the token ratio (DAPO clip-higher: 0.28)")
-    kl_coef: float = arg(0.0, "beta of the k3 KL penalty to a frozen reference (0: no reference in memory)")
-    loss_agg: str = arg(
-        "seq-mean-token-mean",
-        "seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)",
-        choices=AGGREGATIONS,
-    )
-    scale_rewards: str = arg(
-        "std", "std (group z-score, the paper) or none (Dr. GRPO: R - mean)", choices=("std", "none")
-    )
-    mask_truncated: bool = arg(
-        False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
-    )
-    routing_replay: bool = arg(
-        False, "MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"
-    )
+    eps_low: float = 0.2
+    """lower clip range of the token ratio"""
+    eps_high: float = 0.2
+    """upper clip range of the token ratio (DAPO clip-higher: 0.28)"""
+    kl_coef: float = 0.0
+    """beta of the k3 KL penalty to a frozen reference (0: no reference in memory)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """seq-mean-token-mean (paper), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)"""
+    scale_rewards: Literal["std", "none"] = "std"
+    """std (group z-score, the paper) or none (Dr. GRPO: R - mean)"""
+    mask_truncated: bool = False
+    """leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"""
+    routing_replay: bool = False
+    """MoE models: route every update forward through the experts of the old-logp pass (GSPO paper 5.3)"""
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)

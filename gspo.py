@@ -34,11 +34,12 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 import common
-from common import arg, masked_mean
+from common import masked_mean
 
 LOG_RATIO_CLAMP = (-20.0, 10.0)  # (low, high) bounds of a log-ratio before exp: the sequence ratio (GSPO: <= 10)
 
@@ -46,31 +47,42 @@ LOG_RATIO_CLAMP = (-20.0, 10.0)  # (low, high) bounds of a log-ratio before exp:
 @dataclass
 class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then GSPO's own
     # The training recipe: batch shape, sampling, optimiser and schedule
-    steps: int = arg(1000, "number of rollout + update steps (about 5 minutes on 2 CPU cores)")
-    prompts_per_step: int = arg(64, "prompts sampled per step")
-    group_size: int = arg(4, "completions per prompt (G); the group is the advantage baseline")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(2, "minibatch updates per epoch over each rollout (each after the first: off-policy)")
-    epochs: int = arg(1, "passes over each rollout")
+    steps: int = 1000
+    """number of rollout + update steps (about 5 minutes on 2 CPU cores)"""
+    prompts_per_step: int = 64
+    """prompts sampled per step"""
+    group_size: int = 4
+    """completions per prompt (G); the group is the advantage baseline"""
+    max_new_tokens: int = 8
+    """maximum completion length in tokens"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    lr: float = 6e-4
+    """AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping threshold"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)"""
+    minibatches: int = 2
+    """minibatch updates per epoch over each rollout (each after the first: off-policy)"""
+    epochs: int = 1
+    """passes over each rollout"""
     # and how a step fills its batch (DAPO's dynamic sampling; off: the paper's algorithm)
-    filter_groups: bool = arg(
-        False, "DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"
-    )
-    max_sample_rounds: int = arg(3, "--filter-groups: at most this many sampling rounds a step")
+    filter_groups: bool = False
+    """DAPO dynamic sampling: train only groups whose rewards differ, sampling more prompts to fill the step"""
+    max_sample_rounds: int = 3
+    """--filter-groups: at most this many sampling rounds a step"""
     # GSPO's own
-    eps_low: float = arg(3e-4, "lower clip range of the sequence ratio (paper: 3e-4)")
-    eps_high: float = arg(4e-4, "upper clip range of the sequence ratio (paper: 4e-4)")
-    variant: str = arg(
-        "sequence", "sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)", choices=("sequence", "token")
-    )
-    mask_truncated: bool = arg(
-        False, "leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"
-    )
+    eps_low: float = 3e-4
+    """lower clip range of the sequence ratio (paper: 3e-4)"""
+    eps_high: float = 4e-4
+    """upper clip range of the sequence ratio (paper: 4e-4)"""
+    variant: Literal["sequence", "token"] = "sequence"
+    """sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)"""
+    mask_truncated: bool = False
+    """leave completions cut at --max-new-tokens (no EOS) out of the policy loss (DAPO overlong filtering)"""
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)

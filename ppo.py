@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import common
-from common import arg, masked_mean
+from common import masked_mean
 
 LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp: token ratios, +-20 as verl
 
@@ -54,29 +54,47 @@ LOG_RATIO_CLAMP = (-20.0, 20.0)  # (low, high) bounds of a log-ratio before exp:
 @dataclass
 class Args(common.SharedArgs):  # the flags every script shares (model, data, output, ...), then PPO's own
     # The training recipe: batch shape, sampling, optimiser and schedule
-    steps: int = arg(500, "number of rollout + update steps")
-    prompts_per_step: int = arg(128, "prompts sampled per step")
-    group_size: int = arg(1, "completions per prompt (PPO needs no group; any value works)")
-    max_new_tokens: int = arg(8, "maximum completion length in tokens")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same temperature")
-    lr: float = arg(6e-4, "AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping threshold")
-    anneal_lr: bool = arg(True, "decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)")
-    minibatches: int = arg(4, "minibatch updates per epoch over each rollout")
-    epochs: int = arg(1, "passes over each rollout")
+    steps: int = 500
+    """number of rollout + update steps"""
+    prompts_per_step: int = 128
+    """prompts sampled per step"""
+    group_size: int = 1
+    """completions per prompt (PPO needs no group; any value works)"""
+    max_new_tokens: int = 8
+    """maximum completion length in tokens"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    lr: float = 6e-4
+    """AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping threshold"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to about 0 over --steps (--no-anneal-lr: constant)"""
+    minibatches: int = 4
+    """minibatch updates per epoch over each rollout"""
+    epochs: int = 1
+    """passes over each rollout"""
     # PPO's own
-    critic_lr: float = arg(1e-3, "critic AdamW learning rate (the value loss's only knob: its AdamW is its own)")
-    eps_low: float = arg(0.2, "lower clip range of the token ratio")
-    eps_high: float = arg(0.2, "upper clip range of the token ratio")
-    dual_clip: float | None = arg(3.0, "dual-clip constant c for negative advantages (none: off)")
-    kl_coef: float = arg(
-        0.1, "beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, no reference loaded)"
-    )
-    gamma: float = arg(1.0, "discount")
-    lam: float = arg(0.95, "GAE lambda")
-    cliprange_value: float = arg(0.2, "value clipping range around the rollout's values")
-    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that never emit EOS")
+    critic_lr: float = 1e-3
+    """critic AdamW learning rate (the value loss's only knob: its AdamW is its own)"""
+    eps_low: float = 0.2
+    """lower clip range of the token ratio"""
+    eps_high: float = 0.2
+    """upper clip range of the token ratio"""
+    dual_clip: float | None = 3.0
+    """dual-clip constant c for negative advantages (none: off)"""
+    kl_coef: float = 0.1
+    """beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, no reference loaded)"""
+    gamma: float = 1.0
+    """discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange_value: float = 0.2
+    """value clipping range around the rollout's values"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of completions that never emit EOS"""
 
     def check(self):
         common.check_clip(self.eps_low, self.eps_high)

@@ -2,7 +2,7 @@
 
 Imported by common.py only for --resume. common.save_checkpoint writes the checkpoint (every --save-every
 steps, and on SIGINT / SIGTERM); this module finds and checks it before any model is loaded
-(`open_checkpoint`), merges its flags with the command line's (`resumed_args`) and restores the weights,
+(`open_checkpoint`), takes its flags as the command line's defaults (`resumed_args`) and restores the weights,
 the optimizers, the streams and every random state (`load_checkpoint`), so that a resumed run equals an
 uninterrupted one bit for bit.
 """
@@ -27,6 +27,7 @@ from common import (
     model_path,
     model_signature,
     resolve_device,
+    script_name,
     sharded,
 )
 
@@ -114,21 +115,21 @@ def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
     return found, meta
 
 
-def resumed_args(given: dict, algo: str, fields: set) -> dict:
-    """The flags of a resumed run: the checkpoint's, overridden by those given on the command line,
-    which may differ from the checkpoint's only for RESUME_MAY_CHANGE. The run continues in the
-    checkpoint's run directory unless --out says otherwise."""
-    found, meta = find_checkpoint(given["resume"], algo)
-    saved = {k: v for k, v in meta["args"].items() if k in fields}
-    saved["out"] = str(found.parent)
-    saved.pop("overwrite", None)  # this command's choice (check_out), never the checkpoint's
-    for name, value in given.items():
-        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
+def resumed_args(args_cls, path: str, parse):
+    """The flags of a resumed run: `parse(defaults)` with the checkpoint's flags as the defaults, so that those
+    given on the command line override them; they may differ from the checkpoint's only for RESUME_MAY_CHANGE.
+    The run continues in the checkpoint's run directory unless --out says otherwise."""
+    found, meta = find_checkpoint(path, script_name(args_cls))
+    names = {f.name for f in dataclasses.fields(args_cls)} - {"overwrite"}  # overwrite: this command's (check_out)
+    saved = {**{k: v for k, v in meta["args"].items() if k in names}, "out": str(found.parent)}
+    args = parse(args_cls(**saved))
+    for name, value in saved.items():
+        if name not in RESUME_MAY_CHANGE and getattr(args, name) != value:
             raise UsageError(
-                f"{_flag(name)} {value} differs from the checkpoint's {saved[name]}: a resumed run keeps its "
+                f"{_flag(name)} {getattr(args, name)} differs from the checkpoint's {value}: a resumed run keeps its "
                 f"settings (only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE if n != 'resume')} may change)"
             )
-    return {**saved, **given}
+    return args
 
 
 def open_checkpoint(args, algo: str, world: int = 1) -> Path:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from common import IS_CORRECTIONS, UsageError
+from common import UsageError
 
 
 def check_args(args):
@@ -106,7 +106,7 @@ def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mod
     elif mode == "mask":
         w = (d.sum(1) <= math.log(cap)).to(d.dtype)[:, None].expand_as(d)
     else:
-        raise ValueError(f"mode must be one of {IS_CORRECTIONS}, got {mode!r}")
+        raise ValueError(f"mode must be none, tis or mask, got {mode!r}")
     return torch.where(m, w, torch.ones_like(w))
 
 

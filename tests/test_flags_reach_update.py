@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import typing
 
 import pytest
 import torch
@@ -136,10 +137,10 @@ def declared(module) -> dict:
     return {**common.NOT_IN_UPDATE, **getattr(module, "NOT_IN_UPDATE", {})}
 
 
-def other_values(field, default) -> list[tuple]:
+def other_values(field, default, args_cls) -> list[tuple]:
     """Generic values other than `default` for a field CASES does not list (a fork's new flag)."""
     flag = "--" + field.name.replace("_", "-")
-    choices = field.metadata.get("choices")
+    choices = common._choices(typing.get_type_hints(args_cls)[field.name])  # a Literal[...] field's values
     if choices:
         return [(flag, str(c)) for c in choices if c != default]
     if isinstance(default, bool):
@@ -171,7 +172,7 @@ def cases(name):
             batch = dict(zip(*[iter(BATCH.get(name, DEFAULT_BATCH))] * 2))
             values = [("--" + field.name.replace("_", "-"), str(2 * int(batch["--" + field.name.replace("_", "-")])))]
         elif values is None:
-            values = other_values(field, default)
+            values = other_values(field, default, module.Args)
         slow = not callable(companions) and SLOW_COMPANIONS & set(companions)
         for value in values:
             yield pytest.param(name, field.name, value, companions, id=f"{name}-{field.name}-{value_id(value)}",

@@ -134,8 +134,8 @@ def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
     (out / "checkpoint" / "meta.json").write_text(json.dumps(meta))
     for name in ("policy", "trainer.pt", "metrics.jsonl"):
         (out / "checkpoint" / name).touch()
-    fields = {"overwrite", "lr", "out", "resume"}
-    assert resume.resumed_args({"resume": str(out)}, "gspo", fields) == {"lr": 0.1, "out": str(out), "resume": str(out)}
+    args = resume.resumed_args(gspo.Args, str(out), lambda defaults: defaults)  # no flag given but --resume
+    assert (args.overwrite, args.lr, args.out) == (False, 0.1, str(out))
 
 
 # ---------------------------------------------------------------------------------------------
