@@ -99,9 +99,9 @@ def dapo_traits() -> str:
 
 
 def dapo_style(source: str) -> str:
-    """grpo.py with the README's DAPO defaults as its recipe: each field's first argument to arg() replaced."""
+    """grpo.py with the README's DAPO defaults as its recipe: each field's default (`name: type = default`) replaced."""
     for name, value in dapo_defaults().items():
-        pattern = re.compile(rf"(\n    {name}: [^=]+= arg\(\s*)([^,\n]+)(,)")
+        pattern = re.compile(rf"(\n    {name}: [^=\n]+= )([^\n]+)(\n)")
         assert len(pattern.findall(source)) == 1, f"grpo.py's Args has no one field {name}"
         source = pattern.sub(lambda m, value=value: m.group(1) + value + m.group(3), source)
     return source
