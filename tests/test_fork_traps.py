@@ -475,7 +475,8 @@ def test_every_fixed_set_flag_declares_its_choices(name):
         ("ppo", ["--no-such-flag"], "error: unrecognized argument --no-such-flag"),
         ("ppo", ["--lr", "1e-3", "extra"], "extra"),
     ],
-)
+    ids=lambda v: "-".join(v) if isinstance(v, list) else "",  # by the argv, not the script (test_forks counts
+)  # the tests of each script by "[<script>" in their ids, and this table is not run for every script)
 def test_bad_flags_and_values_are_one_line_naming_them(tmp_path, capsys, name, argv, expected):
     status, _, err = run_main(name, [*argv, "--out", tmp_path / "out"], capsys)
     assert status == 2 and err.strip() == one_line_error(err) and expected in err, err
