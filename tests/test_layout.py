@@ -198,7 +198,8 @@ def without_clip_flags(source: str) -> str:
     """gspo.py's text as a fork that drops --eps-low / --eps-high would write it: no fields, no
     Args.check (which only checked them), fixed clip values passed to the loss."""
     edits = [
-        (r"\n    eps_low: float = arg\([^\n]*\)\n    eps_high: float = arg\([^\n]*\)\n", "\n"),  # the two fields
+        # the two fields, each a line and its docstring's line
+        (r"\n    eps_low: float = [^\n]*\n    \"\"\"[^\n]*\n    eps_high: float = [^\n]*\n    \"\"\"[^\n]*\n", "\n"),
         (r"\n    def check\(self\):\n(?:        [^\n]*\n)+", "\n"),  # the method, every line indented under it
         (r"eps_low=args\.eps_low,\s*eps_high=args\.eps_high,", "eps_low=3e-4, eps_high=4e-4,"),  # the loss's clip
     ]
