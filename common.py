@@ -181,7 +181,7 @@ class SharedArgs:
     top_p: float = 1.0
     """nucleus sampling threshold (1 = off)"""
     grad_checkpointing: bool = False
-    """recompute activations in backward (less memory, about 30% slower)"""
+    """recompute activations in backward (less memory, more compute)"""
     entropy_coef: float = 0.0
     """weight of an entropy bonus in the loss, on every row (0: none, as in the paper)"""
     eval_every: int = 10
@@ -197,7 +197,7 @@ class SharedArgs:
     trace_groups: int = 4
     """groups (PPO: prompts) of a traced step's rollout that its trace keeps, those with signal first"""
     seed: int = 0
-    """random seed (data order, sampling, init)"""
+    """random seed (data order, sampling)"""
     out: str | None = None
     """output directory (runs/ and the script's name, so that a fork writes its own)"""
     overwrite: bool = False
