@@ -1901,27 +1901,6 @@ class Sampler:
         return roll
 
 
-def forwarded_rows(plan: list[tuple] | None, n: int, device) -> torch.Tensor:
-    """[n] bool: the rows some update of `plan` (plan_updates' list) forwards; plan None: every row."""
-    if plan is None:
-        return torch.ones(n, dtype=torch.bool, device=device)
-    rows = torch.zeros(n, dtype=torch.bool, device=device)
-    rows[torch.cat([r for _, r in plan])] = True
-    return rows
-
-
-def is_weights(old_logp: torch.Tensor, roll: Rollout, has_old: torch.Tensor | None, args, per: str = "token"):
-    """--is-correction: detached [B, T] loss weights pi_old / mu, truncated at --is-cap (tis) or a sequence
-    mask (extras/rollout_precision.py), over the rows `has_old` ([B] bool: where `old_logp` holds pi_old;
-    None: every row), 1 elsewhere; per="sequence": one weight per sequence (GSPO). None without a
-    correction (the default)."""
-    if args.is_correction == "none" or roll.sample_logp is None:
-        return None
-    mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
-    precision = extra("rollout_precision", "--is-correction")
-    return precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap, per)
-
-
 # ---------------------------------------------------------------------------------------------
 # 8. Updates: minibatches, skipping rows without signal, the non-finite guard, the step's update metrics
 # ---------------------------------------------------------------------------------------------
@@ -1932,36 +1911,6 @@ def minibatches(n: int, epochs: int, n_minibatches: int, device):
     into `n_minibatches` equal minibatches."""
     for _ in range(epochs):
         yield from torch.randperm(n, device=device).chunk(n_minibatches)
-
-
-def plan_updates(n: int, epochs: int, n_minibatches: int, device, advantages=None) -> list[tuple]:
-    """The updates of one rollout of n rows, drawn up front (`minibatches`): for each, (idx, rows),
-    the minibatch's row indices and the rows its update forwards. With `advantages`, only the rows
-    whose advantage is not 0 (`rows_with_signal`); without, all of idx."""
-    plan = []
-    for idx in minibatches(n, epochs, n_minibatches, device):
-        plan.append((idx, idx if advantages is None else rows_with_signal(idx, advantages)))
-    return plan
-
-
-def logprobs_of_rows(model, roll: Rollout, rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[B, T] log-probs of `model` on the rows where `rows` ([B] bool) is True, 0 on the others: a script's
-    pi_old forward (under no_grad, at the weights that sampled `roll`) over the rows its updates read."""
-    if bool(rows.all()):
-        return completion_logprobs(model, roll, temperature)[0]
-    picked = rows.nonzero().squeeze(1)  # sorted, each once
-    logp = torch.zeros(roll.completion_ids.shape, device=roll.completion_ids.device)
-    logp[picked] = completion_logprobs(model, roll[picked], temperature)[0]
-    return logp
-
-
-def rows_with_signal(idx: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """The rows of minibatch `idx` whose advantage is not 0. A row with A = 0 (its group's rewards
-    all equal) adds exactly 0 to a clipped surrogate and its gradient, so the update need not
-    forward it, as long as the loss still divides by the whole minibatch. At least one row is
-    kept, so that every update (and every torchrun rank) still runs."""
-    rows = idx[advantages[idx] != 0]
-    return rows if len(rows) else idx[:1]
 
 
 def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
@@ -2058,83 +2007,8 @@ def check_filter_groups(args):
                          f"got {args.group_size}")  # fmt: skip
 
 
-def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
-    """Row indices of the first `n` groups (G consecutive rows) whose rewards are not all equal (max != min,
-    exact: `constant_groups`), each group's rows together and in order; fewer when fewer have signal."""
-    signal = (~constant_groups(rewards, group_size)).nonzero().squeeze(1)[:n]  # group numbers
-    return (signal[:, None] * group_size + torch.arange(group_size, device=signal.device)).reshape(-1)
-
-
-def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) -> int:
-    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`
-    (its part of --prompts-per-step), less any that would leave --minibatches unable to split the rows
-    evenly. Every rank gets the same number, so each runs the same updates in step (DDP, FSDP)."""
-    n = min(agreed, share)
-    while n and n * group_size % minibatches:
-        n -= 1
-    return n
-
-
-class SampleRounds:
-    """One step's sampling, round by round: the loop of grpo.py's and gspo.py's train() `add`s each round's
-    rollout, records, rewards and parts while `wanted`. Without --filter-groups there is one round, and
-    `kept` is that round as it came. With it (DAPO's dynamic sampling: Yu et al. 2025, section 3.2) rounds,
-    each from the prompt stream's next prompts, go on until every rank holds its share of --prompts-per-step
-    groups whose rewards are not all equal, or --max-sample-rounds have run; the ranks agree through one
-    all-reduce (the fewest groups any rank holds) a round. `kept` is then the first `groups_to_train` groups
-    with signal of the rounds, in order, as many on every rank; if that is none, the first round as sampled
-    (its advantages all 0: a step without signal, as without the filter). `sampled` is everything sampled,
-    which Run's metrics of the rollout read (Run.rollout)."""
-
-    def __init__(self, args, world: int, pad_id: int):
-        self.args, self.share, self.pad_id = args, args.prompts_per_step // world, pad_id
-        self.rounds, self.held, self.agreed = [], 0, 0  # groups with signal held here; the fewest any rank holds
-        self._joined = None
-
-    def wanted(self) -> bool:
-        """Whether to sample another round: the first always; with --filter-groups, until full or the cap."""
-        args = self.args
-        if not self.rounds:
-            return True
-        return args.filter_groups and len(self.rounds) < args.max_sample_rounds and self.agreed < self.share
-
-    def add(self, roll: Rollout, records: list, rewards: torch.Tensor, parts: dict):
-        self.rounds.append((roll, records, rewards, parts))
-        self._joined = None
-        if self.args.filter_groups:
-            self.held += int((~constant_groups(rewards, self.args.group_size)).sum())
-            self.agreed = int(all_reduce_sum(torch.tensor(float(self.held)), op="MIN").item())
-
-    def joined(self) -> tuple:
-        """(roll, records, rewards, parts) of every round, concatenated (the one round itself if only one)."""
-        if len(self.rounds) == 1:
-            return self.rounds[0]
-        if self._joined is None:  # once: kept() and sampled() both read it
-            rolls, records, rewards, parts = zip(*self.rounds)
-            joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            self._joined = Rollout.concat(list(rolls), self.pad_id), sum(records, []), torch.cat(rewards), joined
-        return self._joined
-
-    def sampled(self) -> tuple:
-        """(roll, rewards, parts) of everything sampled: what Run.rollout's `sampled` takes."""
-        roll, _, rewards, parts = self.joined()
-        return roll, rewards, parts
-
-    def kept(self) -> tuple:
-        """(roll, records, rewards, parts) to train on (see the class)."""
-        args = self.args
-        if not args.filter_groups:
-            return self.rounds[0]
-        n = groups_to_train(self.agreed, self.share, args.group_size, args.minibatches)
-        if n == 0:
-            return self.rounds[0]
-        roll, records, rewards, parts = self.joined()
-        rows = keep_groups(rewards, args.group_size, n)
-        return roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}
-
-
-# How each number an update reports is pooled over the step's updates that stepped and over the ranks (Run.measured,
-# docs/metrics.md): the one place that says it. A numeric `info` key not named here is an error (Run.update), so a
+# How each number an update reports is pooled over the step's updates that stepped and over the ranks (`pool`,
+# docs/metrics.md): the one place that says it. A numeric `info` key not named here is an error (`update_terms`), so a
 # fork that adds a metric declares how it is counted. Units:
 #   "minibatch tokens"     a share of the forwarded rows' loss tokens, counted as a share of every completion token
 #                          of the update's minibatch (TRL's and verl's clip fraction): sum of the counts / sum of the
@@ -2181,7 +2055,7 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
             continue
         unit = UPDATE_STAT_UNITS.get(key)
         if unit is None:
-            raise ValueError(f"Run.update: the loss's info holds {key!r}, whose weighting common.UPDATE_STAT_UNITS "
+            raise ValueError(f"update_terms: the loss's info holds {key!r}, whose weighting common.UPDATE_STAT_UNITS "
                              f"does not declare: declare it in the script, common.UPDATE_STAT_UNITS[{key!r}] = "
                              "'tokens' (or another unit listed above it in common.py), so that it is pooled over "
                              "updates and ranks as it is counted")  # fmt: skip
@@ -2200,7 +2074,29 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
     return terms
 
 
-def pooled_update_stats(updates: list[dict], skipped: int) -> dict:
+def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
+    """One update's numbers as `pool` adds them up, after its optimizer step: the numbers of the loss's `info`
+    (a tensor in it, the ratio or the clip decisions, is left out), each weighted by what UPDATE_STAT_UNITS says it
+    counts, and `token_ratio_stats` of its log-probs `logp` against pi_old `old_logp` over the loss's `mask` [b, T]
+    of the `forwarded` rows. The clip fractions become shares of the whole minibatch (`minibatch_mask`, [m, T]: its
+    completion tokens, and m sequences), as TRL and verl count them: a row left out has advantage 0 and never clips."""
+    numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+    ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
+    loss_tokens, mask = mask.sum().item(), mask.bool()
+    counts = {
+        "tokens": loss_tokens,
+        "forwarded tokens": loss_tokens,
+        "minibatch tokens": minibatch_mask.sum().item(),
+        "forwarded sequences": forwarded,
+        "minibatch sequences": minibatch_mask.shape[0],
+        "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs,
+    }
+    log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
+    numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
+    return update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts)
+
+
+def pool(updates: list[dict], skipped: int) -> dict:
     """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: each
     summed over updates and ranks in one all-reduce (a max in one more), then divided (UPDATE_STAT_UNITS); a
     std is the pooled population std, sqrt((sum of n std^2 + sum of n mean^2 - N mean^2) / N). A weighted number
@@ -2234,449 +2130,322 @@ def pooled_update_stats(updates: list[dict], skipped: int) -> dict:
 
 def trace_due(args, step: int) -> bool:
     """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the
-    last step); 0: never."""
+    last step), where this copy of the project has extras/traces.py; 0: never."""
     if args.trace_every is None:
+        if not (Path(__file__).parent / "extras" / "traces.py").is_file():
+            return False
         return bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
     return bool(args.trace_every) and step % args.trace_every == 0
 
 
-# ---------------------------------------------------------------------------------------------
-# 9. The run: metrics.jsonl, samples.jsonl, TensorBoard, evaluation when due, checkpoints, summary.json, final/
-# ---------------------------------------------------------------------------------------------
-
-
-class Run:
-    """Everything around a training loop that is not the algorithm, so that the loop shows only
-    the algorithm: evaluation (before training, every --eval-every steps and after the last), the
-    progress bar, every measurement (`rollout`, `update`, `log`: the
-    metrics every run logs, the mismatch between sampler and trainer, kl_to_init, MoE routing drift,
-    the traces in OUT/traces.jsonl), OUT/metrics.jsonl (and TensorBoard), a few of each evaluation's
-    completions in OUT/samples.jsonl, checkpoints, --resume, and at the end OUT/final/ and
-    OUT/summary.json. Only rank 0 writes files. Each script's train() shows the calls in order.
-
-    What it assumes of the loop (a fork that changes the loop's shape keeps these, or fails loudly):
-    - The constructor, before writing anything, calls the reward on batches of the run's shapes (greedy: no
-      random stream moves); with --resume loads the checkpoint's weights into `model`, each `state` object's
-      state and the RNG states, else evaluates `model` (step 0). Only then does it delete the run --out held
-      (check_out) and open OUT.
-    - Exact resume: a checkpoint holds the policy's weights, each `**state` object (its state_dict(), a
-      torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
-      tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else:
-      pass whatever else moves during the run (a new generator, a scheduler, a batch carried to the next step),
-      or a resumed run differs (tests/test_reliability.py resumes every script in tests/helpers.SCRIPTS, bit
-      for bit). Under torchrun every object but the modules and optimizers is saved by each rank, for itself
-      (tests/test_distributed.py: a fork's per-rank carried batch); anything else is refused in one line.
-    - One `rollout` a step, of a Rollout from Sampler.sample or rows of one (tokens_per_s reads its draw's
-      seconds and sampled_tokens). A loop that samples more than it trains (--filter-groups' SampleRounds, a
-      fork's own sampling loop) also passes `sampled=(roll, rewards, parts)` of everything it sampled, its
-      draws joined by Rollout.concat: the rollout's metrics and the collapse watch read that, the updates'
-      what trains. Then one `update` per update run: `skipped_updates` counts those whose
-      `stepped` is False. `update(..., minibatch=idx)` makes the loss's "clip_frac*" shares (of `rows`' tokens
-      under `mask`; "*_seqs": of rows) shares of the minibatch's completion tokens (sequences), as TRL and
-      verl count them: a row left out has advantage 0 and never clips, so --entropy-coef changes nothing.
-    - pi_old is the script's (`rollout`'s `old_logp` over the rows `has_old`): the mismatch, the trace and the
-      ratio statistics read what was handed, never a recomputation; `reads_every_row` says when every row needs it.
-    - `log(row)`: the script's metrics join the measured ones; a name in both is an error, not an override.
-    `reference` is the frozen initial policy, when the script has one (kl_to_init with --reward-model)."""
-
-    SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
-    SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
-
-    def __init__(self, args, env: Setup, model, tok, reference=None, **state):
-        self.algo, self.args, self.env, self.model, self.tok = args.algo, args, env, model, tok
-        self.eos, self.optimizer = eos_token_ids(model, tok), state.get("optimizer")
-        self.reference = reference if args.reward_model else None  # kl_to_init is logged with --reward-model
-        # MoE models: each token's experts, recorded in the pi_old forward (drift; grpo.py's --routing-replay)
-        moe = is_moe(model)
-        self.routing = extra("moe", f"--model {args.model} (MoE)").RoutingReplay(model) if moe else None
-        self.progress = Progress()
-        for name, obj in state.items():
-            if not checkpointable(obj):
-                what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
-                raise ValueError(f"Run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
-        self.state = checkpointed({**state, "progress": self.progress}, model)  # --fsdp: gathered when saved
-        self.sample_cap_warned = False  # --filter-groups' cap (watch_sample_cap)
-        self.stopping = False  # a stop signal came, on some rank: this step is the last (save_checkpoint_if_due)
-        self.clip_key = "clip_frac"  # clip_frac_seqs where the clip counts sequences (GSPO), not tokens
-        self.check_rewards()  # before anything is written to --out
-        samples = []
-        if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
-            extra("resume", "--resume").load_checkpoint(env.resume_from, model, self.state, env.rank, env.world,
-                                                        env.device)  # fmt: skip
-        else:
-            self.progress.eval_before, samples = self.evaluate(0)
-            self.progress.last_eval = self.progress.eval_before
-            if env.rank == 0:  # (under torchrun the evaluation is all ranks')
-                tqdm.write(f"step 0: {describe_eval(self.progress.eval_before)}")
-        self.t_start = STARTED - self.progress.wall_time_s  # from the script's start; a resumed run adds its own
-        if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
-            replace_out(args.out, env.replaces)
-        self.logger = RunLogger(
-            args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard"
-        )
-        self.show(samples)
-
-    def evaluate(self, step: int) -> tuple[dict, list]:
-        """(metrics, samples) of `evaluate` on the evaluation set. --eval-samples draws from a generator
-        of its own, seeded by --seed and the step: evaluating never moves training's random streams."""
-        args, env = self.args, self.env
-        generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
-        metrics = evaluate(self.model, self.tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
-                           args.eval_samples, args.temperature, args.top_p, generator, self.SAMPLES_SHOWN,
-                           thinking=args.thinking)  # fmt: skip
-        samples = [{"step": step, **s} for s in metrics.pop("samples")]
-        return metrics, samples
-
-    def check_rewards(self):
-        """Call the reward on batches of the run's own shapes before the first step, so that a reward
-        function that fits only some (one value per distinct prompt, say) fails before anything is
-        written: a training batch (this rank's prompts-per-step share, each prompt --group-size times in
-        a row) and, on --resume, where no step-0 evaluation runs first, an evaluation batch (and one of
-        --eval-samples rows per prompt). Greedy completions of the first records, one per distinct
-        prompt, repeated: no random stream moves, so a run is the same with the check as without."""
-        args, env = self.args, self.env
-        n = args.prompts_per_step // env.world
-        shapes = [(env.train_set[: n * env.world][env.rank :: env.world], args.group_size)]
-        if env.resume_from:  # evaluate()'s first batch, and its pass@n batch
-            share = env.eval_set[env.rank :: env.world][: max(1, 256 // max(1, args.eval_samples))]
-            shapes += [(share, 1)] + [(share, args.eval_samples)] * (args.eval_samples > 0)
-        eos = eos_token_ids(self.model, self.tok)
-        with gathered(self.model):  # --fsdp: whole weights, gathered once on every rank
-            for examples, copies in shapes:
-                if not examples:  # a rank without evaluation prompts still joins the reward's check on every rank
-                    raise_on_every_rank(None)
-                    continue
-                prompts, records = prompts_and_records(self.tok, examples, 1, env.system_prompt, args.thinking)
-                roll = sample(self.model, prompts, args.max_new_tokens, eos, self.tok.pad_token_id, greedy=True)
-                rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
-                env.reward_fn(self.tok, roll[rows], [r for r in records for _ in range(copies)])
-
-    def show(self, samples: list):
-        """Print each sample on one line and append them to samples.jsonl (rank 0)."""
-        if self.env.rank > 0:
-            return
-        for s in samples:
-            parts = ", ".join(f"{k} {v:g}" for k, v in s["rewards"].items())
-            answer = f"  answer {_clip(s['answer'], 24)}" if s["answer"] is not None else ""
-            cut = "  (truncated)" if s["truncated"] else ""
-            cut += "  (<think> never closed: no answer)" if after_thinking(s["completion"]) is None else ""
-            tqdm.write(
-                f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
-            )
-        self.logger.log_samples(samples)
-
-    def steps(self):
-        """The step numbers still to run (from the checkpoint's step + 1 when resumed); stops early
-        once a stop signal came (after that step's checkpoint)."""
-        first = self.progress.step + 1
-        self.bar = tqdm(
-            range(first, self.args.steps + 1),
-            initial=first - 1,
-            total=self.args.steps,
-            desc=self.algo,
-            dynamic_ncols=True,
-            disable=self.env.rank > 0,
-        )
-        for step in self.bar:
-            self.step_started, self.step_now, self.trace = time.perf_counter(), step, None
-            yield step
-            if self.stopping:
-                return
-
-    @property
-    def reads_every_row(self) -> bool:
-        """Whether a measurement reads pi_old on every row, not only those the updates forward: an MoE model's
-        routing record (drift, --routing-replay), --reward-model's kl_to_init. `rollout` refuses fewer rows."""
-        return self.routing is not None or self.reference is not None
-
-    @contextlib.contextmanager
-    def recording_routing(self, roll: Rollout):
-        """Context for the script's pi_old forward of `roll`: an MoE model records each token's experts in it
-        (extras/moe.py) into `roll.experts`, which `rollout` reads when `roll` trains (drift, --routing-replay)."""
-        if self.routing is None:
-            yield
-            return
-        with self.routing.record():
-            yield
-        roll.experts = self.routing.indices
-
-    def replayed_routing(self, rows: torch.Tensor, on: bool = True):
-        """Context for an update's forward and backward on rows `rows` of the rollout: with `on` (grpo.py's
-        --routing-replay) an MoE model routes every token through the experts that the rollout's pi_old forward
-        recorded (`Rollout.experts`: its own, whichever step sampled it; extras/moe.py); otherwise nothing."""
-        if not on or self.routing is None:
-            return contextlib.nullcontext()
-        return self.routing.replay(self.routing.indices, rows)
-
-    def rollout(self, roll, records, rewards, parts, advantages, old_logp, has_old=None, weights=None, sampled=None,
+def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,
                 **per_token):  # fmt: skip
-        """The step's measurements before its updates (every rank calls it once a step): `roll`, the rows the
-        updates train, their `records`, `rewards` [B] and their `parts`, the `advantages` ([B], or [B, T] for
-        PPO), `old_logp` [B, T], pi_old as the script computed it (the log-probs of the weights that sampled
-        `roll`), `has_old` [B] bool, the rows where `old_logp` holds it (None: every row), the --is-correction
-        `weights`, and `per_token`, the script's other [B, T] values that a trace keeps (ref_logp, value,
-        token_reward). A loop that trains other rows than it sampled this step (--filter-groups, a fork training
-        an older batch) passes `sampled`, (roll, rewards, parts) of everything it sampled (Rollout.concat of its
-        draws): which metric reads which, docs/metrics.md. The mismatch (mu against pi_old: mismatch_*, is_*)
-        and the trace read `old_logp` on the rows `has_old`; nothing here recomputes it."""
-        self.sampled = sampled = (roll, rewards, parts) if sampled is None else tuple(sampled)
-        if sampled[0].seconds is None or sampled[0].sampled_tokens is None:  # tokens_per_s would be a wrong number
-            raise ValueError("Run.rollout needs a Rollout from Sampler.sample (or rows picked from one): this one "
-                             "has no seconds / sampled_tokens, so tokens_per_s cannot be measured")  # fmt: skip
-        if has_old is not None and self.reads_every_row and not bool(has_old.all()):
-            raise ValueError("Run.rollout: pi_old is needed on every row (Run.reads_every_row: an MoE model's routing "
-                             "record or --reward-model's kl_to_init), but has_old leaves rows out")  # fmt: skip
-        self.roll, self.rewards, self.old_logp, self.updates = roll, rewards, old_logp, []
-        if self.routing is not None:  # MoE: the experts `roll`'s pi_old forward chose (drift, replay); None: none ran
-            self.routing.indices = roll.experts
-        self.skipped = 0  # the updates of this step that the non-finite guard skipped (`update`)
-        precision, args = _loaded("rollout_precision"), self.args  # mu recorded: mu against pi_old (mismatch_*, is_*)
-        self.mismatch = precision.rollout_mismatch(roll, old_logp, has_old, weights, args) if precision else {}
-        if not trace_due(args, self.step_now) or self.env.rank > 0:
-            return
-        if args.trace_every is None and not (Path(__file__).parent / "extras" / "traces.py").is_file():
-            return  # the default (a trace at each evaluation), in a copy of the project without extras/traces.py
-        per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
-        self.trace = extra("traces", "--trace-every").Trace(self, self.step_now, roll, records, rewards, parts,
-                                                            advantages, old_logp, has_old, per_token)  # fmt: skip
+    """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed
+    to the updates (pi_old `old_logp` on the rows `has_old`, and `per_token`, the script's other [B, T] values:
+    ref_logp, value, token_reward); each update adds to it (`Trace.update`), `log_step` writes it. Else None."""
+    if env.rank > 0 or not trace_due(args, step):
+        return None
+    per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
+    return extra("traces", "--trace-every").Trace(args, tok, sampler.eos_ids, step, roll, records, rewards, parts,
+                                                  advantages, old_logp, has_old, per_token)  # fmt: skip
 
-    def update(self, rows, logp, entropy, old_logp, mask, info: dict, stepped: bool, minibatch=None, on_policy=False):
-        """One update's measurements, after its optimizer step (or the non-finite guard's skip: `stepped`
-        False): the `rows` it forwarded, their log-probs and entropy and pi_old and the loss's mask
-        [b, T], `info`, what the loss returned beside the loss, and the `minibatch`'s rows (default: `rows`),
-        of which the clip fractions become shares (the class docstring). `on_policy`: this forward ran at the
-        weights that sampled the rollout (--old-logp rollout measures mismatch_* on it; none: not logged). Its
-        numbers are pooled over the step's updates that stepped and over the ranks, each as UPDATE_STAT_UNITS counts it
-        (a number it does not declare is a ValueError), and logged; its tensors (the ratio,
-        the clip decisions) go to the trace. The same ratio statistics are added for all three (`token_ratio_stats`)."""
-        if self.mismatch is None and on_policy:  # --old-logp rollout: the trainer at the sampler's weights
-            mu = self.roll.sample_logp[rows]
-            self.mismatch = _loaded("rollout_precision").mismatch_stats(logp.detach(), mu, mask)
-        if self.trace is not None:
-            self.trace.update(rows, logp, entropy, info, on_policy)
-        self.skipped += not stepped
-        if stepped:
-            numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
-            ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
-            minibatch = rows if minibatch is None else minibatch
-            loss_tokens, mask = mask.sum().item(), mask.bool()
-            counts = {
-                "tokens": loss_tokens,
-                "forwarded tokens": loss_tokens,
-                "minibatch tokens": self.roll.completion_mask[minibatch].sum().item(),
-                "forwarded sequences": len(rows),
-                "minibatch sequences": len(minibatch),
-                "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs,
-            }
-            log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
-            numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
-            self.updates.append(update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts))
 
-    def measured(self) -> dict:
-        """The metrics every run logs, from what `rollout` and `update` were given (docs/metrics.md):
-        means over all ranks' completions and tokens (the updates' statistics: pooled over every rank's updates, by
-        the tokens or sequences each is counted over, `pooled_update_stats`),
-        except mismatch_* and routing_drift, which are rank 0's (its share of the batch)."""
-        args, roll = self.args, self.roll
-        sampled, rewards, parts = self.sampled  # everything sampled this step (Run.rollout); roll: what trains
-        mask = sampled.completion_mask
-        tokens = all_reduce_sum(mask.sum())
-        metrics = {
-            "step": self.step_now,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "reward": global_mean(rewards),
-            **global_means(parts),  # reward/<name> per --reward; accuracy, format_rate
-            "truncated_frac": global_mean((~completion_ends(sampled, self.eos)).float()),
-            # loss, clip_frac*, ratio_*, kl...: pooled over every rank's updates as each is counted (UPDATE_STAT_UNITS)
-            **pooled_update_stats(self.updates, self.skipped),
-            # of the sampling distribution: the policy's, or its bf16 copy's under --rollout-dtype bfloat16
-            "entropy": (all_reduce_sum((sampled.entropy * mask).sum()) / tokens.clamp(min=1)).item(),
-            "response_len": global_mean(mask.sum(1)),
-            # every completion token sampled for the step on all ranks, per second of this rank's sampling
-            "tokens_per_s": all_reduce_sum(torch.tensor(float(sampled.sampled_tokens))).item() / sampled.seconds,
-        }
-        if args.group_size > 1:  # the share of groups whose rewards are all equal (group_advantages gives them 0)
-            metrics["zero_std_frac"] = global_mean(constant_groups(rewards, args.group_size).float())
-            # and of those whose rewards all equal the batch's lowest (every completion failed: the collapse watch)
-            lowest = all_reduce_sum(rewards.float().min(), op="MIN")
-            metrics["zero_std_low_frac"] = global_mean(lowest_groups(rewards, args.group_size, lowest).float())
-            # the sampling rounds (--filter-groups), the groups they drew and those trained whose rewards differ
-            metrics["sample_rounds"] = sampled.draws
-            counts = torch.tensor([len(sampled), (~constant_groups(self.rewards, args.group_size)).sum().item()])
-            rows, kept = all_reduce_sum(counts.float()).tolist()
-            metrics["groups_sampled"], metrics["groups_kept"] = int(rows) // args.group_size, int(kept)
-        if self.reference is not None:
-            learned = extra("reward_model", "--reward-model")
-            metrics.update(learned.kl_to_init(self.reference, roll, self.old_logp, args.temperature))
-        if self.routing is not None:  # MoE: share of tokens whose experts the updates changed
-            metrics.update(self.routing.drift(self.model, roll, args.temperature))
-        return {**metrics, **(self.mismatch or {})}
+def routing(model):
+    """An MoE model's routing (extras/moe.py's RoutingReplay: each token's experts recorded in pi_old's forward,
+    routing_drift, grpo.py's --routing-replay); None for a dense model."""
+    return extra("moe", "an MoE --model").RoutingReplay(model) if is_moe(model) else None
 
-    def log(self, row: dict, no_signal: bool = False, shown: tuple = ()):
-        """Append the step's metrics to metrics.jsonl: what every run measures (`measured`), the script's
-        own `row`, step_time_s and, when due, the evaluation's (eval_accuracy, eval_format_rate,
-        eval_reward, eval_pass@1, ...). `no_signal`: this step's rewards gave the update nothing to
-        learn from (the script says when); after NO_SIGNAL_STEPS such steps in a row, one warning, kept
-        in summary.json, and the run goes on. `shown`: the script's metrics printed at each evaluation."""
-        measured, row = self.measured(), rank_means(row)  # the script's own: the mean of each rank's
-        if measured.keys() & row.keys():
-            raise ValueError(f"Run.log: the script's metrics {sorted(measured.keys() & row.keys())} are measured by "
-                             "Run too; name them otherwise (a measured metric is never overridden)")  # fmt: skip
-        row = {**measured, **row}
-        step, args = row["step"], self.args
-        self.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
-        self.progress.clip_fracs.append(row.get(self.clip_key, 0.0))
-        self.watch_signal(step, no_signal, grouped=self.env.needs_group)
-        self.watch_sample_cap(step, row)
-        samples = []
-        evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
-        if evaluated:
-            last, samples = self.evaluate(step)
-            self.progress.last_eval = last
-            row.update({f"eval_{k}": v for k, v in last.items()})
-            shown = "  ".join(f"{k} {row[k]:.3f}" for k in (*self.SHOWN, *shown) if k in row)
-            if self.env.rank == 0:
-                tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(last)}  {shown}")
-        # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether
-        # the step had no signal)
-        flat = row["zero_std_low_frac"] if self.env.needs_group else float(no_signal)
-        self.watch_collapse(step, flat, row.get("eval_accuracy") if evaluated else None)
-        row["step_time_s"] = time.perf_counter() - self.step_started  # the whole step, its evaluation included
-        self.logger.log(row)
-        if self.trace is not None:
-            self.logger.log_traces(self.trace.records())
-        self.show(samples)
-        last = self.progress.last_eval  # the bar: this step's training reward, the last evaluation's held-out number
-        held_out = {"eval_acc": last["accuracy"]} if "accuracy" in last else {"eval_reward": last["reward"]}
-        self.bar.set_postfix(reward=f"{row['reward']:.3f}", **{k: f"{v:.3f}" for k, v in held_out.items()})
-        self.progress.step, self.progress.wall_time_s = step, time.perf_counter() - self.t_start
 
-    def watch_signal(self, step: int, no_signal: bool, grouped: bool):
-        progress = self.progress
-        progress.no_signal_steps += bool(no_signal)
-        progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
-        if progress.no_signal_streak == NO_SIGNAL_STEPS and progress.no_signal is None:
-            first = step - NO_SIGNAL_STEPS + 1
-            progress.no_signal = {"from_step": first, "warned_at_step": step}
-            why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
-                   if grouped else "every reward in the batch was equal, or the policy's entropy stayed below "
-                   f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
-                   "completion is better")  # fmt: skip
-            if self.env.rank == 0:
-                tqdm.write(
-                    f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
-                    "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
-                    "(the run goes on)",
-                    file=sys.stderr,
-                )
+@contextlib.contextmanager
+def recording_experts(moe, roll: Rollout):
+    """Context for pi_old's forward of `roll`: with an MoE model's `moe` (`routing`), each token's experts recorded
+    in it into `roll.experts`, which travels with the batch (drift, --routing-replay); with None, nothing."""
+    if moe is None:
+        yield
+        return
+    with moe.record():
+        yield
+    roll.experts = moe.indices
 
-    def watch_sample_cap(self, step: int, row: dict):
-        """--filter-groups: say once (rank 0) when a step's rounds reached --max-sample-rounds short of
-        --prompts-per-step groups with signal; it trains on those it has, and the run goes on."""
-        if not getattr(self.args, "filter_groups", False) or self.sample_cap_warned:
-            return
-        if row["groups_kept"] < self.args.prompts_per_step:
-            self.sample_cap_warned = True
-            if self.env.rank == 0:
-                tqdm.write(f"warning: step {step} reached --max-sample-rounds {row['sample_rounds']} with "
-                           f"{row['groups_kept']} of --prompts-per-step {self.args.prompts_per_step} groups with "
-                           "signal; such steps train on what they have (said once; the run goes on)",
-                           file=sys.stderr)  # fmt: skip
 
-    def watch_collapse(self, step: int, flat: float, accuracy: float | None):
-        """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
-        least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
-        FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
-        completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
-        (PPO: of its steps without signal).
-        `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
-        progress, before = self.progress, (self.progress.eval_before or {}).get("accuracy")
-        progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
-        if accuracy is not None and before is not None:
-            progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
-            fell = progress.eval_accuracies
-            if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in fell]):
-                progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
-                at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
-                self.warn(f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
-                          f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
-        if progress.flat_groups is None and mostly_flat(progress.flat_window):
-            first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
-            progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
-            what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if self.env.needs_group
-                    else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
-            self.warn(f"{share:.0%} of the {what} (steps {first}-{step})")
+def tokens_per_s(roll: Rollout) -> float:
+    """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample's
+    figures; a Rollout.concat of several draws adds them up)."""
+    if roll.seconds is None or roll.sampled_tokens is None:  # tokens_per_s would be a wrong number
+        raise ValueError("tokens_per_s needs a Rollout from Sampler.sample (or rows picked from one): this one "
+                         "has no seconds / sampled_tokens")  # fmt: skip
+    return all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds
 
-    def warn(self, what: str):
-        """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
-        if self.env.rank == 0:
+
+def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of `x` [B, T] over every rank's tokens where `mask` is 1."""
+    return (all_reduce_sum((x * mask).sum()) / all_reduce_sum(mask.sum()).clamp(min=1)).item()
+
+
+def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
+    """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
+    (their advantages are exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every
+    completion failed: the collapse watch); sample_rounds (`draws`), groups_sampled, and groups_kept, the groups
+    trained (`rewards`) whose rewards differ (--filter-groups). {} without groups (--group-size 1)."""
+    if group_size < 2:
+        return {}
+    lowest = all_reduce_sum(sampled_rewards.float().min(), op="MIN")
+    counts = torch.tensor([len(sampled_rewards), (~constant_groups(rewards, group_size)).sum().item()])
+    rows, kept = all_reduce_sum(counts.float()).tolist()
+    return {
+        "zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
+        "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
+        "sample_rounds": draws,
+        "groups_sampled": int(rows) // group_size,
+        "groups_kept": int(kept),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. The run: its start (--resume, or step 0's evaluation), each step's row (evaluation when due, the warnings,
+#    metrics.jsonl), checkpoints, and its end (final/, summary.json); each a function train() calls where it acts
+# ---------------------------------------------------------------------------------------------
+
+
+SAMPLES_SHOWN = 3  # evaluation prompts whose completions are printed and kept in samples.jsonl
+SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with the script's `shown`
+
+
+def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
+    """Before the first step. The reward is called on batches of the run's shapes (`check_rewards`: a reward
+    that fails fails before anything is written). With --resume the checkpoint's weights go into `model`, each
+    `state` object gets its state and the RNG states theirs (extras/resume.py); else step 0 is evaluated. Only
+    then is the run --out held deleted (--overwrite: check_out) and OUT opened: returns its writer.
+    Exact resume: a checkpoint holds the policy's weights, each `state` object (its state_dict(), a
+    torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
+    tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else: put
+    in `state` whatever else moves during the run (a generator, a scheduler, a batch carried to the next step),
+    or a resumed run differs (tests/test_reliability.py). Under torchrun every object but the modules and
+    optimizers is saved by each rank, for itself (tests/test_distributed.py)."""
+    for name, obj in state.items():
+        if not checkpointable(obj):
+            what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
+            raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
+    progress, samples = state["progress"], []
+    check_rewards(args, env, model, tok)
+    if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+        extra("resume", "--resume").load_checkpoint(env.resume_from, model, checkpointed(state, model), env.rank,
+                                                    env.world, env.device)  # fmt: skip
+    else:
+        progress.eval_before, samples = evaluate_run(args, env, model, tok, 0)
+        progress.last_eval = progress.eval_before
+        if env.rank == 0:  # (under torchrun the evaluation is all ranks')
+            tqdm.write(f"step 0: {describe_eval(progress.eval_before)}")
+    if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
+        replace_out(args.out, env.replaces)
+    writer = RunLogger(args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard")
+    writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
+    writer.show(samples)
+    return writer
+
+
+def evaluate_run(args, env: Setup, model, tok, step: int) -> tuple[dict, list]:
+    """(metrics, samples) of `evaluate` on the evaluation set. --eval-samples draws from a generator of its
+    own, seeded by --seed and the step: evaluating never moves training's random streams."""
+    generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
+    metrics = evaluate(model, tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
+                       args.eval_samples, args.temperature, args.top_p, generator, SAMPLES_SHOWN,
+                       thinking=args.thinking)  # fmt: skip
+    return metrics, [{"step": step, **s} for s in metrics.pop("samples")]
+
+
+def check_rewards(args, env: Setup, model, tok):
+    """Call the reward on batches of the run's own shapes before the first step, so that a reward function
+    that fits only some (one value per distinct prompt, say) fails before anything is written: a training
+    batch (this rank's prompts-per-step share, each prompt --group-size times in a row) and, on --resume,
+    where no step-0 evaluation runs first, an evaluation batch (and one of --eval-samples rows per prompt).
+    Greedy completions of the first records, one per distinct prompt, repeated: no random stream moves."""
+    n = args.prompts_per_step // env.world
+    shapes = [(env.train_set[: n * env.world][env.rank :: env.world], args.group_size)]
+    if env.resume_from:  # evaluate()'s first batch, and its pass@n batch
+        share = env.eval_set[env.rank :: env.world][: max(1, 256 // max(1, args.eval_samples))]
+        shapes += [(share, 1)] + [(share, args.eval_samples)] * (args.eval_samples > 0)
+    eos = eos_token_ids(model, tok)
+    with gathered(model):  # --fsdp: whole weights, gathered once on every rank
+        for examples, copies in shapes:
+            if not examples:  # a rank without evaluation prompts still joins the reward's check on every rank
+                raise_on_every_rank(None)
+                continue
+            prompts, records = prompts_and_records(tok, examples, 1, env.system_prompt, args.thinking)
+            roll = sample(model, prompts, args.max_new_tokens, eos, tok.pad_token_id, greedy=True)
+            rows = torch.arange(len(roll), device=roll.prompt_ids.device).repeat_interleave(copies)
+            env.reward_fn(tok, roll[rows], [r for r in records for _ in range(copies)])
+
+
+def progress_bar(args, env: Setup, progress: Progress):
+    """The steps still to run (from the checkpoint's step + 1 when resumed), as a progress bar (rank 0's)."""
+    first = progress.step + 1
+    return tqdm(range(first, args.steps + 1), initial=first - 1, total=args.steps, desc=args.algo,
+                dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
+
+
+def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, bar, row: dict, no_signal: bool,
+             started: float, trace=None, shown: tuple = ()):  # fmt: skip
+    """The end of a step: the evaluation when due (every --eval-every steps and the last: eval_accuracy,
+    eval_format_rate, eval_reward, eval_pass@1, ..., printed with the step's `shown` metrics), the warnings
+    (`no_signal`: the script says when a step's rewards gave the update nothing to learn from), step_time_s
+    (since `started`, the evaluation included), `row` appended to metrics.jsonl, the `trace` to traces.jsonl."""
+    step = row["step"]
+    writer.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
+    progress.clip_fracs.append(row.get(writer.clip_key, 0.0))
+    watch_signal(env, progress, step, no_signal)
+    if getattr(args, "filter_groups", False) and row["groups_kept"] < args.prompts_per_step:
+        warn_once(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} "
+                  f"with {row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such "
+                  "steps train on what they have (said once; the run goes on)")  # fmt: skip
+    samples = []
+    evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
+    if evaluated:
+        progress.last_eval, samples = evaluate_run(args, env, model, tok, step)
+        row.update({f"eval_{k}": v for k, v in progress.last_eval.items()})
+        printed = "  ".join(f"{k} {row[k]:.3f}" for k in (*SHOWN, *shown) if k in row)
+        if env.rank == 0:
+            tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(progress.last_eval)}  {printed}")
+    # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether the
+    # step had no signal)
+    flat = row["zero_std_low_frac"] if env.needs_group else float(no_signal)
+    watch_collapse(env, progress, step, flat, row.get("eval_accuracy") if evaluated else None)
+    row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
+    writer.log(row)
+    if trace is not None:
+        writer.log_traces(trace.records())
+    writer.show(samples)
+    last = progress.last_eval  # the bar: this step's training reward, the last evaluation's held-out number
+    held_out = {"eval_acc": last["accuracy"]} if "accuracy" in last else {"eval_reward": last["reward"]}
+    bar.set_postfix(reward=f"{row['reward']:.3f}", **{k: f"{v:.3f}" for k, v in held_out.items()})
+    progress.step, progress.wall_time_s = step, time.perf_counter() - writer.t_start
+
+
+def warn_once(env: Setup, progress: Progress, what: str, message: str):
+    """One warning line on stderr (rank 0) the first time `what` happens in a run (a process's run)."""
+    if what in progress.warned:
+        return
+    progress.warned.append(what)
+    if env.rank == 0:
+        tqdm.write(f"warning: {message}", file=sys.stderr)
+
+
+def watch_signal(env: Setup, progress: Progress, step: int, no_signal: bool):
+    """After NO_SIGNAL_STEPS steps in a row without a learning signal: one warning, kept in summary.json."""
+    progress.no_signal_steps += bool(no_signal)
+    progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
+    if progress.no_signal_streak == NO_SIGNAL_STEPS and progress.no_signal is None:
+        first = step - NO_SIGNAL_STEPS + 1
+        progress.no_signal = {"from_step": first, "warned_at_step": step}
+        why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
+               if env.needs_group else "every reward in the batch was equal, or the policy's entropy stayed below "
+               f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
+               "completion is better")  # fmt: skip
+        if env.rank == 0:
             tqdm.write(
-                f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
-                "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
-                "with the ratio clip), or the reward (the run goes on)",
+                f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
+                "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
+                "(the run goes on)",
                 file=sys.stderr,
             )
 
-    def save_checkpoint_if_due(self, step: int):
-        """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
-        makes this step the last. Under torchrun a signal on any rank counts on every rank, and every rank
-        takes part in the save (each keeps its own random streams in it; --fsdp gathers the weights)."""
-        self.stopping = on_any_rank(stop_requested())
-        if self.stopping or checkpoint_due(self.args, step):
-            save_checkpoint(self.logger.out, self.algo, self.args, self.model, self.tok, self.state, self.env.rank,
-                            self.env.world)  # fmt: skip
 
-    def finish(self, **also_save) -> dict:
-        """Write final/ (the policy, plus each `also_save` module's or state dict as final/NAME.pt; with LoRA the
-        adapters, and with --merge-lora also final/merged/, a standard checkpoint) and
-        summary.json; returns the last evaluation. A run stopped by a signal raises Interrupted
-        (its checkpoint is written), so main() exits with 128 + the signal's number."""
-        args, progress = self.args, self.progress
-        interrupted = progress.step < args.steps
-        if not interrupted:
-            self.logger.save_model(self.model, self.tok)
-            for name, obj in also_save.items():  # a module's state dict (under --fsdp gathered on every rank)
-                state_dict = full_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj
-                if self.logger.enabled:
-                    torch.save(state_dict, self.logger.out / "final" / f"{name}.pt")
-            if args.merge_lora and self.logger.enabled:
-                extra("lora", "--merge-lora").save_merged(self.model, self.tok, self.logger.out / "final" / "merged")
-        before, after = progress.eval_before, progress.last_eval
-        wall_time_s = time.perf_counter() - self.t_start
-        measured = rounded(
-            {
-                "algo": self.algo,
-                "model": args.model,
-                "task": args.task or ("jsonl" if args.data else "arith"),
-                "seed": args.seed,
-                "steps": args.steps,
-                "step": progress.step,
-                "interrupted": interrupted,
-                "eval_accuracy_before": before.get("accuracy"),
-                "eval_accuracy_after": after.get("accuracy"),
-                "eval_format_rate_after": after.get("format_rate"),
-                "eval_reward_before": before.get("reward"),
-                "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
-                "eval_size": len(self.env.eval_set),
-                "eval_overlap": self.env.eval_overlap,  # evaluation prompts also in the training data
-                "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
-                "peak_mem_mb": peak_memory_mb(self.env.device),
-                f"mean_{self.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
-                # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
-                "no_signal": progress.no_signal,
-                "no_signal_steps": progress.no_signal_steps,
-                # the collapse warnings (Run.watch_collapse): where each was given (null: not given)
-                "accuracy_drop": progress.accuracy_drop,
-                "flat_groups": progress.flat_groups,
-            }
+def watch_collapse(env: Setup, progress: Progress, step: int, flat: float, accuracy: float | None):
+    """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
+    least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
+    FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
+    completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
+    (PPO: of its steps without signal).
+    `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
+    before = (progress.eval_before or {}).get("accuracy")
+    progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
+    if accuracy is not None and before is not None:
+        progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
+        fell = progress.eval_accuracies
+        if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in fell]):
+            progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
+            at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
+            warn_collapse(env, f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
+                               f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
+    if progress.flat_groups is None and mostly_flat(progress.flat_window):
+        first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
+        progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
+        what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if env.needs_group
+                else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
+        warn_collapse(env, f"{share:.0%} of the {what} (steps {first}-{step})")
+
+
+def warn_collapse(env: Setup, what: str):
+    """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
+    if env.rank == 0:
+        tqdm.write(
+            f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
+            "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
+            "with the ratio clip), or the reward (the run goes on)",
+            file=sys.stderr,
         )
-        self.logger.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
-        self.logger.close()
-        if interrupted:
-            raise Interrupted(progress.step, self.logger.out)
-        if self.logger.enabled:
-            print(closing_line(self.algo, before, after, wall_time_s, self.logger.out), flush=True)
-        return progress.last_eval
+
+
+def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
+    """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
+    makes this step the last: returns whether one came. Under torchrun a signal on any rank counts on every
+    rank, and every rank takes part in the save (each keeps its own random streams; --fsdp gathers the weights)."""
+    stopping = on_any_rank(stop_requested())
+    if stopping or checkpoint_due(args, step):
+        save_checkpoint(args.out, args.algo, args, model, tok, checkpointed(state, model), env.rank, env.world)
+    return stopping
+
+
+def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, **also_save) -> dict:
+    """Write final/ (the policy, plus each `also_save` module's or state dict as final/NAME.pt; with LoRA the
+    adapters, and with --merge-lora also final/merged/, a standard checkpoint) and summary.json; returns the
+    last evaluation. A run stopped by a signal raises Interrupted (its checkpoint is written), so main() exits
+    with 128 + the signal's number."""
+    interrupted = progress.step < args.steps
+    if not interrupted:
+        writer.save_model(model, tok)
+        for name, obj in also_save.items():  # a module's state dict (under --fsdp gathered on every rank)
+            state_dict = full_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj
+            if writer.enabled:
+                torch.save(state_dict, writer.out / "final" / f"{name}.pt")
+        if args.merge_lora and writer.enabled:
+            extra("lora", "--merge-lora").save_merged(model, tok, writer.out / "final" / "merged")
+    before, after = progress.eval_before, progress.last_eval
+    wall_time_s = time.perf_counter() - writer.t_start
+    measured = rounded(
+        {
+            "algo": args.algo,
+            "model": args.model,
+            "task": args.task or ("jsonl" if args.data else "arith"),
+            "seed": args.seed,
+            "steps": args.steps,
+            "step": progress.step,
+            "interrupted": interrupted,
+            "eval_accuracy_before": before.get("accuracy"),
+            "eval_accuracy_after": after.get("accuracy"),
+            "eval_format_rate_after": after.get("format_rate"),
+            "eval_reward_before": before.get("reward"),
+            "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
+            "eval_size": len(env.eval_set),
+            "eval_overlap": env.eval_overlap,  # evaluation prompts also in the training data
+            "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
+            "peak_mem_mb": peak_memory_mb(env.device),
+            f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+            # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
+            "no_signal": progress.no_signal,
+            "no_signal_steps": progress.no_signal_steps,
+            # the collapse warnings (watch_collapse): where each was given (null: not given)
+            "accuracy_drop": progress.accuracy_drop,
+            "flat_groups": progress.flat_groups,
+        }
+    )
+    writer.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
+    writer.close()
+    if interrupted:
+        raise Interrupted(progress.step, writer.out)
+    if writer.enabled:
+        print(closing_line(args.algo, before, after, wall_time_s, writer.out), flush=True)
+    return progress.last_eval
 
 
 NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
@@ -2765,6 +2534,7 @@ class Progress:
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
     accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
     flat_groups: dict | None = None
+    warned: list = field(default_factory=list)  # the warnings given once a run (warn_once)
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -2785,6 +2555,7 @@ class RunLogger:
 
     def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
         self.out, self.enabled, self.tensorboard = Path(out), enabled, None
+        self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
         if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
             self.metrics_file, self.samples_file = open(os.devnull, "w"), open(os.devnull, "w")
             self.traces_file = open(os.devnull, "w")
@@ -2820,8 +2591,18 @@ class RunLogger:
                     self.tensorboard.add_scalar(k, v, clean["step"])
             self.tensorboard.flush()
 
-    def log_samples(self, samples: list):
+    def show(self, samples: list):
+        """Print each evaluation sample on one line and append them to samples.jsonl (rank 0)."""
+        if not self.enabled:
+            return
         for s in samples:
+            parts = ", ".join(f"{k} {v:g}" for k, v in s["rewards"].items())
+            answer = f"  answer {_clip(s['answer'], 24)}" if s["answer"] is not None else ""
+            cut = "  (truncated)" if s["truncated"] else ""
+            cut += "  (<think> never closed: no answer)" if after_thinking(s["completion"]) is None else ""
+            tqdm.write(
+                f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
+            )
             self.samples_file.write(json.dumps(s) + "\n")
         self.samples_file.flush()
 

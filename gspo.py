@@ -33,6 +33,7 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -188,7 +189,7 @@ def gspo_loss(
 
 
 def train(args: Args):
-    env = common.setup(args)  # flag checks, torchrun, data, --reward, --resume, seeds
+    env = common.setup(args)  # flag checks, torchrun, data, --reward, --resume's checkpoint, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     sampler = common.Sampler(model, tok, args)  # --rollout-dtype bfloat16: a bf16 copy; records mu when read
@@ -196,20 +197,23 @@ def train(args: Args):
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     # a frozen initial policy for kl_to_init with --reward-model; LoRA: the policy, adapters off; else none
     ref_model = common.reference_model(model, env.device, args) if args.reward_model else None
+    moe = common.routing(model)  # an MoE model's experts, recorded in pi_old's forward (routing_drift); else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
-    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
-                     guard=guard)  # fmt: skip
+    progress = common.Progress()  # the step, the evaluations, the warnings given
+    # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
+    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, progress=progress)
+    writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
 
-    for step in run.steps():
+    for step in (bar := common.progress_bar(args, env, progress)):
+        started = time.perf_counter()
         common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
-        rounds = common.SampleRounds(args, env.world, sampler.pad_id)  # one round, unless --filter-groups (step 3)
-        while rounds.wanted():
+
+        def sample_round():  # (--filter-groups samples more than one round: step 3)
             examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
             prompts, records = common.prompts_and_records(  # G rows each
                 tok, examples, args.group_size, env.system_prompt, args.thinking
@@ -217,11 +221,17 @@ def train(args: Args):
             roll = sampler.sample(prompts, rng)
             # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
             rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
-            rounds.add(roll, records, rewards, parts)  # --filter-groups: counts groups with signal, on every rank
+            return roll, records, rewards, parts
+
+        roll, records, rewards, parts = sample_round()
+        sampled = roll, rewards, parts  # everything sampled this step: its metrics (step 7) read it
 
         # 3. --filter-groups (DAPO's dynamic sampling): train only groups whose rewards differ; rounds of the stream's
         #    next prompts until --prompts-per-step of them (or --max-sample-rounds). Metrics read all that was sampled.
-        roll, records, rewards, parts = rounds.kept()  # without --filter-groups: the one round as sampled
+        if args.filter_groups:
+            dapo = common.extra("filter_groups", "--filter-groups")
+            (roll, records, rewards, parts), sampled = dapo.fill(args, env.world, sampler.pad_id, sample_round,
+                                                                 (roll, records, rewards, parts))  # fmt: skip
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
         truncated = ~common.completion_ends(roll, sampler.eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
@@ -231,23 +241,42 @@ def train(args: Args):
         advantages = group_advantages(rewards, args.group_size).to(env.device)  # [B]
 
         # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
-        #    weights), without gradient, once per rollout, over the rows the updates will forward: the minibatches
-        #    are drawn first, and a row whose advantage is 0 adds nothing, so it is left out (--entropy-coef: the
-        #    bonus has a gradient on every row; every row too where a measurement reads them all: MoE routing,
-        #    --reward-model's kl_to_init). --old-logp rollout: the sampler's own log-probs, no forward.
-        skip_by = advantages if args.entropy_coef == 0 else None
-        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
-        has_old = common.forwarded_rows(plan, len(roll), env.device) | run.reads_every_row  # [B] bool
+        #    weights), without gradient, once per rollout, over the rows the updates will forward. The minibatches
+        #    are drawn first; a row whose advantage is 0 adds exactly 0 to the loss and its gradient, so an update
+        #    forwards only its rows with signal (the loss still divides by the whole minibatch), unless
+        #    --entropy-coef gives every row a gradient. A measurement that reads every row (an MoE model's routing,
+        #    --reward-model's kl_to_init) has pi_old on all of them. --old-logp rollout: the sampler's own log-probs.
+        plan = []  # (idx, rows): each update's minibatch and the rows it forwards
+        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+            rows = idx[advantages[idx] != 0] if args.entropy_coef == 0 else idx
+            plan.append((idx, rows if len(rows) else idx[:1]))  # at least one row: every update (and rank) runs
+        has_old = torch.zeros(len(roll), dtype=torch.bool, device=env.device)  # [B] the rows pi_old is computed on
+        for _, rows in plan:
+            has_old[rows] = True
+        has_old |= moe is not None or ref_model is not None
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
             old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
-                old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
-        is_weights = common.is_weights(old_logp, roll, has_old, args, per=args.variant)  # --is-correction; else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old, is_weights, rounds.sampled())
+            old_logp = torch.zeros_like(mask)  # [B, T], 0 on the rows no update forwards
+            with torch.no_grad(), common.recording_experts(moe, roll):  # MoE: each token's experts, into roll.experts
+                old_logp[has_old] = common.completion_logprobs(model, roll[has_old], args.temperature)[0]
+        is_weights = None  # --is-correction: weigh the loss by pi_old / mu, one weight per sequence (variant sequence)
+        if args.is_correction != "none":
+            precision = common.extra("rollout_precision", "--is-correction")
+            is_weights = precision.is_weights(old_logp, roll.sample_logp, mask * has_old[:, None], args.is_correction,
+                                              args.is_cap, per=args.variant)  # fmt: skip
+        # --trace-every: every token of a few groups, as sampled, scored and updated (OUT/traces.jsonl)
+        trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
+                                   has_old)  # fmt: skip
 
         # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
+        # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
+        mismatch = {}
+        if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
+            precision = common.extra("rollout_precision", "--rollout-dtype")
+            mismatch = precision.rollout_mismatch(roll, old_logp, has_old, is_weights, args)
         model.train()
+        updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, (idx, rows) in enumerate(plan):
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[rows]
@@ -260,18 +289,48 @@ def train(args: Args):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            stepped = guard.ok(step, loss, grad_norm)  # a non-finite loss or gradient skips the update
-            if stepped:
+            if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
-            info.update(loss=loss.item(), grad_norm=grad_norm.item())
-            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
-            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, idx, on_policy=k == 0)
+                info.update(loss=loss.item(), grad_norm=grad_norm.item())
+                # this update's numbers, each with what it counts (tokens, sequences): `pool` adds them up below
+                updates.append(common.update_terms(info, logp, old_logp[rows], loss_mask[rows], mask[idx], len(rows)))
+            else:
+                skipped += 1
+            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+                mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
+            if trace is not None:  # the ratio and clip decisions of each traced row
+                trace.update(rows, logp, entropy, info, on_policy=k == 0)
 
-        # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
-        #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
-        run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
-        run.save_checkpoint_if_due(step)
-    return run.finish()
+        # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it),
+        #    of the updates (pooled by what each number counts), and of the policy where a flag asks.
+        s_roll, s_rewards, s_parts = sampled
+        s_mask = s_roll.completion_mask
+        row = {
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            **common.global_means({"reward": s_rewards, **s_parts}),  # reward/<name> per --reward; accuracy, ...
+            "truncated_frac": common.global_mean((~common.completion_ends(s_roll, sampler.eos_ids)).float()),
+            **common.pool(updates, skipped),  # loss, grad_norm, clip_frac_seqs, ratio_*: pooled over updates, ranks
+            "entropy": common.global_token_mean(s_roll.entropy, s_mask),  # of the sampling distribution, per token
+            "response_len": common.global_mean(s_mask.sum(1)),
+            "tokens_per_s": common.tokens_per_s(s_roll),  # every rank's sampled tokens per second of sampling
+            # zero_std_frac: groups whose rewards are all equal (A = 0); groups_kept: those trained (--filter-groups)
+            **common.group_metrics(s_rewards, rewards, s_roll.draws, args.group_size),
+            **(mismatch or {}),  # mu against pi_old: mismatch_*, is_* (--rollout-dtype, --old-logp, --is-correction)
+        }
+        if ref_model is not None:  # --reward-model: how far the policy moved from where it started
+            row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
+                                                                                 args.temperature))  # fmt: skip
+        if moe is not None:  # MoE: the share of tokens whose experts the step's updates changed
+            row.update(moe.drift(model, roll, args.temperature))
+
+        # 8. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
+        #    group's rewards equal) or collapsed, write the row, and checkpoint (every --save-every steps, on Ctrl-C).
+        no_signal = not common.on_any_rank(bool(advantages.any()))
+        common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace)
+        if common.save_checkpoint_if_due(args, env, model, tok, state, step):
+            break  # a stop signal came: checkpoint saved
+    return common.finish(args, env, model, tok, progress, writer)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """extras/moe.py: Mixture-of-Experts routing, recorded and replayed (GSPO paper section 5.3), and its drift.
 
-Imported by common.Run only for a model with sparse MoE blocks (--model tiny-moe, a Qwen3-MoE): the Run
-records each token's experts in the pi_old forward, logs routing_drift (the share of tokens whose experts
-the step's updates changed) and, for grpo.py's --routing-replay, replays them in every update.
+Imported only for a model with sparse MoE blocks (--model tiny-moe, a Qwen3-MoE; common.routing): the scripts
+record each token's experts in the pi_old forward (into Rollout.experts, which travels with the batch), log
+routing_drift (the share of tokens whose experts the step's updates changed) and, for grpo.py's
+--routing-replay, replay them in every update.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class RoutingReplay:
 
     def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
         """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
-        between the last `record()` and `model` now}, at the cost of one forward pass; dense: {}."""
-        if not self.blocks or self.indices is None:  # (--old-logp rollout: no pi_old forward before step 1's)
+        between `roll.experts` (its pi_old forward's record) and `model` now}, at the cost of one forward
+        pass; dense, or no record (--old-logp rollout runs no pi_old forward): {}."""
+        before = roll.experts
+        if not self.blocks or before is None:
             return {}
-        before = self.indices
         with torch.no_grad(), self.record():
             completion_logprobs(model, roll, temperature)
         return {"routing_drift": routing_drift(before, self.indices, roll.completion_mask)}

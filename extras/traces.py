@@ -1,16 +1,16 @@
 """extras/traces.py: --trace-every, every token of a few groups as sampled, scored and updated (docs/traces.md).
 
-Imported by common.Run on a traced step. The Run feeds it: `Run.rollout` starts a Trace with what sampling,
-scoring and the no-grad passes computed, `Run.update` adds what each update's loss saw (its `info`: the
-ratio and the clip decisions), `Run.log` writes the records to OUT/traces.jsonl. The loss functions know
-nothing of it. tools/show_traces.py draws the page.
+Imported on a traced step. A script's train() starts a Trace (common.start_trace) with what sampling,
+scoring and the no-grad passes computed, adds what each update's loss saw (`Trace.update`: its `info`, the
+ratio and the clip decisions), and common.log_step writes the records to OUT/traces.jsonl. The loss functions
+know nothing of it. tools/show_traces.py draws the page.
 """
 
 from __future__ import annotations
 
 import torch
 
-from common import completion_ends, eos_token_ids
+from common import completion_ends
 
 
 def _values(x: torch.Tensor | None, n: int):
@@ -46,12 +46,13 @@ class Trace:
     It computes nothing: a row's old_logp is the script's pi_old where the script computed it (`has_old`,
     [B] bool; None: every row), null on the rows it left out. No random stream moves."""
 
-    def __init__(self, run, step, roll, records, rewards, parts, advantages, old_logp, has_old, per_token):
-        self.run, self.step, self.roll, self.examples = run, step, roll, records
+    def __init__(self, args, tok, eos_ids, step, roll, records, rewards, parts, advantages, old_logp, has_old,
+                 per_token):  # fmt: skip
+        self.args, self.tok, self.eos_ids, self.step, self.roll, self.examples = args, tok, eos_ids, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
-        G = run.args.group_size
+        G = args.group_size
         self.signal = groups_with_signal(advantages, roll.completion_mask, G)  # [groups of this rank]
-        self.groups = traced_groups(self.signal, run.args.trace_groups, run.args.seed, step)
+        self.groups = traced_groups(self.signal, args.trace_groups, args.seed, step)
         self.rows = [g * G + i for g in self.groups for i in range(G)]  # the traced rows, in rollout order
         self.old_logp = old_logp[self.rows].detach().clone()  # [n, T], n = len(self.rows)
         self.has_old = [True] * len(self.rows) if has_old is None else has_old[self.rows].tolist()  # [n]
@@ -60,7 +61,7 @@ class Trace:
     def update(self, rows, logp, entropy, info: dict, on_policy: bool = False):
         """An update's forwarded rows [b], its log-probs and entropy [b, T], and its loss's `info`, whose
         "ratio" and "clipped" ([b, T], or [b] for a sequence ratio) the trace keeps; `on_policy`, as the script
-        marked it (Run.update: its forward ran at the weights that sampled the batch)."""
+        marked it (its forward ran at the weights that sampled the batch)."""
         detached = lambda x: None if x is None else x.detach()  # noqa: E731
         kept = {k: info.get(k) for k in ("ratio", "clipped")}
         self.updates.append((rows, logp.detach(), detached(entropy), kept, bool(on_policy)))
@@ -80,8 +81,8 @@ class Trace:
         return {r: entries or None for r, entries in per_row.items()}
 
     def records(self) -> list[dict]:
-        args, tok, roll = self.run.args, self.run.tok, self.roll
-        ends = completion_ends(roll, eos_token_ids(self.run.model, tok)).tolist()
+        args, tok, roll = self.args, self.tok, self.roll
+        ends = completion_ends(roll, self.eos_ids).tolist()
         lengths = roll.completion_mask.sum(1).long().tolist()
         T = roll.completion_ids.shape[1]
         updates = self._update_entries(lengths)
@@ -115,7 +116,7 @@ class Trace:
             out.append(
                 {
                     "step": self.step,
-                    "algo": self.run.algo,
+                    "algo": args.algo,
                     "group": g,
                     "signal": self.signal[g],
                     "groups_in_step": len(self.signal),  # this rank's groups, and how many had signal

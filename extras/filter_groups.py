@@ -1,0 +1,63 @@
+"""extras/filter_groups.py: --filter-groups, DAPO's dynamic sampling (Yu et al. 2025, section 3.2).
+
+grpo.py and gspo.py call `fill` after a step's first round: more rounds, each of the prompt stream's next prompts,
+until every rank holds its share of --prompts-per-step groups whose rewards are not all equal, or
+--max-sample-rounds have run. The ranks agree through one all-reduce a round (the fewest groups any rank holds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common import Rollout, all_reduce_sum, constant_groups
+
+
+def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
+    """Row indices of the first `n` groups (G consecutive rows) whose rewards are not all equal (max != min,
+    exact: `constant_groups`), each group's rows together and in order; fewer when fewer have signal."""
+    signal = (~constant_groups(rewards, group_size)).nonzero().squeeze(1)[:n]  # group numbers
+    return (signal[:, None] * group_size + torch.arange(group_size, device=signal.device)).reshape(-1)
+
+
+def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) -> int:
+    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`
+    (its part of --prompts-per-step), less any that would leave --minibatches unable to split the rows
+    evenly. Every rank gets the same number, so each runs the same updates in step (DDP, FSDP)."""
+    n = min(agreed, share)
+    while n and n * group_size % minibatches:
+        n -= 1
+    return n
+
+
+def fill(args, world: int, pad_id: int, sample_round, first: tuple) -> tuple:
+    """((roll, records, rewards, parts) to train on, (roll, rewards, parts) of everything sampled). `first` is the
+    step's first round, `sample_round()` samples and scores the next. What trains is the first `groups_to_train`
+    groups with signal of the rounds, in order, as many on every rank; if that is none, the first round as sampled
+    (its advantages all 0: a step without signal, as without the filter). What was sampled is every round joined
+    (Rollout.concat: its `draws` count the rounds), which the step's metrics of the rollout read."""
+    share, G = args.prompts_per_step // world, args.group_size
+    rounds, held = [first], 0
+
+    def count(rewards):  # groups with signal held on this rank, and the fewest any rank holds
+        nonlocal held
+        held += int((~constant_groups(rewards, G)).sum())
+        return int(all_reduce_sum(torch.tensor(float(held)), op="MIN").item())
+
+    agreed = count(first[2])
+    while len(rounds) < args.max_sample_rounds and agreed < share:
+        rounds.append(sample_round())
+        agreed = count(rounds[-1][2])
+    if len(rounds) == 1:
+        joined = first
+    else:
+        rolls, records, rewards, parts = zip(*rounds)
+        joined = (Rollout.concat(list(rolls), pad_id), sum(records, []), torch.cat(rewards),
+                  {k: torch.cat([p[k] for p in parts]) for k in parts[0]})  # fmt: skip
+    sampled = joined[0], joined[2], joined[3]
+    n = groups_to_train(agreed, share, G, args.minibatches)
+    if n == 0:
+        return first, sampled
+    roll, records, rewards, parts = joined
+    rows = keep_groups(rewards, G, n)
+    return (roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}), \
+        sampled
