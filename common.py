@@ -1,21 +1,21 @@
-"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm: what their default runs
-execute, with the flag checks and error paths around it, and some of what only a flag reaches (--filter-groups,
---save-every, --top-p, --reward boxed, --report-to, --data's split and checks among it; the other capabilities
-a flag switches on: extras/).
+"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm. Each script's train() shows its
+step (sample, score, advantages, pi_old, the updates, the step's metrics) and calls these plain functions where
+they act.
 
-Its sections (a script's train() reaches into several of them each step, in no one order):
+Its sections:
    1. Command line     SharedArgs (the flags every script shares) read by tyro, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
    4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
    5. Sampling         sample(): batched generation with a KV cache -> Rollout
-   6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate, pass@k
+   6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
-  7b. The sampler      Sampler (the policy as the rollout samples it), forwarded_rows (the rows an update plan
-                       forwards), is_weights (--is-correction's weights)
-   8. Updates          plan_updates, rows_with_signal, logprobs_of_rows (pi_old's forward), the non-finite guard
-   9. The run          Run: every measurement, metrics.jsonl, evaluation when due, checkpoints
-  10. Checkpoints      atomic save, SIGINT / SIGTERM
+  7b. The sampler      Sampler: the policy as the rollout samples it
+   8. Updates          minibatches, the non-finite guard, the step's metrics: update_terms and pool (pooled over
+                       updates and ranks as UPDATE_STAT_UNITS counts each), group_metrics, the trace
+   9. The run          start_run (--resume, or step 0's evaluation), log_step (evaluation when due, the warnings,
+                       metrics.jsonl), save_checkpoint_if_due, finish (final/, summary.json)
+  10. Checkpoints      atomic save, SIGINT / SIGTERM / SIGHUP
   11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
@@ -25,8 +25,8 @@ replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction)
 (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
 data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed (torchrun's
 process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer (--model
-tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples). Each is reached through
-`extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
+tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples), filter_groups (--filter-groups). Each is
+reached through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
 tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
@@ -572,7 +572,7 @@ def run_scripts(out: Path) -> set:
 
 
 def check_out(args, resume_from: Path | None) -> str | None:
-    """--out before anything is written: the earlier run that --overwrite replaces whole (Run does it, on rank 0),
+    """--out before anything is written: the earlier run that --overwrite replaces whole (start_run does it, on rank 0),
     or None when there is nothing to replace (no directory, an empty one, or the run that --resume continues in
     place). A run is never deleted without --overwrite: a directory that holds one (finished or stopped, this
     script's or another's) is a UsageError, nothing touched, that says how to continue or replace it; so is a
@@ -837,7 +837,7 @@ def is_moe(model) -> bool:
 
 def local_config(name: str) -> dict:
     """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
-    weights load. {} for a hub id, which only loading can read (Run checks the model: is_moe)."""
+    weights load. {} for a hub id, which only loading can read (common.routing checks the model: is_moe)."""
     config = Path(model_path(name, ask_hub=False)) / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
@@ -1026,11 +1026,11 @@ class Rollout:
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
     # tokens_per_s's: the seconds Sampler.sample took and the completion tokens it made; rows picked out keep
-    # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which Run.rollout refuses
+    # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which tokens_per_s refuses
     seconds: float | None = None
     sampled_tokens: int | None = None
     draws: int | None = None  # how many Sampler.sample calls those figures add up (1 for one; `concat` sums)
-    # an MoE model's routing of these rows in their pi_old forward (Run.recording_routing): [layers, B, P + T, k], the
+    # an MoE model's routing of these rows in their pi_old forward (recording_experts): [layers, B, P + T, k], the
     # experts of each token; it travels with the batch, so a batch trained steps later replays its own experts
     experts: torch.Tensor | None = None
 
@@ -2527,12 +2527,12 @@ class Progress:
     last_eval: dict | None = None
     clip_fracs: list = field(default_factory=list)
     wall_time_s: float = 0.0
-    no_signal_streak: int = 0  # steps in a row without a learning signal (Run.watch_signal)
+    no_signal_streak: int = 0  # steps in a row without a learning signal (watch_signal)
     no_signal_steps: int = 0
     no_signal: dict | None = None  # where the warning was given
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
-    accuracy_drop: dict | None = None  # where each collapse warning was given (Run.watch_collapse)
+    accuracy_drop: dict | None = None  # where each collapse warning was given (watch_collapse)
     flat_groups: dict | None = None
     warned: list = field(default_factory=list)  # the warnings given once a run (warn_once)
 
@@ -2719,8 +2719,8 @@ def stop_requested() -> bool:
 
 
 def checkpoint_due(args, step: int) -> bool:
-    """Every --save-every steps and after the last step (when on); a stop signal makes one too (Run decides
-    that on every rank alike: save_checkpoint_if_due)."""
+    """Every --save-every steps and after the last step (when on); a stop signal makes one too (decided on every
+    rank alike: save_checkpoint_if_due)."""
     return args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
 
 
@@ -2743,13 +2743,13 @@ def rng_state() -> dict:
 
 
 def _state_of(obj):
-    """What a checkpoint keeps of one of Run's `state` objects: a generator's state, a state_dict(), or the value
-    of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
+    """What a checkpoint keeps of one of a run's `state` objects (start_run): a generator's state, a state_dict(),
+    or the value of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
-    return extra("resume", "a list, dict or dataclass as Run's state").plain_value(obj)
+    return extra("resume", "a list, dict or dataclass in a run's state").plain_value(obj)
 
 
 def checkpointable(obj) -> bool:
@@ -2877,7 +2877,7 @@ def pretrained_state(model) -> dict | None:
 
 
 def checkpointed(state: dict, model) -> dict:
-    """Run's `state` as a checkpoint saves it: under --fsdp each sharded module and optimizer gathers its
+    """A run's `state` (start_run) as a checkpoint saves it: under --fsdp each sharded module and optimizer gathers its
     whole state when saved (extras/fsdp.py's GatheredState); otherwise `state` itself."""
     fsdp = _loaded("fsdp")
     return fsdp.checkpointed(state, model) if fsdp is not None else state

@@ -278,6 +278,7 @@ def train(args: Args):
         model.train()
         updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, (idx, rows) in enumerate(plan):
+            on_policy = k == 0  # this forward runs at the weights that sampled the batch (the first update's)
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[rows]
             # divided by the whole minibatch's size, len(idx)
@@ -296,10 +297,10 @@ def train(args: Args):
                 updates.append(common.update_terms(info, logp, old_logp[rows], loss_mask[rows], mask[idx], len(rows)))
             else:
                 skipped += 1
-            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+            if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
             if trace is not None:  # the ratio and clip decisions of each traced row
-                trace.update(rows, logp, entropy, info, on_policy=k == 0)
+                trace.update(rows, logp, entropy, info, on_policy)
 
         # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it),
         #    of the updates (pooled by what each number counts), and of the policy where a flag asks.

@@ -281,7 +281,7 @@ def live_bytes() -> int:
     return m.uordblks + m.hblkhd
 
 
-PHASE_FUNCTIONS = ("load_model", "sample", "evaluate", "completion_logprobs", "logprobs_of_rows")
+PHASE_FUNCTIONS = ("load_model", "sample", "evaluate", "completion_logprobs")
 
 
 def profile(argv: list[str]):

@@ -54,20 +54,21 @@ def main():
     traces.Trace.update = timed(traces.Trace.update, lambda trace: trace.step)
     traces.Trace.records = timed(traces.Trace.records, lambda trace: trace.step)
     step_cpu = {}  # step -> CPU seconds of the whole step
-    original_log = common.Run.log
+    original_log, original_bar = common.log_step, common.progress_bar
 
-    def log(self, row, *a, **k):  # the step's CPU time, records included (row: the script's own, without step)
-        original_log(self, row, *a, **k)
-        step_cpu[self.step_now] = time.process_time() - self.step_cpu_started
+    def log(*a, **k):  # the step's CPU time, records included
+        original_log(*a, **k)
+        step = a[7]["step"] if len(a) > 7 else k["row"]["step"]  # log_step(args, env, model, tok, progress, ...)
+        step_cpu[step] = time.process_time() - started[0]
 
-    original_steps = common.Run.steps
+    started = [0.0]
 
-    def steps(self):
-        for step in original_steps(self):
-            self.step_cpu_started = time.process_time()
+    def bar(*a, **k):
+        for step in original_bar(*a, **k):
+            started[0] = time.process_time()
             yield step
 
-    common.Run.log, common.Run.steps = log, steps
+    common.log_step, common.progress_bar = log, bar
     with tempfile.TemporaryDirectory() as out:
         argv = ["--steps", str(args.steps), "--eval-every", "0", "--trace-every", "2", *rest, "--out", out]
         common.main(module.train, module.Args, argv=argv)

@@ -42,8 +42,9 @@ def main(argv: list[str]):
             def __call__(self, *x, **y):
                 t = time.perf_counter()
                 out = reward_fn(*x, **y)
-                if getattr(common.Sampler, "_in_step", False):
+                if getattr(common.Sampler, "_in_step", False):  # the round's scoring, once: the step's
                     spent["score"] += time.perf_counter() - t
+                common.Sampler._in_step = False
                 return out
 
         env.reward_fn = Timed()
@@ -54,13 +55,6 @@ def main(argv: list[str]):
         return timed_sample(self, *a, **k)
 
     common.Sampler.sample, common.setup = stepping, timed_setup
-    add = common.SampleRounds.add
-
-    def added(self, *a):
-        common.Sampler._in_step = False
-        return add(self, *a)
-
-    common.SampleRounds.add = added
     try:
         common.main(script.train, script.Args, argv=flags)
     except SystemExit as e:

@@ -163,7 +163,7 @@ class GatheredState:
 
 
 def checkpointed(state: dict, model) -> dict:
-    """Run's `state` with each module and optimizer that --fsdp shards as a GatheredState (an optimizer
+    """A run's `state` with each module and optimizer that --fsdp shards as a GatheredState (an optimizer
     with the module whose parameters it updates: `model` or a module of `state`); the rest unchanged."""
     modules = [model] + [obj for obj in state.values() if isinstance(obj, torch.nn.Module)]
     out = {}

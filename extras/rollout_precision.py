@@ -3,7 +3,7 @@ rollout), the mismatch between the sampler mu and the trainer, and its correctio
 
 Imported by common.py only when one of those flags is set (docs/rollout_mismatch.md). The scripts see
 two lines of it: `common.is_weights` (the loss weights, which change the gradient) and the Sampler; the
-mismatch statistics are the Run's (`mismatch_stats`, logged as mismatch_* and is_*).
+mismatch statistics are the scripts' (`rollout_mismatch`, `mismatch_stats`: logged as mismatch_* and is_*).
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str,
 
 
 def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> dict | None:
-    """Run.rollout's mismatch_* and is_* metrics: mu (the sampler) against the script's pi_old over the rows
-    `has_old` ([B] bool; None: every row); {} when mu was not recorded; None under --old-logp rollout, which
-    has no trainer pi_old (Run.update measures it on the forward the script marks `on_policy`)."""
+    """A step's mismatch_* and is_* metrics, before its updates: mu (the sampler) against the script's pi_old over
+    the rows `has_old` ([B] bool; None: every row); {} when mu was not recorded; None under --old-logp rollout, which
+    has no trainer pi_old (the script measures it on its first update's forward, `on_policy`)."""
     if roll.sample_logp is None:
         return {}
     if args.old_logp == "rollout":

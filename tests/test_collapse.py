@@ -4,7 +4,7 @@ with no word, its all-equal steps scattered so that the no-signal streak never r
   - the rules, on hand-worked sequences: accuracy at least COLLAPSE_DROP below step 0's at two
     evaluations in a row (`accuracy_collapsed`), more than FLAT_SHARE of the last FLAT_WINDOW steps'
     groups all-equal (`mostly_flat`), each at its boundary;
-  - Run.watch_collapse driven step by step: each warning once, where the rule says, recorded, and
+  - common.watch_collapse driven step by step: each warning once, where the rule says, recorded, and
     carried through Progress' state dict as a checkpoint saves it;
   - a fork of gspo.py without a clip, at --minibatches 2 and a high --lr, collapses on the tiny model and
     is warned, at the steps that its own metrics.jsonl says (in this process, about 20 s on one core)."""
@@ -18,6 +18,7 @@ import random
 import re
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -120,22 +121,21 @@ def test_the_default_runs_flat_groups_are_at_the_top():
 
 
 # ---------------------------------------------------------------------------------------------
-# Run.watch_collapse, step by step
+# common.watch_collapse, step by step
 # ---------------------------------------------------------------------------------------------
 
 
 def watcher(before=0.3, needs_group=True, progress=None):
-    """What Run.watch_collapse reads of a Run, with the warnings collected instead of printed."""
+    """What common.watch_collapse reads (the run's Progress, its Setup), with the warnings collected."""
     progress = progress or common.Progress(eval_before={"accuracy": before})
-    run = SimpleNamespace(progress=progress, env=SimpleNamespace(rank=0, needs_group=needs_group), warned=[])
-    run.warn = run.warned.append
-    return run
+    return SimpleNamespace(progress=progress, env=SimpleNamespace(rank=0, needs_group=needs_group), warned=[])
 
 
 def drive(run, steps, flat, evals):
     """Steps `steps` with each step's share of all-equal groups `flat(step)` and accuracy `evals.get(step)`."""
-    for step in steps:
-        common.Run.watch_collapse(run, step, flat(step), evals.get(step))
+    with mock.patch.object(common, "warn_collapse", lambda env, what: run.warned.append(what)):
+        for step in steps:
+            common.watch_collapse(run.env, run.progress, step, flat(step), evals.get(step))
 
 
 def test_each_warning_comes_once_where_its_rule_holds():
@@ -194,7 +194,7 @@ def test_the_watch_survives_a_checkpoint(tmp_path):
 def test_the_warning_is_one_line_naming_the_causes_on_rank_0_only(monkeypatch, rank):
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    common.Run.warn(SimpleNamespace(env=SimpleNamespace(rank=rank)), "something fell")
+    common.warn_collapse(SimpleNamespace(rank=rank), "something fell")
     if rank:
         assert err.getvalue() == ""
         return
@@ -234,7 +234,7 @@ def run_fork(module, argv, capsys):
 
 
 def expected_warnings(rows, before):
-    """The steps at which each rule holds first, computed from metrics.jsonl's rows, not from the Run."""
+    """The steps at which each rule holds first, computed from metrics.jsonl's rows, not from the run's own watch."""
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
     fell = lambda a: before - a >= 0.1 - 1e-9  # noqa: E731
     drop = next((s for (_, a), (s, b) in zip(evals, evals[1:]) if fell(a) and fell(b)), None)

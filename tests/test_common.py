@@ -455,34 +455,6 @@ def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok,
     assert common.sample(rand_model, prompts, 6, [], char_tok.pad_token_id, greedy=True).entropy is None
 
 
-@pytest.mark.numeric
-def test_plan_updates_and_the_rows_whose_pi_old_is_computed(rand_model, sampled_roll):
-    """plan_updates: every row once per epoch, each update forwarding its rows with A != 0 (or its
-    first row when it has none); logprobs_of_rows over forwarded_rows fills exactly those rows, with
-    the full pass's values, and leaves the others 0; over every row it is the full pass itself."""
-    B = len(sampled_roll)
-    advantages = torch.tensor([0.0, 1.0] * (B // 2) + [0.0] * (B % 2))
-    advantages[:4] = 0.0  # the first rows: groups without signal
-    plan = common.plan_updates(B, 2, 2, "cpu", advantages)
-    assert len(plan) == 4
-    for epoch in (plan[:2], plan[2:]):
-        assert sorted(torch.cat([idx for idx, _ in epoch]).tolist()) == list(range(B))
-    for idx, rows in plan:
-        signal = [i for i in idx.tolist() if advantages[i] != 0]
-        assert rows.tolist() == (signal or idx[:1].tolist())
-    assert all(torch.equal(idx, rows) for idx, rows in common.plan_updates(B, 1, 2, "cpu"))  # no advantages: all
-    forwarded = sorted(set(torch.cat([rows for _, rows in plan]).tolist()))
-    with torch.no_grad():
-        full, _ = common.completion_logprobs(rand_model, sampled_roll)
-        logp = common.logprobs_of_rows(rand_model, sampled_roll, common.forwarded_rows(plan, B, "cpu"))
-        every = common.logprobs_of_rows(rand_model, sampled_roll, torch.ones(B, dtype=torch.bool))
-    others = [i for i in range(B) if i not in forwarded]
-    length, max_z = logit_scale(rand_model, sampled_roll)  # a batch of some rows or of all: float32 forwards
-    assert_within(logp[forwarded], full[forwarded], logprob_tol(rand_model.config, length, max_z), "forwarded rows")
-    assert others and (logp[others] == 0).all()
-    torch.testing.assert_close(every, full, atol=0, rtol=0)
-
-
 # ---------------------------------------------------------------------------------------------
 # 5. EOS handling and max_new_tokens
 # ---------------------------------------------------------------------------------------------

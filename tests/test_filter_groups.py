@@ -2,7 +2,7 @@
 
 Quick tier: Rollout.concat against its parts (the rows' tokens by plain loops; completion log-probs and
 entropies through the model, to the forward's rounding bound), the selection (`keep_groups`,
-`groups_to_train`) against plain loops, SampleRounds on hand-worked rounds, the advantages of kept groups
+`groups_to_train`) against plain loops, extras/filter_groups.fill on hand-worked rounds, the advantages of kept groups
 against those of the whole batch and a float64 loop, bad input, and one small in-process run whose every
 trained group has signal and whose metrics read everything sampled. Full tier: two ranks under torchrun
 (one rank keeping nothing in some rounds) and --resume.
@@ -41,6 +41,7 @@ import common
 import grpo
 import gspo
 import ppo
+from extras import filter_groups
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 PAD = 0
@@ -157,27 +158,27 @@ def test_keep_groups_is_the_first_n_groups_whose_rewards_differ_whole_and_in_ord
         if max(values) != min(values) and kept < n:  # exact, as in float64
             expected += list(range(g * G, (g + 1) * G))
             kept += 1
-    rows = common.keep_groups(torch.tensor(rewards, dtype=torch.float64), G, n)
+    rows = filter_groups.keep_groups(torch.tensor(rewards, dtype=torch.float64), G, n)
     assert rows.tolist() == expected
 
 
 def test_keep_groups_hand_worked():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1e-9])  # groups of 2: constant, signal, constant, signal
-    assert common.keep_groups(r, 2, 5).tolist() == [2, 3, 6, 7]
-    assert common.keep_groups(r, 2, 1).tolist() == [2, 3]
-    assert common.keep_groups(r, 2, 0).tolist() == []
-    assert common.keep_groups(r.float(), 4, 9).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # groups of 4: both differ
+    assert filter_groups.keep_groups(r, 2, 5).tolist() == [2, 3, 6, 7]
+    assert filter_groups.keep_groups(r, 2, 1).tolist() == [2, 3]
+    assert filter_groups.keep_groups(r, 2, 0).tolist() == []
+    assert filter_groups.keep_groups(r.float(), 4, 9).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # groups of 4: both differ
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 20), st.integers(2, 8), st.integers(1, 8))
 def test_groups_to_train_is_the_most_that_fit_the_share_and_split_into_minibatches(agreed, share, G, minibatches):
     expected = max(n for n in range(0, min(agreed, share) + 1) if n * G % minibatches == 0)
-    assert common.groups_to_train(agreed, share, G, minibatches) == expected
+    assert filter_groups.groups_to_train(agreed, share, G, minibatches) == expected
 
 
 # ---------------------------------------------------------------------------------------------
-# SampleRounds on hand-worked rounds (one process)
+# filter_groups.fill on hand-worked rounds (one process)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -195,21 +196,17 @@ def args_for(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-def drive(rounds, given):
-    """The scripts' loop: add the next given round while `wanted`; how many were added."""
-    used = 0
-    while rounds.wanted():
-        rounds.add(*given[used])
-        used += 1
-    return used
+def drive(args, given):
+    """The scripts' call: the step's first round given, `fill` sampling the next ones from `given`; returns
+    (kept, sampled, how many rounds it sampled)."""
+    used = [1]
 
+    def sample_round():
+        used[0] += 1
+        return given[used[0] - 1]
 
-def test_without_the_flag_one_round_is_kept_as_it_came():
-    rounds = common.SampleRounds(args_for(filter_groups=False), 1, PAD)
-    r = fake_round([1.0, 1.0, 0.0, 1.0], 3, 0.5, "a")
-    assert drive(rounds, [r, r]) == 1
-    kept, sampled = rounds.kept(), rounds.sampled()
-    assert all(x is y for x, y in zip(kept, r)) and sampled[0] is r[0] and sampled[1] is r[2]
+    kept, sampled = filter_groups.fill(args, 1, PAD, sample_round, given[0])
+    return kept, sampled, used[0]
 
 
 def test_rounds_go_on_until_the_step_is_full_and_keep_the_first_groups_with_signal():
@@ -219,13 +216,12 @@ def test_rounds_go_on_until_the_step_is_full_and_keep_the_first_groups_with_sign
         fake_round([0.5, 0.0, 1.0, 0.0], 3, 0.125, "c"),  # both: the step is full after c0
         fake_round([0.5, 0.0, 1.0, 0.0], 3, 1.0, "d"),
     ]
-    rounds = common.SampleRounds(args_for(), 1, PAD)
-    assert drive(rounds, given_rounds) == 3
-    roll, records, rewards, parts = rounds.kept()
+    (roll, records, rewards, parts), sampled, used = drive(args_for(), given_rounds)
+    assert used == 3
     assert records == ["a2", "a3", "c0", "c1"] and rewards.tolist() == [0.0, 1.0, 0.5, 0.0]
     assert parts["accuracy"].tolist() == rewards.tolist()
     assert [c for _, c in row_lists(roll)] == [[5, 5], [5, 5], [5, 5, 5], [5, 5, 5]]
-    everything, all_rewards, all_parts = rounds.sampled()
+    everything, all_rewards, all_parts = sampled
     assert len(everything) == 12 and all_rewards.tolist() == [1, 1, 0, 1, 0, 0, 0, 0, 0.5, 0, 1, 0]
     assert everything.seconds == 0.875 and everything.sampled_tokens == 8 + 16 + 12 and everything.draws == 3
     assert roll.seconds == 0.875 and roll.draws == 3  # rows picked keep what their draws cost
@@ -233,15 +229,14 @@ def test_rounds_go_on_until_the_step_is_full_and_keep_the_first_groups_with_sign
 
 def test_at_the_cap_it_trains_what_it_has_and_with_nothing_the_first_round():
     signal, flat = fake_round([1.0, 0.0, 1.0, 1.0], 2, 1.0, "a"), fake_round([0.0] * 4, 2, 1.0, "b")
-    rounds = common.SampleRounds(args_for(prompts_per_step=4, max_sample_rounds=2), 1, PAD)
-    assert drive(rounds, [signal, flat, signal]) == 2  # the cap: 1 group of 4
-    assert rounds.kept()[1] == ["a0", "a1"]
-    rounds = common.SampleRounds(args_for(prompts_per_step=4, max_sample_rounds=2, minibatches=4), 1, PAD)
-    assert drive(rounds, [signal, flat]) == 2  # 1 group, 2 rows, cannot split into 4 minibatches: none fits
-    assert all(x is y for x, y in zip(rounds.kept(), signal))  # the first round as sampled
-    rounds = common.SampleRounds(args_for(max_sample_rounds=1), 1, PAD)
-    assert drive(rounds, [flat, signal]) == 1
-    assert all(x is y for x, y in zip(rounds.kept(), flat))  # no signal: the step learns nothing, as unfiltered
+    kept, _, used = drive(args_for(prompts_per_step=4, max_sample_rounds=2), [signal, flat, signal])
+    assert used == 2 and kept[1] == ["a0", "a1"]  # the cap: 1 group of 4
+    kept, _, used = drive(args_for(prompts_per_step=4, max_sample_rounds=2, minibatches=4), [signal, flat])
+    assert used == 2  # 1 group, 2 rows, cannot split into 4 minibatches: none fits
+    assert all(x is y for x, y in zip(kept, signal))  # the first round as sampled
+    kept, sampled, used = drive(args_for(max_sample_rounds=1), [flat, signal])
+    assert used == 1 and all(x is y for x, y in zip(kept, flat))  # no signal: it learns nothing, as unfiltered
+    assert sampled[0] is flat[0] and sampled[1] is flat[2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +250,7 @@ def test_at_the_cap_it_trains_what_it_has_and_with_nothing_the_first_round():
                 max_size=6), st.integers(0, 6))  # fmt: skip
 def test_the_kept_groups_advantages_equal_those_the_whole_batch_gives_their_rows(module, scale, G, groups, n):
     rewards = torch.tensor([x for g in groups for x in g[:G]])
-    rows = common.keep_groups(rewards, G, n)
+    rows = filter_groups.keep_groups(rewards, G, n)
     if not len(rows):  # nothing kept (n = 0, or no group with signal): nothing to compare
         assert n == 0 or all(max(g[:G]) == min(g[:G]) for g in groups)
         return
@@ -312,8 +307,15 @@ def test_a_filtered_run_trains_only_groups_with_signal_and_measures_all_it_sampl
     tmp_path, capsys, monkeypatch, module
 ):
     sampled, trained = [], []  # each round's rewards; each step's trained rewards
-    add = common.SampleRounds.add
-    monkeypatch.setattr(common.SampleRounds, "add", lambda self, *a: (sampled.append((a[0], a[2])), add(self, *a)))
+    score = common.Rewards.__call__  # each sampled round's rewards (the check before the run samples greedily)
+
+    def scored(self, tok, roll, records):
+        rewards, parts = score(self, tok, roll, records)
+        if roll.seconds is not None:  # from Sampler.sample: a training round
+            sampled.append((roll, rewards))
+        return rewards, parts
+
+    monkeypatch.setattr(common.Rewards, "__call__", scored)
     advantages = module.group_advantages
     monkeypatch.setattr(module, "group_advantages", lambda r, *a: (trained.append(r.clone()), advantages(r, *a))[1])
     status, _, err = main_in_process(module, [*SMALL, "--out", tmp_path / "out"], capsys)

@@ -1,4 +1,4 @@
-"""How Run pools the updates' statistics (common.UPDATE_STAT_UNITS, docs/metrics.md): over every token (sequence)
+"""How common.pool adds up the updates' statistics (UPDATE_STAT_UNITS, docs/metrics.md): over every token (sequence)
 of every update that stepped, on every rank, as one process holding all of them would count them; not the mean
 over ranks of each rank's mean over its updates (TRL #6380's class: two ranks with unequal token counts logged a
 figure no single process would). Each test is a hand-worked case or a float64 loop over all the tokens at once;
@@ -33,7 +33,7 @@ def test_a_hand_worked_step_pools_tokens_not_update_means():
         {"clip_frac": 0.25, "kl": 0.3, "ratio_mean": 1.0, "ratio_std": 0.0, "ratio_max_dev": 0.0, "loss": 4.0},
         {"tokens": 4, "forwarded tokens": 4, "minibatch tokens": 4, "ratio items": 4},
     )
-    got = common.pooled_update_stats([first, second], skipped=1)
+    got = common.pool([first, second], skipped=1)
     assert got["clip_frac"] == 0.25 and got["loss"] == 3.0 and got["ratio_max_dev"] == 1.0
     assert got["skipped_updates"] == 1.0
     assert got["kl"] == pytest.approx(0.4, abs=gamma(4) * 2.4)
@@ -42,7 +42,7 @@ def test_a_hand_worked_step_pools_tokens_not_update_means():
 
 
 def test_a_metric_whose_weighting_is_undeclared_is_refused():
-    """A fork's new info number must say how it is counted: Run.update's pooling names it."""
+    """A fork's new info number must say how it is counted: update_terms names it."""
     with pytest.raises(ValueError, match="'my_new_frac'.*UPDATE_STAT_UNITS"):
         common.update_stat_terms({"my_new_frac": 0.1}, {"tokens": 3})
 
@@ -52,20 +52,17 @@ def test_a_fork_declares_its_metric_in_its_own_file(monkeypatch):
     tokens with "tokens" means 0.5 and 0.1 pool to (0.5 + 0.3) / 4, not the mean of means 0.3."""
     monkeypatch.setitem(common.UPDATE_STAT_UNITS, "my_new_frac", "tokens")
     updates = [common.update_stat_terms({"my_new_frac": m}, {"tokens": n}) for m, n in ((0.5, 1), (0.1, 3))]
-    got = common.pooled_update_stats(updates, skipped=0)["my_new_frac"]
+    got = common.pool(updates, skipped=0)["my_new_frac"]
     assert got == pytest.approx(0.8 / 4, abs=gamma(4) * 0.8)
 
 
 def fake_run(completion_mask):
-    """Run.update's state without a model: the rollout's completion mask, no trace, no mismatch to measure."""
-    run = common.Run.__new__(common.Run)
-    run.roll = types.SimpleNamespace(completion_mask=completion_mask)
-    run.trace, run.mismatch, run.updates, run.skipped = None, {}, [], 0
-    return run
+    """One rank's step without a model: its rollout's completion mask, the updates' terms as a script keeps them."""
+    return types.SimpleNamespace(completion_mask=completion_mask, updates=[], skipped=0)
 
 
 def rank_updates(run, logp, old, adv, mask, ref, updates, loss):
-    """Each (minibatch, forwarded rows) of `updates` through the script's own loss and Run.update."""
+    """Each (minibatch, forwarded rows) of `updates` through the script's own loss and common.update_terms."""
     for idx, rows in updates:
         if loss == "grpo":
             _, info = grpo.grpo_loss(logp[rows], old[rows], adv[rows], mask[rows], eps_low=EPS, eps_high=EPS,
@@ -74,18 +71,19 @@ def rank_updates(run, logp, old, adv, mask, ref, updates, loss):
             _, info = gspo.gspo_loss(logp[rows], old[rows], adv[rows], mask[rows], eps_low=EPS, eps_high=EPS,
                                      denominator=len(idx))  # fmt: skip
         info.update(loss=1.0, grad_norm=1.0)
-        run.update(rows, logp[rows], None, old[rows], mask[rows], info, True, idx)
+        run.updates.append(common.update_terms(info, logp[rows], old[rows], mask[rows], run.completion_mask[idx],
+                                               len(rows)))  # fmt: skip
 
 
 def pooled_over_two_ranks(monkeypatch, runs):
-    """pooled_update_stats on rank 0 with all_reduce_sum adding (taking the max of) rank 1's own sums."""
+    """common.pool on rank 0 with all_reduce_sum adding (taking the max of) rank 1's own sums."""
     other = []
     monkeypatch.setattr(common, "all_reduce_sum", lambda x, op="SUM": other.append(x.clone()) or x)
-    common.pooled_update_stats(runs[1].updates, runs[1].skipped)
+    common.pool(runs[1].updates, runs[1].skipped)
     sums, maxima = other
     combine = {"SUM": lambda x: x + sums, "MAX": lambda x: torch.maximum(x, maxima)}
     monkeypatch.setattr(common, "all_reduce_sum", lambda x, op="SUM": combine[op](x))
-    return common.pooled_update_stats(runs[0].updates, runs[0].skipped)
+    return common.pool(runs[0].updates, runs[0].skipped)
 
 
 def batch(seed, b, t):

@@ -271,7 +271,7 @@ def test_not_importable_exits_2_before_writing_anything(tmp_path):
     assert not out.exists()
 
 
-# A reward that is fine for the check before the run (Run.check_rewards: one training-shaped batch),
+# A reward that is fine for the check before the run (common.check_rewards: one training-shaped batch),
 # the step-0 evaluation and step 1, then goes wrong in step 2 (its fourth call: --eval-every 0
 # evaluates only before training and after the last step).
 MID_RUN = """
@@ -383,7 +383,7 @@ def test_answers_are_read_after_thinking(completion, parser, gold, expected):
     assert common.score(completion, gold, parser) == expected
 
 
-def test_an_unclosed_think_is_no_answer_in_the_batch_and_on_screen(char_tok, capsys):
+def test_an_unclosed_think_is_no_answer_in_the_batch_and_on_screen(char_tok, capsys, tmp_path):
     """Through Rewards (exact, format) and the samples a run prints: format 0, and the line says why."""
     records = [{"prompt": "1+1=", "answer": "2"}] * 2
     roll = rollout(char_tok, ["<think>1+1 is 2</think>2", "<think>1+1 is 2"])
@@ -391,9 +391,6 @@ def test_an_unclosed_think_is_no_answer_in_the_batch_and_on_screen(char_tok, cap
     assert rewards.tolist() == [2.0, 0.0] and parts["format_rate"].tolist() == [1.0, 0.0]
     samples = common._described(char_tok, roll, records, rewards, parts, [char_tok.eos_token_id])
 
-    class Quiet:  # Run.show without a Run: rank 0 and a logger that keeps nothing
-        env, logger = type("E", (), {"rank": 0}), type("L", (), {"log_samples": lambda self, s: None})()
-
-    common.Run.show(Quiet(), samples)
+    common.RunLogger(str(tmp_path)).show(samples)  # rank 0's writer: prints each, appends to samples.jsonl
     first, second = capsys.readouterr().out.strip().splitlines()
     assert "never closed" not in first and "(<think> never closed: no answer)" in second

@@ -234,26 +234,6 @@ def test_sequence_mask_hand_worked():
 
 
 @pytest.mark.numeric
-def test_the_scripts_hook_weighs_only_the_forwarded_rows():
-    """common.is_weights(old_logp, roll, has_old, args): None without --is-correction (or without a recorded mu);
-    else the weights of the rows that have pi_old (`has_old`), 1 on the others (their pi_old was never computed)."""
-    old, mu, mask = hand_case()
-    roll = common.Rollout.from_lists([[5], [6]], [[7, 8], [9, 10, 11]], pad_id=0)
-    roll.sample_logp = mu
-    has_old = common.forwarded_rows([(torch.tensor([0, 1]), torch.tensor([1]))], 2, "cpu")  # one update: row 1
-    assert common.is_weights(old, roll, has_old, args_for()) is None
-    w = common.is_weights(old, roll, has_old, args_for(is_correction="tis", is_cap=2.0))
-    expected = torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.2, 1.9]], dtype=F64)  # row 0 not forwarded: 1; row 1 under cap
-    weight_rel = math.expm1(D_ERR + 2 * U32)  # as in test_tis_weights_hand_worked
-    assert_within(w, expected, weight_rel * expected, "forwarded rows")
-    w = common.is_weights(old, roll, None, args_for(is_correction="tis", is_cap=2.0))  # None: every row
-    expected = torch.tensor([[2.0, 0.6, 1.0], [1.5, 1.2, 1.9]], dtype=F64)
-    assert_within(w, expected, weight_rel * expected, "every row")
-    roll.sample_logp = None
-    assert common.is_weights(old, roll, has_old, args_for(is_correction="tis")) is None
-
-
-@pytest.mark.numeric
 def test_mismatch_stats_hand_worked():
     old, mu, mask = hand_case()
     stats = rollout_precision.mismatch_stats(old, mu, mask)

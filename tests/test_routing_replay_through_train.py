@@ -18,6 +18,7 @@ fails (b)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
@@ -53,7 +54,7 @@ def train(tmp_path, monkeypatch, name: str, replay: bool, out: str) -> dict:
     [rows, T]), `gate_grads` (each optimizer step's router gradients, by layer)."""
     module = importlib.import_module(name)
     seen = {"phase": None, "experts": [], "forwards": [], "gate_grads": []}
-    load_model, logprobs_of_rows = common.load_model, common.logprobs_of_rows
+    load_model, completion_logprobs, recording = common.load_model, common.completion_logprobs, common.recording_experts
     forward = common.CompletionLogprobs.forward
 
     def experts_input(block_experts, inputs):  # (hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])
@@ -80,8 +81,19 @@ def train(tmp_path, monkeypatch, name: str, replay: bool, out: str) -> dict:
         seen["forwards"].append((phase, rows_of(roll), experts, roll.completion_mask))
         return result
 
-    def pi_old_forward(model, roll, rows, temperature=1.0):
-        return observed("pi_old", roll, lambda: logprobs_of_rows(model, roll, rows, temperature))
+    @contextlib.contextmanager
+    def recording_pi_old(moe, roll):  # the script's pi_old forward runs inside it
+        seen["pi_old"] = True
+        try:
+            with recording(moe, roll):
+                yield
+        finally:
+            seen["pi_old"] = False
+
+    def pi_old_forward(model, roll, *args, **kwargs):
+        if not seen.get("pi_old"):  # (the reference's forward, --kl-coef)
+            return completion_logprobs(model, roll, *args, **kwargs)
+        return observed("pi_old", roll, lambda: completion_logprobs(model, roll, *args, **kwargs))
 
     def update_forward(self, roll, *args, **kwargs):
         if not torch.is_grad_enabled():  # (the drift measurement after the updates, evaluation)
@@ -95,7 +107,8 @@ def train(tmp_path, monkeypatch, name: str, replay: bool, out: str) -> dict:
             return super().step(closure)
 
     monkeypatch.setattr(common, "load_model", loading)
-    monkeypatch.setattr(common, "logprobs_of_rows", pi_old_forward)
+    monkeypatch.setattr(common, "recording_experts", recording_pi_old)
+    monkeypatch.setattr(common, "completion_logprobs", pi_old_forward)
     monkeypatch.setattr(common.CompletionLogprobs, "forward", update_forward)
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     argv = [*ARGV, "--reward", "exact", graded_reward(tmp_path), "--out", str(tmp_path / out)]
