@@ -40,6 +40,7 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -246,7 +247,7 @@ class Critic(nn.Module):
 
 
 def train(args: Args):
-    env = common.setup(args, needs_group=False)  # flag checks, torchrun, data, --reward, --resume, seeds
+    env = common.setup(args, needs_group=False)  # flag checks, torchrun, data, --reward, --resume's checkpoint, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     # a frozen initial policy for the KL in the reward (and kl_to_init); LoRA: the policy, adapters off
@@ -256,6 +257,7 @@ def train(args: Args):
     # roll -> (logp, entropy) [B, T] and roll -> values [B, T]; under torchrun data parallel (DDP, or --fsdp: FSDP2)
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     value = common.data_parallel(critic, env.device, args)
+    moe = common.routing(model)  # an MoE model's experts, recorded in pi_old's forward (routing_drift); else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     critic_optimizer = torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay, fused=True
@@ -263,11 +265,14 @@ def train(args: Args):
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
-    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
-                     guard=guard, critic=critic, critic_optimizer=critic_optimizer)  # fmt: skip
+    progress = common.Progress()  # the step, the evaluations, the warnings given
+    # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
+    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, critic=critic,
+                 critic_optimizer=critic_optimizer, progress=progress)  # fmt: skip
+    writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
 
-    for step in run.steps():
+    for step in (bar := common.progress_bar(args, env, progress)):
+        started = time.perf_counter()
         common.anneal_lr(args, step, (optimizer, args.lr), (critic_optimizer, args.critic_lr))  # --anneal-lr: both
         # 1. Sample completions of each prompt (one unless --group-size says more) from the current policy.
         model.eval()
@@ -289,21 +294,32 @@ def train(args: Args):
         if args.old_logp == "rollout":
             old_logp = roll.sample_logp_full * mask  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
+            with torch.no_grad(), common.recording_experts(moe, roll):  # MoE: each token's experts, into roll.experts
                 old_logp = common.completion_logprobs(model, roll, args.temperature)[0]  # [B, T]
-        is_weights = common.is_weights(old_logp, roll, None, args)  # --is-correction; else None
+        is_weights = None  # --is-correction: weigh each token's loss by pi_old / mu
+        if args.is_correction != "none":
+            precision = common.extra("rollout_precision", "--is-correction")
+            is_weights = precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap)
         with torch.no_grad():  # (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
             old_values = critic(roll) * mask  # [B, T]
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, None, is_weights, ref_logp=ref_logp,
-                    value=old_values, token_reward=per_token_rewards)  # fmt: skip
+        # --trace-every: every token of a few completions, as sampled, scored and updated (OUT/traces.jsonl)
+        trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
+                                   None, ref_logp=ref_logp, value=old_values,
+                                   token_reward=per_token_rewards)  # fmt: skip
 
         # 4. Updates of the policy and the critic: epochs x minibatches.
+        # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
+        mismatch = {}
+        if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
+            precision = common.extra("rollout_precision", "--rollout-dtype")
+            mismatch = precision.rollout_mismatch(roll, old_logp, None, is_weights, args)
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
+        updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, idx in enumerate(common.minibatches(len(roll), args.epochs, args.minibatches, env.device)):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
@@ -323,22 +339,52 @@ def train(args: Args):
             (pg_loss * scale).backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            stepped = guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm)  # a non-finite one skips it
-            if stepped:
+            if guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm):  # a non-finite one skips the update
                 optimizer.step()
                 critic_optimizer.step()
-            info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
-                        critic_grad_norm=critic_grad_norm.item())  # fmt: skip
-            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
-            run.update(idx, logp, entropy, old_logp[idx], mask[idx], info, stepped, on_policy=k == 0)
+                info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
+                            critic_grad_norm=critic_grad_norm.item())  # fmt: skip
+                # this update's numbers, each with what it counts (tokens, sequences): `pool` adds them up below
+                updates.append(common.update_terms(info, logp, old_logp[idx], mask[idx], mask[idx], len(idx)))
+            else:
+                skipped += 1
+            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+                mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
+            if trace is not None:  # the ratio and clip decisions of each traced row
+                trace.update(idx, logp, entropy, info, on_policy=k == 0)
 
-        # 5. Log (evaluating every --eval-every steps) and checkpoint (every --save-every steps, and on Ctrl-C). No
-        #    signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike).
+        # 5. The step's metrics, means over every rank: of the rollout, of the updates (pooled by what each number
+        #    counts), PPO's own (the critic's, the KL to the reference), and of the policy where a flag asks.
+        row = {
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            **common.global_means({"reward": rewards, **parts}),  # reward/<name> per --reward; accuracy, ...
+            "truncated_frac": common.global_mean((~ends).float()),
+            **common.pool(updates, skipped),  # loss, value_loss, grad_norm, clip_frac, ratio_*: over updates, ranks
+            "entropy": common.global_token_mean(roll.entropy, mask),  # of the sampling distribution, per token
+            "response_len": common.global_mean(mask.sum(1)),
+            "tokens_per_s": common.tokens_per_s(roll),  # every rank's sampled tokens per second of sampling
+            # --group-size > 1: zero_std_frac, the groups whose rewards are all equal, ...; else none
+            **common.group_metrics(rewards, rewards, roll.draws, args.group_size),
+            **(mismatch or {}),  # mu against pi_old: mismatch_*, is_* (--rollout-dtype, --old-logp, --is-correction)
+            **common.rank_means(ppo_metrics(old_values, returns, mask, old_logp, ref_logp)),  # each rank's, averaged
+        }
+        if args.reward_model:  # --reward-model: how far the policy moved from where it started
+            row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
+                                                                                 args.temperature))  # fmt: skip
+        if moe is not None:  # MoE: the share of tokens whose experts the step's updates changed
+            row.update(moe.drift(model, roll, args.temperature))
+
+        # 6. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
+        #    score in the batch equal, or no exploration left: entropy near 0, completions all alike) or collapsed,
+        #    write the row, and checkpoint (every --save-every steps, on Ctrl-C).
         entropy = common.global_mean(roll.entropy[mask.bool()])  # all ranks' tokens, so that the ranks agree
         no_signal = common.all_equal(scores) or entropy < common.NO_SIGNAL_ENTROPY
-        run.log(ppo_metrics(old_values, returns, mask, old_logp, ref_logp), no_signal, shown=("explained_variance",))
-        run.save_checkpoint_if_due(step)
-    return run.finish(critic=critic)  # final/critic.pt beside the policy
+        common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace,
+                        shown=("explained_variance",))  # fmt: skip
+        if common.save_checkpoint_if_due(args, env, model, tok, state, step):
+            break  # a stop signal came: checkpoint saved
+    return common.finish(args, env, model, tok, progress, writer, critic=critic)  # final/critic.pt beside the policy
 
 
 if __name__ == "__main__":
