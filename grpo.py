@@ -17,10 +17,9 @@ a constant normaliser, no length bias).
 The defaults are the paper's aggregation and beta = 0 (no reference model in memory; the
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
 and adds nothing; it stays in the batch, and the updates do not forward its rows unless the KL term
-or --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement reads
-every row: an MoE model's routing, --reward-model's kl_to_init). --filter-groups drops such groups
-and samples the stream's next prompts until the step is full (DAPO's dynamic sampling, step 3), so
-DAPO (Yu et al. 2025, arXiv 2503.14476) is
+or --entropy-coef gives them a gradient (step 5). --filter-groups drops such groups and samples the
+stream's next prompts until the step is full (DAPO's dynamic sampling, step 3), so DAPO (Yu et al.
+2025, arXiv 2503.14476) is
     python grpo.py --filter-groups --eps-high 0.28 --loss-agg token-mean --mask-truncated
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
@@ -41,6 +40,8 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -105,9 +106,8 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
         if not 0 <= self.kl_coef < float("inf"):
             raise common.UsageError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
         if self.routing_replay and self.old_logp == "rollout":
-            raise common.UsageError(
-                "--routing-replay replays the experts of the pi_old forward, which --old-logp rollout skips"
-            )
+            raise common.UsageError("--routing-replay replays the experts of the pi_old forward, which --old-logp "
+                                    "rollout skips")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def loss_denominator(agg: str, minibatch_mask: torch.Tensor, max_len: int) -> to
 
 
 def train(args: Args):
-    env = common.setup(args)  # flag checks, torchrun, data, --reward, --resume, seeds
+    env = common.setup(args)  # flag checks, torchrun, data, --reward, --resume's checkpoint, seeds
     model, tok = common.load_model(args.model, env.device, args.grad_checkpointing)
     model = common.add_lora(model, args)  # --lora-rank r: only rank-r adapters train; else model itself
     if args.routing_replay and not common.is_moe(model):
@@ -240,20 +240,23 @@ def train(args: Args):
     policy = common.data_parallel(common.CompletionLogprobs(model), env.device, args)
     # a frozen initial policy for the KL term (and kl_to_init); LoRA: the policy, adapters off; else none
     ref_model = common.reference_model(model, env.device, args) if args.kl_coef or args.reward_model else None
+    moe = common.routing(model)  # an MoE model's experts, recorded in pi_old's forward (drift, --routing-replay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
     guard = common.NonFiniteGuard(args.max_consecutive_skips)
-    # evaluation, metrics, checkpoints and --resume; a checkpoint saves the policy and these objects:
-    run = common.Run(args, env, model, tok, ref_model, optimizer=optimizer, stream=stream, sampling_gen=rng,
-                     guard=guard)  # fmt: skip
+    progress = common.Progress()  # the step, the evaluations, the warnings given
+    # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
+    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, progress=progress)
+    writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
 
-    for step in run.steps():
+    for step in (bar := common.progress_bar(args, env, progress)):
+        started = time.perf_counter()
         common.anneal_lr(args, step, (optimizer, args.lr))  # --anneal-lr: linear decay to ~0
         # 1. Sample G completions of each prompt from the current policy, which is pi_old.
         model.eval()
-        rounds = common.SampleRounds(args, env.world, sampler.pad_id)  # one round, unless --filter-groups (step 3)
-        while rounds.wanted():
+
+        def sample_round():  # (--filter-groups samples more than one round: step 3)
             examples = stream.next(args.prompts_per_step)[env.rank :: env.world]  # under torchrun: this rank's share
             prompts, records = common.prompts_and_records(  # G rows each
                 tok, examples, args.group_size, env.system_prompt, args.thinking
@@ -261,11 +264,17 @@ def train(args: Args):
             roll = sampler.sample(prompts, rng)
             # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
             rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
-            rounds.add(roll, records, rewards, parts)  # --filter-groups: counts groups with signal, on every rank
+            return roll, records, rewards, parts
+
+        roll, records, rewards, parts = sample_round()
+        sampled = roll, rewards, parts  # everything sampled this step: its metrics (step 7) read it
 
         # 3. --filter-groups (DAPO's dynamic sampling): train only groups whose rewards differ; rounds of the stream's
         #    next prompts until --prompts-per-step of them (or --max-sample-rounds). Metrics read all that was sampled.
-        roll, records, rewards, parts = rounds.kept()  # without --filter-groups: the one round as sampled
+        if args.filter_groups:
+            dapo = common.extra("filter_groups", "--filter-groups")
+            (roll, records, rewards, parts), sampled = dapo.fill(args, env.world, sampler.pad_id, sample_round,
+                                                                 (roll, records, rewards, parts))  # fmt: skip
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
         truncated = ~common.completion_ends(roll, sampler.eos_ids)  # [B] cut at --max-new-tokens, no EOS
         # --mask-truncated (DAPO's overlong filtering): such rows leave the loss, not their group's statistics
@@ -274,55 +283,97 @@ def train(args: Args):
         # 4. Advantages: each completion against its group.
         advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(env.device)  # [B]
 
-        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
-        #    weights), without gradient, once per rollout (and the reference's), over the rows the updates will
-        #    forward: the minibatches are drawn first, and a row whose advantage is 0 adds nothing unless the KL
-        #    term or the entropy bonus pulls it, so without them it is left out (every row too where a measurement
-        #    reads them all: MoE routing, --reward-model's kl_to_init). --old-logp rollout: the sampler's own.
-        skip_by = advantages if args.kl_coef == 0 and args.entropy_coef == 0 else None
-        plan = common.plan_updates(len(roll), args.epochs, args.minibatches, env.device, skip_by)  # [(idx, rows)]
-        has_old = common.forwarded_rows(plan, len(roll), env.device) | run.reads_every_row  # [B] bool
+        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since: the current ones),
+        #    without gradient, once per rollout (and the reference's), over the rows the updates forward (minibatches
+        #    drawn first): a row with A = 0 adds exactly 0 unless the KL term or --entropy-coef pulls it; all rows where
+        #    a measurement reads every row (MoE routing, --reward-model's kl_to_init). --old-logp rollout: mu's own.
+        plan = []  # (idx, rows): each update's minibatch and the rows it forwards
+        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
+            rows = idx[advantages[idx] != 0] if args.kl_coef == 0 and args.entropy_coef == 0 else idx
+            plan.append((idx, rows if len(rows) else idx[:1]))  # at least one row: every update (and rank) runs
+        has_old = torch.zeros(len(roll), dtype=torch.bool, device=env.device)  # [B] the rows pi_old is computed on
+        has_old[torch.cat([rows for _, rows in plan])] = True
+        has_old |= moe is not None or args.reward_model is not None  # (--kl-coef: every row is forwarded anyway)
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
             old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
         else:
-            with torch.no_grad(), run.recording_routing(roll):  # MoE: each token's experts, into roll.experts
-                old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)  # [B, T], 0 off has_old
-        is_weights = common.is_weights(old_logp, roll, has_old, args)  # --is-correction; else None
+            old_logp = torch.zeros_like(mask)  # [B, T], 0 on the rows no update forwards
+            with torch.no_grad(), common.recording_experts(moe, roll):  # MoE: each token's experts, into roll.experts
+                old_logp[has_old] = common.completion_logprobs(model, roll[has_old], args.temperature)[0]
+        is_weights = None  # --is-correction: weigh each token's surrogate by pi_old / mu
+        if args.is_correction != "none":
+            is_weights = common.extra("rollout_precision", "--is-correction").is_weights(
+                old_logp, roll.sample_logp, mask * has_old[:, None], args.is_correction, args.is_cap)  # fmt: skip
         with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
-        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old, is_weights, rounds.sampled(),
-                    ref_logp=ref_logp)  # metrics (of everything sampled, and of what trains)  # fmt: skip
+        # --trace-every: every token of a few groups, as sampled, scored and updated (OUT/traces.jsonl)
+        trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
+                                   has_old, ref_logp=ref_logp)  # fmt: skip
 
-        # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3).
+        # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3) (--routing-replay: roll.experts)
+        mismatch = {}  # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): mu against pi_old
+        if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
+            precision = common.extra("rollout_precision", "--rollout-dtype")
+            mismatch = precision.rollout_mismatch(roll, old_logp, has_old, is_weights, args)
         model.train()
+        updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, (idx, rows) in enumerate(plan):
-            ref = ref_logp[rows] if args.kl_coef else None
             weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
-            with run.replayed_routing(rows, args.routing_replay):  # --routing-replay: roll.experts, in backward too
+            with moe.replay(roll.experts if args.routing_replay else None, rows) if moe else contextlib.nullcontext():
                 logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
                 loss, info = grpo_loss(logp, old_logp[rows], advantages[rows], loss_mask[rows], eps_low=args.eps_low,
-                                       eps_high=args.eps_high, ref_logp=ref, kl_coef=args.kl_coef, agg=args.loss_agg,
-                                       max_len=args.max_new_tokens, denominator=denominator,
-                                       weights=weights)  # fmt: skip
+                                       eps_high=args.eps_high, ref_logp=None if ref_logp is None else ref_logp[rows],
+                                       kl_coef=args.kl_coef, agg=args.loss_agg, max_len=args.max_new_tokens,
+                                       denominator=denominator, weights=weights)  # fmt: skip
                 if args.entropy_coef > 0:  # minus c x entropy, aggregated as the loss is (--loss-agg)
                     bonus = aggregate(entropy, loss_mask[rows], args.loss_agg, args.max_new_tokens, denominator)
                     loss = loss - args.entropy_coef * bonus
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            stepped = guard.ok(step, loss, grad_norm)  # a non-finite loss or gradient skips the update
-            if stepped:
+            if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
                 optimizer.step()
-            info.update(loss=loss.item(), grad_norm=grad_norm.item())
-            # on_policy: the first update's forward ran at the sampler's weights (--old-logp rollout: mismatch_*)
-            run.update(rows, logp, entropy, old_logp[rows], loss_mask[rows], info, stepped, idx, on_policy=k == 0)
+                info.update(loss=loss.item(), grad_norm=grad_norm.item())
+                # this update's numbers, each with what it counts (tokens, sequences): `pool` adds them up below
+                updates.append(common.update_terms(info, logp, old_logp[rows], loss_mask[rows], mask[idx], len(rows)))
+            else:
+                skipped += 1
+            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+                mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
+            if trace is not None:  # the ratio and clip decisions of each traced row
+                trace.update(rows, logp, entropy, info, on_policy=k == 0)
 
-        # 7. Log (reward, clip fractions, ...; evaluating every --eval-every steps) and checkpoint (every
-        #    --save-every steps, and on Ctrl-C). No signal: every group's rewards equal, every advantage 0.
-        run.log({}, no_signal=not common.on_any_rank(bool(advantages.any())))
-        run.save_checkpoint_if_due(step)
-    return run.finish()
+        # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it),
+        #    of the updates (pooled by what each number counts), and of the policy where a flag asks.
+        s_roll, s_rewards, s_parts = sampled
+        s_mask = s_roll.completion_mask
+        row = {
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            **common.global_means({"reward": s_rewards, **s_parts}),  # reward/<name> per --reward; accuracy, ...
+            "truncated_frac": common.global_mean((~common.completion_ends(s_roll, sampler.eos_ids)).float()),
+            **common.pool(updates, skipped),  # loss, grad_norm, clip_frac*, ratio_*, kl: pooled over updates, ranks
+            "entropy": common.global_token_mean(s_roll.entropy, s_mask),  # of the sampling distribution, per token
+            "response_len": common.global_mean(s_mask.sum(1)),
+            "tokens_per_s": common.tokens_per_s(s_roll),  # every rank's sampled tokens per second of sampling
+            # zero_std_frac: groups whose rewards are all equal (A = 0); groups_kept: those trained (--filter-groups)
+            **common.group_metrics(s_rewards, rewards, s_roll.draws, args.group_size),
+            **(mismatch or {}),  # mu against pi_old: mismatch_*, is_* (--rollout-dtype, --old-logp, --is-correction)
+        }
+        if args.reward_model:  # --reward-model: how far the policy moved from where it started
+            row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
+                                                                                 args.temperature))  # fmt: skip
+        if moe is not None:  # MoE: the share of tokens whose experts the step's updates changed
+            row.update(moe.drift(model, roll, args.temperature))
+
+        # 8. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
+        #    group's rewards equal) or collapsed, write the row, and checkpoint (every --save-every steps, on Ctrl-C).
+        no_signal = not common.on_any_rank(bool(advantages.any()))
+        common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace)
+        if common.save_checkpoint_if_due(args, env, model, tok, state, step):
+            break  # a stop signal came: checkpoint saved
+    return common.finish(args, env, model, tok, progress, writer)
 
 
 if __name__ == "__main__":
