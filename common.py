@@ -2005,6 +2005,8 @@ def check_filter_groups(args):
     if args.filter_groups and args.group_size < 2:
         raise UsageError(f"--filter-groups keeps groups whose rewards differ: --group-size must be >= 2, "
                          f"got {args.group_size}")  # fmt: skip
+    if args.filter_groups:  # (its module, before anything is written)
+        extra("filter_groups", "--filter-groups")
 
 
 # How each number an update reports is pooled over the step's updates that stepped and over the ranks (`pool`,

@@ -306,11 +306,11 @@ def train(args: Args):
                 old_logp, roll.sample_logp, mask * has_old[:, None], args.is_correction, args.is_cap)  # fmt: skip
         with torch.no_grad():  # [B, T] (--kl-coef 0: no reference forward)
             ref_logp = common.completion_logprobs(ref_model, roll, args.temperature)[0] if args.kl_coef else None
+
+        # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3) (--routing-replay: roll.experts)
         # --trace-every: every token of a few groups, as sampled, scored and updated (OUT/traces.jsonl)
         trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
                                    has_old, ref_logp=ref_logp)  # fmt: skip
-
-        # 6. Updates: epochs x minibatches of the clipped token-level objective (Eq. 3) (--routing-replay: roll.experts)
         mismatch = {}  # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): mu against pi_old
         if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
             precision = common.extra("rollout_precision", "--rollout-dtype")
@@ -318,6 +318,7 @@ def train(args: Args):
         model.train()
         updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, (idx, rows) in enumerate(plan):
+            on_policy = k == 0  # this forward runs at the weights that sampled the batch (the first update's)
             weights = None if is_weights is None else is_weights[rows]
             denominator = loss_denominator(args.loss_agg, loss_mask[idx], args.max_new_tokens)  # the whole minibatch's
             with moe.replay(roll.experts if args.routing_replay else None, rows) if moe else contextlib.nullcontext():
@@ -339,10 +340,10 @@ def train(args: Args):
                 updates.append(common.update_terms(info, logp, old_logp[rows], loss_mask[rows], mask[idx], len(rows)))
             else:
                 skipped += 1
-            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+            if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
             if trace is not None:  # the ratio and clip decisions of each traced row
-                trace.update(rows, logp, entropy, info, on_policy=k == 0)
+                trace.update(rows, logp, entropy, info, on_policy)
 
         # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it),
         #    of the updates (pooled by what each number counts), and of the policy where a flag asks.

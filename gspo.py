@@ -265,11 +265,11 @@ def train(args: Args):
             precision = common.extra("rollout_precision", "--is-correction")
             is_weights = precision.is_weights(old_logp, roll.sample_logp, mask * has_old[:, None], args.is_correction,
                                               args.is_cap, per=args.variant)  # fmt: skip
+
+        # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         # --trace-every: every token of a few groups, as sampled, scored and updated (OUT/traces.jsonl)
         trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
                                    has_old)  # fmt: skip
-
-        # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
         # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
         mismatch = {}
         if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)

@@ -306,12 +306,12 @@ def train(args: Args):
             per_token_rewards = token_rewards(scores, old_logp, ref_logp, mask, args.kl_coef)  # [B, T]
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
+
+        # 4. Updates of the policy and the critic: epochs x minibatches.
         # --trace-every: every token of a few completions, as sampled, scored and updated (OUT/traces.jsonl)
         trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
                                    None, ref_logp=ref_logp, value=old_values,
                                    token_reward=per_token_rewards)  # fmt: skip
-
-        # 4. Updates of the policy and the critic: epochs x minibatches.
         # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
         mismatch = {}
         if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
@@ -321,6 +321,7 @@ def train(args: Args):
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
         updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
         for k, idx in enumerate(common.minibatches(len(roll), args.epochs, args.minibatches, env.device)):
+            on_policy = k == 0  # this forward runs at the weights that sampled the batch (the first update's)
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             scale = common.token_mean_scale(mask[idx])  # torchrun: the whole batch's token mean
@@ -348,10 +349,10 @@ def train(args: Args):
                 updates.append(common.update_terms(info, logp, old_logp[idx], mask[idx], mask[idx], len(idx)))
             else:
                 skipped += 1
-            if mismatch is None and k == 0:  # --old-logp rollout: the first update's forward ran at mu's weights
+            if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
             if trace is not None:  # the ratio and clip decisions of each traced row
-                trace.update(idx, logp, entropy, info, on_policy=k == 0)
+                trace.update(idx, logp, entropy, info, on_policy)
 
         # 5. The step's metrics, means over every rank: of the rollout, of the updates (pooled by what each number
         #    counts), PPO's own (the critic's, the KL to the reference), and of the policy where a flag asks.

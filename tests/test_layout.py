@@ -125,6 +125,7 @@ CAPABILITIES = {
     ("--reward", "some_file.py:fn"): "reward_functions",
     ("--resume", "a-run"): "resume",
     ("--eval-samples", "4"): "pass_at_k",
+    ("--filter-groups",): "filter_groups",
 }
 # extras that no flag of a single-process run on the shipped checkpoints switches on
 NOT_FLAG_SWITCHED = {
