@@ -5,14 +5,14 @@ name added to SCRIPTS and its parent's line copied in TRAITS, with what the fork
 the README's own text, so that the README and these tests cannot drift apart (a README whose recipe no longer
 applies fails the quick tier here):
   - gspo.py copied to rloo.py: the unchanged copy passes the shared quick tier; a copy whose loss returns a bare
-    tensor (no info) fails it (the smoke run); a copy that stops passing its sampling generator to Run fails the
+    tensor (no info) fails it (the smoke run); a copy that keeps its sampling generator out of `state` fails the
     shared resume test, since the resumed run then samples from a reseeded generator and ends with other weights;
   - a DAPO-style grpo.py (the README's DAPO defaults in its recipe, its TRAITS line changed as the README says):
     it passes the shared quick tier;
   - grpo.py made one-step off-policy by the README's code block (the batch trained at step t was sampled at step
     t-1, as verl's one-step off-policy trainer does; pi_old taken right after sampling and carried with the
     batch): it passes the shared quick tier, and the slow shared tests that read pi_old and the trace; with
-    --routing-replay each update replays its own (older) batch's experts (a Run that replays the last pi_old
+    --routing-replay each update replays its own (older) batch's experts (a fork that replays the last pi_old
     forward's, another batch's, fails test_routing_replay_through_train); the same fork taking pi_old from the
     current weights when it trains (the defining mistake of such a fork) fails tests/test_pi_old.py in the quick
     tier, saying so.
@@ -126,27 +126,26 @@ def one_step_off_policy(source: str, broken: bool = False) -> str:
     `broken`: pi_old retaken from the current weights when the carried batch is trained."""
     recipe = off_policy_recipe()
     at = lambda prefix: next(i for i, line in enumerate(recipe) if line.strip().startswith(prefix))  # noqa: E731
-    loop, steps, step6 = at("for _ in range("), at("...  # steps 1-5"), at("...  # step 6")
-    assert loop < steps < step6 and "run.rollout(" in "".join(recipe[steps:step6]), recipe
+    loop, steps, rest = at("for _ in range("), at("...  # steps 1-5"), at("...  # steps 6-8")
+    assert loop < steps < rest and "carried.pop(0)" in "".join(recipe[steps:rest]), recipe
     start = source.index("        # 1. Sample G completions")
-    end = source.index("        run.rollout(roll, records, rewards, parts, advantages, old_logp, has_old")
-    after = source.index("\n", source.index("ref_logp=ref_logp)", end)) + 1  # the end of grpo.py's run.rollout
+    end = source.index("        # 6. Updates")
     fork = "\n".join(recipe[loop:steps]) + "\n" + textwrap.indent(source[start:end], "    ")
-    fork += "\n".join(recipe[steps + 1 : step6]) + "\n"
+    fork += "\n".join(recipe[steps + 1 : rest]) + "\n"
     if broken:
         fork += (
             "        with torch.no_grad():  # the mistake: pi_old from the current weights, not those that sampled it\n"
-            "            old_logp = common.logprobs_of_rows(model, roll, has_old, args.temperature)\n"
+            "            old_logp = common.completion_logprobs(model, roll, args.temperature)[0]\n"
         )
-    text = source[:start] + fork + source[after:]
+    text = source[:start] + fork + source[end:]
     carried = recipe[at("carried = []")]
-    assert "Run(..., carried=carried)" in carried and "run.update(..., on_policy=False)" in recipe[step6], recipe
+    assert "carried=carried" in carried and "on_policy = False" in recipe[rest], recipe
     for old, new in [
-        ("    run = common.Run(", f"{carried}\n    run = common.Run("),
-        ("guard=guard)  # fmt: skip", "guard=guard, carried=carried)  # fmt: skip"),  # checkpointed: exact --resume
-        ("on_policy=k == 0)", "on_policy=False)"),  # no update runs at the weights that sampled its batch
+        ("    state = dict(", f"{carried}\n    state = dict("),
+        ("progress=progress)", "progress=progress, carried=carried)"),  # checkpointed: exact --resume
+        ("on_policy = k == 0", "on_policy = False"),  # no update runs at the weights that sampled its batch
     ]:  # fmt: skip
-        assert old in text, f"grpo.py no longer has {old!r}"
+        assert text.count(old) == 1, f"grpo.py no longer has one {old!r}"
         text = text.replace(old, new)
     return text
 
@@ -251,17 +250,19 @@ def test_a_one_step_off_policy_grpo_with_pi_old_from_the_current_weights_fails_t
     assert len(others) == len(SCRIPTS), proc.stdout[-4000:]  # ppo, grpo and gspo still pass
 
 
-# Run.rollout's line that hands the routing its trained batch's own experts: without it, every update replays the
-# last pi_old forward's, which in a one-step off-policy fork is another batch's (the newer one)
-OWN_EXPERTS = "self.routing.indices = roll.experts"
+# grpo.py's replay of the trained batch's own experts: replaying the last recorded ones instead (the newer batch's, in
+# a one-step off-policy fork) is the mistake the routing replay test must catch
+OWN_EXPERTS = "moe.replay(roll.experts if args.routing_replay"
 
 
 @pytest.mark.slow
 def test_an_off_policy_fork_replaying_the_last_recorded_experts_fails_the_routing_replay_test(tmp_path):
-    root = project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)
-    common = (root / "common.py").read_text()
-    assert common.count(OWN_EXPERTS) == 1, "common.py's Run.rollout no longer hands the routing roll.experts"
-    (root / "common.py").write_text(common.replace(OWN_EXPERTS, "pass  # planted: the last recorded experts stay"))
+    def last_recorded(source: str) -> str:  # planted: each update replays the last pi_old forward's experts
+        text = one_step_off_policy(source)
+        assert text.count(OWN_EXPERTS) == 1, "grpo.py no longer replays roll.experts"
+        return text.replace(OWN_EXPERTS, "moe.replay(moe.indices if args.routing_replay")
+
+    root = project_with_fork(tmp_path, last_recorded, parent="grpo", fork=OFF_POLICY)
     proc = pytest_in(root, "-rA", "tests/test_routing_replay_through_train.py")
     passed, failed = fork_results(proc, OFF_POLICY)
     assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
