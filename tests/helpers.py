@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # conftest.py does this too; the helpers must not
 
 # The scripts that the shared tests (reliability, arguments, layout, smoke, traces, fork traps) run, by file
 # stem: a fork (rloo.py beside gspo.py, say) is covered by them once its name is added here, with its line in
-# TRAITS below (README, "Fork it"; tests/README.md).
+# TRAITS below (docs/forks.md; tests/README.md).
 SCRIPTS = ("ppo", "grpo", "gspo")
 
 

@@ -1,15 +1,15 @@
-"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on the README's forks.
+"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on docs/forks.md's forks.
 
-In a copy of the project, a script is copied to a fork and registered as a user would (README, "Fork it"): its
+In a copy of the project, a script is copied to a fork and registered as a user would (docs/forks.md): its
 name added to SCRIPTS and its parent's line copied in TRAITS, with what the fork changes. The forks are made from
-the README's own text, so that the README and these tests cannot drift apart (a README whose recipe no longer
+that page's own text, so that the page and these tests cannot drift apart (a page whose recipe no longer
 applies fails the quick tier here):
   - gspo.py copied to rloo.py: the unchanged copy passes the shared quick tier; a copy whose loss returns a bare
     tensor (no info) fails it (the smoke run); a copy that keeps its sampling generator out of `state` fails the
     shared resume test, since the resumed run then samples from a reseeded generator and ends with other weights;
-  - a DAPO-style grpo.py (the README's DAPO defaults in its recipe, its TRAITS line changed as the README says):
+  - a DAPO-style grpo.py (docs/forks.md's DAPO defaults in its recipe, its TRAITS line changed as docs/forks.md says):
     it passes the shared quick tier;
-  - grpo.py made one-step off-policy by the README's code block (the batch trained at step t was sampled at step
+  - grpo.py made one-step off-policy by docs/forks.md's code block (the batch trained at step t was sampled at step
     t-1, as verl's one-step off-policy trainer does; pi_old taken right after sampling and carried with the
     batch): it passes the shared quick tier, and the slow shared tests that read pi_old and the trace; with
     --routing-replay each update replays its own (older) batch's experts (a fork that replays the last pi_old
@@ -17,7 +17,7 @@ applies fails the quick tier here):
     current weights when it trains (the defining mistake of such a fork) fails tests/test_pi_old.py in the quick
     tier, saying so.
 Each check runs pytest in the copy, in a subprocess (a minute or more each on 2 cores): slow tier. The quick
-tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and the README's recipes
+tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and docs/forks.md's recipes
 still apply to grpo.py.
 """
 
@@ -56,15 +56,13 @@ def test_every_script_has_its_traits_and_its_file():
 
 
 def fork_section() -> str:
-    """The README's "Fork it" section."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Fork it")
-    return text[start : text.index("\n## ", start + 1)]
+    """docs/forks.md, the fork recipe (the README links to it)."""
+    return (ROOT / "docs" / "forks.md").read_text()
 
 
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
     """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged but for its loss's name, as
-    the README says: `<fork>_loss`), registered in the copy's tests/helpers.py: its name added to SCRIPTS and its
+    docs/forks.md says: `<fork>_loss`), registered in the copy's tests/helpers.py: its name added to SCRIPTS and its
     parent's TRAITS line copied, with `traits` (a field's new value, "name=value") changed, by lines appended after
     both are defined, so that it works however the SCRIPTS line is written."""
     root = tmp_path / "project"
@@ -82,24 +80,24 @@ def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str
 
 
 def dapo_defaults() -> dict[str, str]:
-    """The README's DAPO-style recipe, {field: its default as Python}: "`filter_groups` True, `eps_high` 0.28, ..."."""
+    """The page's DAPO-style recipe, {field: its default as Python}: "`filter_groups` True, `eps_high` 0.28, ..."."""
     sentence = re.search(r"DAPO-style fork of grpo\.py makes DAPO's flags its defaults: ([^.]+(?:\.\d+[^.]*)*)\.",
                          " ".join(fork_section().split()))  # fmt: skip
-    assert sentence, "the README's fork section no longer gives a DAPO-style fork's defaults"
+    assert sentence, "docs/forks.md no longer gives a DAPO-style fork's defaults"
     pairs = dict(re.findall(r"`(\w+)` ([^,]+?)(?:,|$)", sentence.group(1)))
     assert len(pairs) >= 4, pairs
     return pairs
 
 
 def dapo_traits() -> str:
-    """The TRAITS change the README gives a DAPO-style fork ("name=value")."""
+    """The TRAITS change docs/forks.md gives a DAPO-style fork ("name=value")."""
     found = re.search(r'DAPO-style fork.{0,80}?`(\w+="[\w-]+")`', " ".join(fork_section().split()))
-    assert found, "the README's fork section no longer says what a DAPO-style fork changes in TRAITS"
+    assert found, "docs/forks.md no longer says what a DAPO-style fork changes in TRAITS"
     return found.group(1)
 
 
 def dapo_style(source: str) -> str:
-    """grpo.py with the README's DAPO defaults as its recipe: each field's default (`name: type = default`) replaced."""
+    """grpo.py with the page's DAPO defaults as its recipe: each field's default (`name: type = default`) replaced."""
     for name, value in dapo_defaults().items():
         pattern = re.compile(rf"(\n    {name}: [^=\n]+= )([^\n]+)(\n)")
         assert len(pattern.findall(source)) == 1, f"grpo.py's Args has no one field {name}"
@@ -108,18 +106,18 @@ def dapo_style(source: str) -> str:
 
 
 def off_policy_recipe() -> list[str]:
-    """The README's code block of a one-step off-policy fork, its lines at train()'s indentation (the block's
+    """docs/forks.md's code block of a one-step off-policy fork, its lines at train()'s indentation (the block's
     first level is train()'s body, 4 spaces in)."""
     section = fork_section()
     blocks = re.findall(r"\n( *)```python\n(.*?)\n *```", section, re.S)
     recipes = [(indent, code) for indent, code in blocks if "carried.pop(0)" in code]
-    assert len(recipes) == 1, "the README's fork section has no one code block of the one-step off-policy fork"
+    assert len(recipes) == 1, "docs/forks.md has no one code block of the one-step off-policy fork"
     indent, code = recipes[0]
     return ["    " + line[len(indent) :] if line.strip() else "" for line in code.splitlines()]
 
 
 def one_step_off_policy(source: str, broken: bool = False) -> str:
-    """grpo.py made one-step off-policy by the README's code block: each step samples a batch and takes its pi_old
+    """grpo.py made one-step off-policy by docs/forks.md's code block: each step samples a batch and takes its pi_old
     at once (steps 1-5, the weights that sampled it), carries it, and trains the batch the previous step sampled;
     the first step samples two (both with the initial weights) and trains the first, as verl's one-step off-policy
     trainer starts. The block's lines are the fork's, steps 1-5 of grpo.py (indented) where it says so.

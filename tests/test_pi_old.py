@@ -3,7 +3,7 @@ process: every call of the script's loss receives as old_logp, on every row it c
 weights that sampled that row (helpers.SamplingWeights copies them at each sampling), whatever the loop's shape:
 a fork that trains a batch sampled a step ago passes, one that takes pi_old from the current weights (or retakes
 it before each update) fails, with a message saying so. And leaving out rows whose advantage is 0 leaves the
-gradient unchanged. A fork names its loss `<name>_loss` (README, "Fork it"), or `<name>_policy_loss` as PPO does."""
+gradient unchanged. A fork names its loss `<name>_loss` (docs/forks.md), or `<name>_policy_loss` as PPO does."""
 
 from __future__ import annotations
 

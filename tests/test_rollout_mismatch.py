@@ -322,7 +322,7 @@ def test_old_logp_rollout_with_float32_gives_ratio_one_on_the_first_update(tmp_p
     assert row.get("ratio_max_dev", 0.0) < 1e-5 and row["log_ratio_std"] < 1e-5
     # mismatch_* is measured on the update the script marks on_policy (its forward at the weights that sampled the
     # batch), and not logged where none is: each of these three marks its first; a fork that trains an older batch
-    # may mark none (README, "Fork it"), and is checked where it logs it
+    # may mark none (docs/forks.md), and is checked where it logs it
     if name in ("ppo", "grpo", "gspo"):
         assert "mismatch_log_ratio_mean" in row
     if "mismatch_log_ratio_mean" in row:
