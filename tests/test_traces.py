@@ -396,7 +396,7 @@ def test_show_traces_without_traces_is_one_line_exit_2(tmp_path):
 
 
 def test_show_traces_opens_on_the_ratio_at_the_chosen_step(runs, tmp_path):
-    """By default the page opens on the ratio (the README's picture) at its first step; --step and
+    """By default the page opens on the ratio (docs/traces.md's picture) at its first step; --step and
     --quantity choose others; the page's script selects DATA.quantity once its options exist."""
     html = tmp_path / "page.html"
     assert show_traces_cli(runs["gspo"]["full"], "--out", html)[0] == 0

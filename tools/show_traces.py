@@ -9,7 +9,7 @@ clipped, entropy, KL to the reference, the token's own log-ratio) on one scale s
 and step (or per run and step), keyed in the quantity's own values with the clip bounds marked;
 hovering or tapping a token shows its numbers; the step selector moves through training, and each
 step has a summary (groups with signal, clip fraction). The page opens on the ratio (as the
-README's picture shows it) at the first step where a traced group has signal: --quantity and
+docs/traces.md's picture shows it) at the first step where a traced group has signal: --quantity and
 --step choose others. Prompt tokens are grey and outlined, padding dotted, the EOS token marked;
 on a screen under 800 px the runs stack. The page holds its data and its one small script
 inline: no network, no external file. --screenshot needs selenium and Debian's chromium and
