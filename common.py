@@ -23,9 +23,9 @@ when asked for; a default run imports one, traces, at its evaluations (--trace-e
 and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank), moe (MoE routing record,
 replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction), reward_model
 (--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
-data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed (torchrun's
-process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer (--model
-tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples), filter_groups (--filter-groups). Each is
+data_files (--data, --eval-data), resume (--resume), distributed (torchrun's process group), hf_decoder
+(sampling a model outside the Llama family), qwen3_tokenizer (--model tiny-qwen3: Qwen3's vendored tokenizer),
+pass_at_k (--eval-samples), filter_groups (--filter-groups). Each is
 reached through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
 
 What runs beside the scripts lives beside them and imports this file, never the other way round:
@@ -144,7 +144,7 @@ NOT_IN_UPDATE = {
     "eval_samples": "what evaluation samples", "report_to": "where metrics go", "trace_every": "when to trace",
     "trace_groups": "what a trace keeps", "out": "where outputs go", "overwrite": "whether --out may be replaced",
     "save_every": "when to checkpoint", "resume": "where a run starts (resume is exact: test_reliability.py)",
-    "max_consecutive_skips": "a guard: when non-finite updates stop the run", "device": "where, not what",
+    "device": "where, not what",
     "grad_checkpointing": "recomputes the same activations in backward", "merge_lora": "writes a merged copy",
     "fsdp": "shards what DDP replicates (the same update: test_fsdp.py)",
 }  # fmt: skip
@@ -158,8 +158,8 @@ class SharedArgs:
 
     model: str = "tiny"
     """tiny (Qwen3, in checkpoints/), tiny-moe (its MoE twin), tiny-qwen3 (Qwen3's tokenizer), a local dir / hub id"""
-    task: Literal["arith", "sums", "gsm8k", "jsonl"] | None = None
-    """sums is long (sets --model, --max-new-tokens, --lr); None: arith, or jsonl with --data alone"""
+    task: Literal["arith", "gsm8k", "jsonl"] | None = None
+    """None: arith, or jsonl with --data alone"""
     data: str | None = None
     """JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records"""
     eval_data: str | None = None
@@ -176,8 +176,6 @@ class SharedArgs:
     """learned reward: tiny-rm (embedded) or a sequence-classification checkpoint (docs/reward_model.md)"""
     reward_model_weight: float = 1.0
     """weight of --reward-model in the weighted sum"""
-    reward_model_norm: bool = False
-    """whiten the reward model's scores per batch (mean 0, std 1)"""
     top_p: float = 1.0
     """nucleus sampling threshold (1 = off)"""
     grad_checkpointing: bool = False
@@ -206,8 +204,6 @@ class SharedArgs:
     """write a checkpoint to OUT/checkpoint every N steps and at the end (0: off)"""
     resume: str | None = None
     """continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"""
-    max_consecutive_skips: int = 3
-    """stop (exit status 3) after this many non-finite updates in a row"""
     device: str = "auto"
     """auto, cpu or cuda"""
     fsdp: bool = False
@@ -319,14 +315,11 @@ def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
 
 def parse_args(args_cls, argv=None):
     """The script's Args from its command line (tyro). With --resume DIR the checkpoint's flags are the defaults
-    (extras/resume.py: only RESUME_MAY_CHANGE may differ from them); --task sums brings its own defaults."""
+    (extras/resume.py: only RESUME_MAY_CHANGE may differ from them)."""
     argv = _tyro_argv(args_cls, list(sys.argv[1:] if argv is None else argv))
     args = _cli(args_cls, argv, args_cls())
     if args.resume:
         return extra("resume", "--resume").resumed_args(args_cls, args.resume, lambda d: _cli(args_cls, argv, d))
-    if args.task == "sums":
-        defaults = dataclasses.replace(args_cls(), **extra("sums_task", "--task sums").TASK_DEFAULTS["sums"])
-        args = _cli(args_cls, argv, defaults)
     return args
 
 
@@ -336,7 +329,7 @@ def check_common_args(args, needs_group: bool):
     for name, value in vars(args).items():  # NaN passes every range check: refused in any float flag
         if any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
             raise UsageError(f"{_flag(name)} must be a number, got nan")
-    for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size max_consecutive_skips".split():
+    for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size".split():
         if getattr(args, name) < 1:
             raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
     if args.group_size < (2 if needs_group else 1):
@@ -528,7 +521,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     if args.reward_model:  # checked (one line, exit 2) before anything is written
         learned = extra("reward_model", "--reward-model")
         learned.check(args.reward_model)
-        reward_model = learned.RewardModel(args.reward_model, device, args.reward_model_norm, thinking=args.thinking)
+        reward_model = learned.RewardModel(args.reward_model, device, thinking=args.thinking)
     reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
     if args.eval_samples and not reward_fn.scores_answers:
         raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
@@ -625,7 +618,7 @@ def seed_everything(seed: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Data: the built-in `arith` task (files and `sums`: extras/), the prompt stream, prompts as token ids
+# 3. Data: the built-in `arith` task (files: extras/), the prompt stream, prompts as token ids
 # ---------------------------------------------------------------------------------------------
 
 
@@ -659,7 +652,7 @@ def load_task(
 ):
     """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
     that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
-    out (arith, sums: their fixed splits), which never overlaps training. `check(where, records)`
+    out (arith: its fixed split), which never overlaps training. `check(where, records)`
     sees each file's records in file order (setup: `check_characters`)."""
     check = check or (lambda where, records: None)
     if task is None:
@@ -667,10 +660,10 @@ def load_task(
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
     if held_out is not None:
         check(f"--eval-data {eval_data}", held_out)
-    if task in ("arith", "sums"):
+    if task == "arith":
         if data:
-            raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
-        train, held = arith_split() if task == "arith" else extra("sums_task", "--task sums").sums_split()
+            raise UsageError("--data is not used by --task arith; drop it or choose --task jsonl/gsm8k")
+        train, held = arith_split()
         return train, held if held_out is None else held_out
     if not data:
         raise UsageError(f"--task {task} needs --data FILE.jsonl")
@@ -1939,9 +1932,9 @@ class NonFiniteError(Exception):
 class NonFiniteGuard:
     """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
     update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
-    exactly as they were; `limit` skips in a row stop the run (NonFiniteError)."""
+    exactly as they were; `limit` skips in a row stop the run (NonFiniteError: exit status 3)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int = 3):
         self.limit, self.in_a_row = limit, 0
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
@@ -2655,8 +2648,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; kill, a
 # rate is a function of the step and --steps: a larger --steps stretches what is left of it), and --device
 # may change only within its type (a CPU checkpoint resumes on CPU; extras/resume.py refuses CPU <-> CUDA)
 RESUME_MAY_CHANGE = (
-    "steps", "save_every", "eval_every", "max_consecutive_skips", "device", "out", "overwrite", "resume", "report_to",
-    "merge_lora", "trace_every", "trace_groups",
+    "steps", "save_every", "eval_every", "device", "out", "overwrite", "resume", "report_to", "merge_lora",
+    "trace_every", "trace_groups",
 )  # fmt: skip
 
 

@@ -264,7 +264,7 @@ def train(args: Args):
     )
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
-    guard = common.NonFiniteGuard(args.max_consecutive_skips)
+    guard = common.NonFiniteGuard()
     progress = common.Progress()  # the step, the evaluations, the warnings given
     # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
     state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, critic=critic,

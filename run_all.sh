@@ -68,8 +68,8 @@ Flags:
                                          against kl_to_init (Gao et al. 2022's axis)
                   Default OUT [runs/rm]; the other settings as without it.
   --staleness     the staleness sweep (docs/staleness.md): grpo (seq-mean-token-mean),
-                  gspo (sequence), grpo-tokenmean, gspo-token and ppo on the long `sums` task
-                  (--task sums), --minibatches 1, 4 and 8 with 1 epoch, seeds 0 1 2. Prints its
+                  gspo (sequence), grpo-tokenmean, gspo-token and ppo on the long `sums` task,
+                  --minibatches 1, 4 and 8 with 1 epoch, seeds 0 1 2. Prints its
                   planned total first; RESUMES: a run that reached its last step is skipped. Writes
                   $OUT/<config>/mb<k>/seed<s>/ and .log, $OUT/staleness_results.md and .json (mean
                   +- std over seeds per config x staleness: accuracy, collapses, ratio statistics,

@@ -13,8 +13,9 @@ CONDITIONS (each a set of flags; the default run, float32 + recompute, is f32-re
   bf16-recompute  bf16 rollouts, pi_old recomputed in float32 by the trainer: mu never enters the loss
   bf16-tis        ... and each term weighted by min(pi_old / mu, 2) (token TIS; GSPO per sequence)
   bf16-mask       ... and sequences with exp(sum log(pi_old / mu)) > 2 masked (TRL's sequence_mask)
-Each run: `python ALGO.py --task TASK --steps STEPS[TASK] --seed S` + TASK_FLAGS + the condition's
-flags, in OUT/<task>/<algo>/<condition>/seed<S>; a run that reached its last step is skipped.
+Each run: `python ALGO.py --steps STEPS[TASK] --seed S` + TASK_FLAGS + the condition's flags (sums: and
+sums_task.task_flags, its data written to OUT), in OUT/<task>/<algo>/<condition>/seed<S>; a run that
+reached its last step is skipped.
 Writes OUT/mismatch.md (one row per task x algo x condition: held-out accuracy before and after,
 mean clip_frac and ratio_max_dev over the run, the mismatch diagnostics and the correction's share,
 means and [min, max] over seeds) and OUT/mismatch.png. Write-up: docs/rollout_mismatch.md.
@@ -31,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from sums_task import task_flags, write_split  # noqa: E402
 
 import common  # noqa: E402
 
@@ -157,10 +160,12 @@ def main(argv=None):
             print("  " + " ".join(g[:3]) + f" seed {g[3]}")
         return
     if not a.report_only:
+        write_split(out)
         for task, algo, cond, seed in todo:
             run = run_dir(out, task, algo, cond, seed)
             run.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, str(ROOT / f"{algo}.py"), "--task", task, "--steps", str(STEPS[task]),
+            data = task_flags(out) if task == "sums" else []  # arith: the scripts' default task
+            cmd = [sys.executable, str(ROOT / f"{algo}.py"), *data, "--steps", str(STEPS[task]),
                    "--seed", str(seed), *TASK_FLAGS[task], *CONDITIONS[cond], "--out", str(run)]  # fmt: skip
             t0 = time.perf_counter()
             with open(run.parent / f"seed{seed}.log", "w") as log:

@@ -14,7 +14,8 @@ Environment (default in brackets): OUT [runs/staleness]  STEPS [see STEPS below]
 MINIBATCHES ["1 4 8"]  CONFIGS [every config of CONFIGS]  PROMPTS_PER_STEP [16]  GROUP_SIZE [4]
 EVAL_EVERY [10]  EVAL_SIZE [200]  PYTHON [python]  EXTRA_ARGS (flags added to every run, e.g. "--lr 1e-4")
 
-Layout: OUT/<config>/mb<k>/seed<s>/ (each run's metrics.jsonl, summary.json) and .../seed<s>.log.
+Layout: OUT/<config>/mb<k>/seed<s>/ (each run's metrics.jsonl, summary.json) and .../seed<s>.log; the data:
+OUT/sums_train.jsonl and sums_eval.jsonl (sums_task.write_split).
 Writes OUT/staleness_results.md and .json (one row per config x minibatches: mean +- sample std over
 seeds) and OUT/staleness_accuracy.png, OUT/staleness_ratios.png. Definitions, used in the table:
   collapse      held-out accuracy falls below half its best and never climbs back to half of it
@@ -41,6 +42,7 @@ from pathlib import Path
 
 from compare_report import IncompleteRun, band, machine_description, mean_std, num, read_run, run_finished
 from matplotlib.figure import Figure
+from sums_task import task_flags, write_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +113,7 @@ def run_dir(out: Path, config: str, mb: int, seed: int) -> Path:
 def command(s: dict, config: str, mb: int, seed: int) -> list[str]:
     script, flags = CONFIGS[config]
     # --no-anneal-lr: the sweep varies staleness alone, at the constant rate its results were measured at
-    return [s["PYTHON"], str(ROOT / script), "--no-anneal-lr", "--task", "sums", "--steps", s["STEPS"],
+    return [s["PYTHON"], str(ROOT / script), "--no-anneal-lr", *task_flags(s["OUT"]), "--steps", s["STEPS"],
             "--seed", str(seed), "--minibatches", str(mb), "--epochs", "1", "--prompts-per-step", s["PROMPTS_PER_STEP"],
             "--group-size", s["GROUP_SIZE"], "--eval-every", s["EVAL_EVERY"], "--eval-size", s["EVAL_SIZE"],
             "--out", str(run_dir(Path(s["OUT"]), config, mb, seed)), *flags, *s["EXTRA_ARGS"].split()]  # fmt: skip
@@ -141,6 +143,7 @@ def run_sweep(s: dict) -> int:
           f"(skipped), {len(todo)} to run: planned about {minutes(planned_seconds(s, todo))} on a quiet "
           f"2-core CPU (the whole grid: {minutes(planned_seconds(s, grid(s)))})", flush=True)  # fmt: skip
     t_all = time.time()
+    write_split(out)
     for n, (config, mb, seed) in enumerate(todo, 1):
         d = run_dir(out, config, mb, seed)
         log = d.with_suffix(".log")

@@ -105,20 +105,16 @@ def load_reward_model(spec: str, device: torch.device):
 class RewardModel:
     """--reward-model as a reward function with TRL's signature, so that `Rewards` weighs it like
     any other component: the reward is the classifier's score of (prompt, completion) in the reward
-    model's own tokenizer and chat template; with whiten=True, (score - mean) / std over the batch
-    (one rank's rollout, or one evaluation batch)."""
+    model's own tokenizer and chat template."""
 
-    def __init__(self, spec: str, device: torch.device, whiten: bool = False, batch_size: int = 64, thinking="off"):
+    def __init__(self, spec: str, device: torch.device, batch_size: int = 64, thinking="off"):
         self.model, self.tok = load_reward_model(spec, device)
-        self.whiten, self.batch_size, self.thinking = whiten, batch_size, thinking
+        self.batch_size, self.thinking = batch_size, thinking
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **fields) -> list[float]:
         scores = reward_model_scores(self.model, self.tok, prompts, completions, self.batch_size, self.thinking)
-        scores = scores.double()
-        if self.whiten and len(scores) > 1:
-            scores = (scores - scores.mean()) / (scores.std() + 1e-8)
-        return scores.tolist()
+        return scores.double().tolist()
 
 
 def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float = 1.0) -> dict:

@@ -67,7 +67,6 @@ CASES = {
     "reward_weights": ((("--reward-weights", "1", "0.5"),), ("--reward", "exact")),
     "reward_model": ((("--reward-model", "tiny-rm"),), ()),
     "reward_model_weight": ((("--reward-model-weight", "0.5"),), ("--reward-model", "tiny-rm")),
-    "reward_model_norm": ((("--reward-model-norm",),), ("--reward-model", "tiny-rm")),
     # sampling draws argmax(p / noise), so a nucleus that drops only the tail changes a sample only where the tail
     # token would have won: at 0.3 the tiny model's samples change (the training log-probs are the untruncated ones)
     "top_p": ((("--top-p", "0.3"),), ()),
@@ -121,7 +120,6 @@ NEUTRAL = {
     "trace_groups": ("--trace-groups", "1"),
     "overwrite": ("--overwrite",),
     "save_every": ("--save-every", "1"),
-    "max_consecutive_skips": ("--max-consecutive-skips", "1"),
     "device": ("--device", "cpu"),
     "grad_checkpointing": ("--grad-checkpointing",),
 }

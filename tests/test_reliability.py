@@ -480,7 +480,7 @@ def test_consecutive_nonfinite_updates_stop_with_status_3(tmp_path, monkeypatch,
     module = __import__(script)  # a project module: an ImportError fails (importorskip made it a skip)
     poison_loss(monkeypatch, module, from_call=1)
     with pytest.raises(SystemExit) as stop:
-        train_in_process(module, "--steps", "4", "--max-consecutive-skips", "3", "--out", tmp_path / "run")
+        train_in_process(module, "--steps", "4", "--out", tmp_path / "run")
     assert stop.value.code == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error: loss or gradient norm not finite in 3 consecutive updates (step 2)")

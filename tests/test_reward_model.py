@@ -174,7 +174,7 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
     completion, in its own ids; the reward is its score."""
     rm_tok = other_tokenizer()
     rm = object.__new__(reward_model_extra.RewardModel)
-    rm.model, rm.tok, rm.whiten, rm.batch_size, rm.thinking = SpyScorer(), rm_tok, False, 64, "off"
+    rm.model, rm.tok, rm.batch_size, rm.thinking = SpyScorer(), rm_tok, 64, "off"
     records = [{"prompt": p, "answer": "7"} for p in PROMPTS]
     eos = char_tok.eos_token_id
     completions = [char_tok(c)["input_ids"] + [eos] for c in COMPLETIONS]
@@ -193,18 +193,15 @@ def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
 
 def test_reward_model_is_one_weighted_component(char_tok):
     rm = object.__new__(reward_model_extra.RewardModel)
-    rm.model, rm.tok, rm.whiten, rm.batch_size, rm.thinking = SpyScorer(), other_tokenizer(), True, 64, "off"
+    rm.model, rm.tok, rm.batch_size, rm.thinking = SpyScorer(), other_tokenizer(), 64, "off"
     records = [{"prompt": p, "answer": c} for p, c in zip(PROMPTS, ["7", "1", "2", "0", "22"])]
     completions = [char_tok(c)["input_ids"] for c in COMPLETIONS]
     roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
     rewards, parts = common.Rewards(["exact"], [2.0], records, rm, 0.5)(char_tok, roll, records)
-    whitened = parts["reward/reward_model"].double()
-    # whitened in float64 ((s - mean) / (std + 1e-8), |w| <= sqrt(5), the eps moving the std by <= 1e-8 for integer
-    # scores), then held in float32: one rounding of u |w| each dominates; a std moves by <= sqrt(2) of it
-    tol = unit_roundoff(torch.float32) * math.sqrt(5) + gamma(20) * math.sqrt(5)
-    assert whitened.mean().item() == pytest.approx(0, abs=tol)
-    assert whitened.std().item() == pytest.approx(1, abs=math.sqrt(2) * tol + 1e-8)
-    expected = 2.0 * parts["reward/exact"].double() + 0.5 * whitened
+    (ids, attention), = rm.model.seen  # fmt: skip
+    scores = (ids * attention).sum(1).double()  # the spy's score: its ids' sum, an integer
+    assert parts["reward/reward_model"].double().tolist() == scores.tolist()
+    expected = 2.0 * parts["reward/exact"].double() + 0.5 * scores
     # float32: 2 x and 0.5 x are exact, their sum one rounding; the expected float64 rounded to float32 once
     torch.testing.assert_close(rewards, expected.float(), atol=0, rtol=2 * unit_roundoff(torch.float32))
 
@@ -418,5 +415,5 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
 def test_help_lists_the_reward_model_flags(script):
     proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]  # a "%" in a help text once broke --help
-    for flag in ("--reward-model ", "--reward-model-weight", "--reward-model-norm", "tiny-rm"):
+    for flag in ("--reward-model ", "--reward-model-weight", "tiny-rm"):
         assert flag in proc.stdout

@@ -41,7 +41,7 @@ from common import (  # noqa: E402
     load_model,
     tiny_checkpoint,
 )
-from extras.sums_task import sums_reference, sums_split  # noqa: E402
+from experiments.sums_task import sums_reference, sums_split  # noqa: E402
 
 
 def _warm_start_recipe(name: str) -> tuple[dict, list, object]:

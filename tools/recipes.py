@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when imported from tools/
 
 from common import TINY_RM  # noqa: E402
-from extras.sums_task import SUMS_GENERATOR  # noqa: E402
+from experiments.sums_task import SUMS_GENERATOR  # noqa: E402
 
 PAD, EOS = "<|endoftext|>", "<|im_end|>"  # Qwen's own names: pad and EOS are different tokens
 

@@ -1,9 +1,13 @@
-"""extras/sums_task.py: --task sums, long completions whose length depends on the problem (docs/staleness.md).
+"""experiments/sums_task.py: the long `sums` task of the staleness and rollout-mismatch studies, whose
+completions' length depends on the problem (docs/staleness.md), and the data tiny-sums was warm-started on.
 
-Imported by common.py only for --task sums (its model, tiny-sums, ships in checkpoints/).
+The scripts read it as two JSONL files (`write_split`) with the flags the task needs (`task_flags`).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +45,25 @@ def sums_split():
     return examples[g["eval_size"] :], examples[: g["eval_size"]]
 
 
-# Flags a task sets when they are not given: the arithmetic defaults would break `sums` (8 new tokens
-# cut every completion short; at lr 3e-4 on-policy GRPO fell from 0.265 to 0.135 held-out in 20
+# The flags the task needs (flags given after them win): the arithmetic defaults would break `sums` (8 new
+# tokens cut every completion short; at lr 3e-4 on-policy GRPO fell from 0.265 to 0.135 held-out in 20
 # steps, at 1e-4 it rose to 0.280; docs/staleness.md).
-TASK_DEFAULTS = {"sums": {"model": "tiny-sums", "max_new_tokens": 64, "lr": 1e-4}}
+TASK_DEFAULTS = {"model": "tiny-sums", "max_new_tokens": 64, "lr": 1e-4}
+
+
+def task_flags(folder) -> list[str]:
+    """The command-line flags that train on `sums` from the split `write_split(folder)` wrote: --data and
+    --eval-data, then TASK_DEFAULTS."""
+    defaults = [str(x) for k, v in TASK_DEFAULTS.items() for x in ("--" + k.replace("_", "-"), v)]
+    return ["--data", str(Path(folder) / "sums_train.jsonl"), "--eval-data", str(Path(folder) / "sums_eval.jsonl"),
+            *defaults]  # fmt: skip
+
+
+def write_split(folder):
+    """`sums_split()` as FOLDER/sums_train.jsonl and FOLDER/sums_eval.jsonl (once: files already there stay)."""
+    for part, records in zip(("train", "eval"), sums_split(), strict=True):
+        path = Path(folder) / f"sums_{part}.jsonl"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in records))
+            path.with_suffix(".tmp").replace(path)  # never a half-written file for a later run to read
