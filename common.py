@@ -158,10 +158,8 @@ class SharedArgs:
 
     model: str = "tiny"
     """tiny (Qwen3, in checkpoints/), tiny-moe (its MoE twin), tiny-qwen3 (Qwen3's tokenizer), a local dir / hub id"""
-    task: Literal["arith", "gsm8k", "jsonl"] | None = None
-    """None: arith, or jsonl with --data alone"""
     data: str | None = None
-    """JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records"""
+    """JSONL file of {prompt, answer, ...} or GSM8K {question, answer} records (none: the built-in arith task)"""
     eval_data: str | None = None
     """JSONL file to evaluate on (e.g. GSM8K's test split) instead of 10% held out of --data"""
     system_prompt: str | None = None
@@ -352,7 +350,7 @@ def check_common_args(args, needs_group: bool):
     }.items():
         if not holds(getattr(args, name)):
             raise UsageError(f"{_flag(name)} must be {what}, got {getattr(args, name)}")
-    check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
+    check_choices(args)  # --report-to and each script's own (--variant, --loss-agg, a fork's)
     if args.eval_samples:
         extra("pass_at_k", "--eval-samples")
     if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
@@ -514,7 +512,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     quiet_transformers()  # before the first model loads (the reward model's, the policy's)
     tok = load_tokenizer(args.model)  # the data's characters are checked against it as it loads
     check = functools.partial(check_characters, tok, args.model)
-    train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer, check=check)
+    train_set, eval_set = load_task(args.data, args.eval_data, needs_answer=needs_answer, check=check)
     eval_set = eval_set[: args.eval_size]
     device = resolve_device(args.device, local_rank)
     reward_model = None
@@ -643,30 +641,19 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
 
 
 def load_task(
-    task: str | None,
-    data: str | None,
-    eval_data: str | None = None,
-    eval_fraction: float = 0.1,
-    needs_answer=True,
-    check=None,
+    data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1, needs_answer=True, check=None
 ):
-    """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
-    that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
-    out (arith: its fixed split), which never overlaps training. `check(where, records)`
-    sees each file's records in file order (setup: `check_characters`)."""
+    """Returns (train_examples, eval_examples): --data's records, or without it the built-in arith task's. With
+    `eval_data` (--eval-data) the evaluation set is that file and training uses all of --data; otherwise a fixed
+    `eval_fraction` of --data is held out (arith: its fixed split), which never overlaps training.
+    `check(where, records)` sees each file's records in file order (setup: `check_characters`)."""
     check = check or (lambda where, records: None)
-    if task is None:
-        task = "jsonl" if data else "arith"
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
     if held_out is not None:
         check(f"--eval-data {eval_data}", held_out)
-    if task == "arith":
-        if data:
-            raise UsageError("--data is not used by --task arith; drop it or choose --task jsonl/gsm8k")
+    if not data:
         train, held = arith_split()
         return train, held if held_out is None else held_out
-    if not data:
-        raise UsageError(f"--task {task} needs --data FILE.jsonl")
     records = load_jsonl(data, "--data", needs_answer)
     check(f"--data {data}", records)
     if held_out is not None:
@@ -2411,7 +2398,7 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
         {
             "algo": args.algo,
             "model": args.model,
-            "task": args.task or ("jsonl" if args.data else "arith"),
+            "task": "jsonl" if args.data else "arith",
             "seed": args.seed,
             "steps": args.steps,
             "step": progress.step,

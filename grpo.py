@@ -31,7 +31,7 @@ Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advanta
 Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python grpo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
 A real Qwen on a GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_train.jsonl first):
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data data/gsm8k_train.jsonl \
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data data/gsm8k_train.jsonl \
     --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N grpo.py ...same flags...   (on CPU: gloo, --device cpu)

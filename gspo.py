@@ -24,7 +24,7 @@ whose numbered steps are the algorithm; `common.py` holds everything else.
 Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python gspo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
 A real Qwen on a GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_train.jsonl first):
-    python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data data/gsm8k_train.jsonl \
+    python gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --data data/gsm8k_train.jsonl \
     --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N gspo.py ...same flags...   (on CPU: gloo, --device cpu)

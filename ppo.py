@@ -31,7 +31,7 @@ Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`
 Run (CPU, embedded tiny Qwen3; 531 s on 2 cores, docs/results.md):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
 A real Qwen on a GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_train.jsonl first):
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data data/gsm8k_train.jsonl \
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --data data/gsm8k_train.jsonl \
     --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N ppo.py ...same flags...   (on CPU: gloo, --device cpu)

@@ -40,7 +40,7 @@ Flags:
                   The report tabulates and plots each config against its own steps and wall-clock,
                   refuses a run that did not finish the steps its summary.json planned, and its
                   settings line names where the configs differ. SEEDS and OUT [runs/defaults] as
-                  below; STEPS, PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, EVAL_EVERY, TASK and
+                  below; STEPS, PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS, EVAL_EVERY and
                   MINIBATCHES are refused (exit 2): pass a flag through *_ARGS instead. The README's
                   plot: SEEDS="0 1 2" bash run_all.sh --defaults, 9 runs; run two at a time on a
                   2-core Intel Xeon shared with other jobs (load average 7-12) they took 369-1406 s
@@ -56,7 +56,7 @@ Flags:
                     $OUT/moe_curves.png   eval accuracy, reward, routing drift, ratio std, clip frac vs step
                   Defaults: STEPS [120] SEEDS ["0 1"] PROMPTS_PER_STEP [32] GROUP_SIZE [4]
                   MINIBATCHES [4] EVAL_EVERY [25] OUT [runs/moe]; MODEL is tiny-moe; MAX_NEW_TOKENS
-                  and TASK are not passed (the scripts' defaults).
+                  is not passed (the scripts' default).
   --reward-model  the reward-model experiment (docs/reward_model.md): configs ppo, ppo-rm, grpo,
                   grpo-rm, gspo, gspo-rm, where <algo>-rm adds --reward-model tiny-rm (the embedded
                   learned reward, built on first use; alone it is the whole reward) and <algo> keeps
@@ -90,7 +90,7 @@ Flags:
 
 Environment (default in brackets; see --moe for its own):
   STEPS [200]  SEEDS ["0 1 2"]  PROMPTS_PER_STEP [64]  GROUP_SIZE [4]  MAX_NEW_TOKENS [8]
-  EVAL_EVERY [25]  MODEL [tiny]  TASK [the scripts' default, arith]  OUT [runs/compare]
+  EVAL_EVERY [25]  MODEL [tiny]  OUT [runs/compare]
   MINIBATCHES [4]          --moe only
   PYTHON [python]          interpreter used for the scripts and the report
   EXTRA_ARGS               extra flags passed to every run (after the shared ones, so they win)
@@ -161,7 +161,7 @@ if [[ $DEFAULTS == 1 ]]; then
         echo "run_all.sh: --defaults runs each script at its own settings; it does not combine with --quick, --moe or --reward-model" >&2
         exit 2
     fi
-    for v in STEPS PROMPTS_PER_STEP GROUP_SIZE MAX_NEW_TOKENS EVAL_EVERY TASK MINIBATCHES; do
+    for v in STEPS PROMPTS_PER_STEP GROUP_SIZE MAX_NEW_TOKENS EVAL_EVERY MINIBATCHES; do
         if [[ -n "${!v+set}" ]]; then
             echo "run_all.sh: --defaults keeps each script's own settings, but $v is set; unset it, or pass the flag in PPO_ARGS, GRPO_ARGS or GSPO_ARGS" >&2
             exit 2
@@ -188,7 +188,6 @@ if [[ $MOE == 1 ]]; then
     declare -A VARIANT_FLAGS=([grpo-replay]="--routing-replay")
     : "${STEPS:=120}" "${SEEDS:=0 1}" "${PROMPTS_PER_STEP:=32}" "${OUT:=runs/moe}"
     MODEL=tiny-moe
-    TASK=""
 elif [[ $RM == 1 ]]; then
     CONFIGS=(ppo ppo-rm grpo grpo-rm gspo gspo-rm)
     declare -A VARIANT_FLAGS=([ppo-rm]="--reward-model tiny-rm" [grpo-rm]="--reward-model tiny-rm"
@@ -205,7 +204,6 @@ MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-8}"
 MINIBATCHES="${MINIBATCHES:-4}"
 EVAL_EVERY="${EVAL_EVERY:-25}"
 MODEL="${MODEL:-tiny}"
-TASK="${TASK:-}"
 OUT="${OUT:-runs/compare}"
 PYTHON="${PYTHON:-python}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"
@@ -249,7 +247,6 @@ else
     else
         CMD+=" MAX_NEW_TOKENS=$MAX_NEW_TOKENS EVAL_EVERY=$EVAL_EVERY MODEL=$MODEL"
     fi
-    [[ -n "$TASK" ]] && CMD+=" TASK=$TASK"
     CMD+=" OUT=$OUT"
     for v in EXTRA_ARGS PPO_ARGS GRPO_ARGS GSPO_ARGS; do
         [[ -n "${!v}" ]] && CMD+=" $v=\"${!v}\""
@@ -305,7 +302,6 @@ if [[ $REPORT_ONLY == 0 ]]; then
                     cmd+=(--max-new-tokens "$MAX_NEW_TOKENS")
                 fi
                 cmd+=(--eval-every "$EVAL_EVERY" --out "$dir")
-                [[ -n "$TASK" ]] && cmd+=(--task "$TASK")
             fi
             cmd+=("${variant[@]+"${variant[@]}"}" "${extra[@]+"${extra[@]}"}" "${per[@]+"${per[@]}"}")
             echo "[$n/$total] $config seed $seed -> $dir  (log: $log)"

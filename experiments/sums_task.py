@@ -1,12 +1,14 @@
 """experiments/sums_task.py: the long `sums` task of the staleness and rollout-mismatch studies, whose
 completions' length depends on the problem (docs/staleness.md), and the data tiny-sums was warm-started on.
 
-The scripts read it as two JSONL files (`write_split`) with the flags the task needs (`task_flags`).
+The scripts read it as two JSONL files (`write_split`) with the flags the task needs (`task_flags`):
+    python grpo.py $(python experiments/sums_task.py data) --steps 20     (writes data/sums_*.jsonl once)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +69,9 @@ def write_split(folder):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in records))
             path.with_suffix(".tmp").replace(path)  # never a half-written file for a later run to read
+
+
+if __name__ == "__main__":  # python experiments/sums_task.py DIR: writes the split to DIR, prints the flags
+    folder = sys.argv[1] if len(sys.argv) > 1 else "data"
+    write_split(folder)
+    print(" ".join(task_flags(folder)))

@@ -751,19 +751,13 @@ def test_arith_split_deterministic_disjoint_and_correct():
 
 
 def test_load_task_arith_and_jsonl_split(tmp_path):
-    assert common.load_task(None, None) == common.arith_split()
+    assert common.load_task(None) == common.arith_split()
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
-    train, held = common.load_task("jsonl", str(path), eval_fraction=0.25)
+    train, held = common.load_task(str(path), eval_fraction=0.25)
     assert len(held) == 5 and len(train) == 15
     assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in held})
-    assert common.load_task("jsonl", str(path), eval_fraction=0.25) == (train, held)
-    with pytest.raises(common.UsageError):
-        common.load_task("arith", str(path))
-    with pytest.raises(common.UsageError):
-        common.load_task("gsm8k", None)
-    with pytest.raises(common.UsageError):
-        common.load_task("nope", None)
+    assert common.load_task(str(path), eval_fraction=0.25) == (train, held)
 
 
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 15), k1=st.integers(0, 40), k2=st.integers(1, 40))

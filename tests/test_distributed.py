@@ -105,8 +105,6 @@ def test_torchrun_two_processes_complete(model_dir, tmp_path, algo):
         str(ROOT / f"{algo}.py"),
         "--model",
         model_dir,
-        "--task",
-        "gsm8k",
         "--data",
         str(data),
         "--steps",

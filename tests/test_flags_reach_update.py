@@ -53,7 +53,6 @@ def rows(prompts, completions, **kwargs):
 CASES = {
     # SharedArgs
     "model": ((("--model", "tiny-moe"),), ()),
-    "task": ((("--task", "sums"),), ()),
     "data": ((lambda tmp: ("--data", str(data_file(tmp))),), ()),
     # --eval-data takes the evaluation split out of --data's: training sees all of --data
     "eval_data": (

@@ -434,7 +434,6 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 SHARED_SETS = {  # common.SharedArgs' fixed-set flags, in every script (rollout precision: docs/rollout_mismatch.md)
-    "task": ("arith", "sums", "gsm8k", "jsonl"),
     "thinking": ("off", "on"),
     "report_to": ("none", "tensorboard"),
     "rollout_dtype": ("float32", "bfloat16"),
@@ -465,7 +464,7 @@ def test_every_fixed_set_flag_declares_its_choices(name):
         ("grpo", ["--loss-agg", "token_mean"], "invalid choice 'token_mean' for argument '--loss-agg'"),
         ("grpo", ["--scale-rewards", "max"], "invalid choice 'max' for argument '--scale-rewards'"),
         ("ppo", ["--report-to", "wandb"], "invalid choice 'wandb' for argument '--report-to'"),
-        ("ppo", ["--task", "gsm8"], "invalid choice 'gsm8' for argument '--task'"),
+        ("ppo", ["--is-correction", "tiss"], "invalid choice 'tiss' for argument '--is-correction'"),
         ("gspo", ["--lr", "abc"], "--lr"),
         ("grpo", ["--prompts-per-step", "1.5"], "--prompts-per-step"),
         ("ppo", ["--prompts-per-step", "0"], "error: --prompts-per-step must be >= 1, got 0"),

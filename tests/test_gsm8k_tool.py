@@ -71,7 +71,7 @@ def test_published_records_become_prompt_and_number(tmp_path, capsys):
 def test_output_is_what_data_and_eval_data_read_and_trains(tmp_path, capsys):
     assert run_tool(["--from", FIXTURE, "--out-dir", tmp_path], capsys)[0] == 0
     train_file, test_file = tmp_path / "gsm8k_train.jsonl", tmp_path / "gsm8k_test.jsonl"
-    train, held_out = common.load_task("gsm8k", str(train_file), str(test_file))  # --data, --eval-data
+    train, held_out = common.load_task(str(train_file), str(test_file))  # --data, --eval-data
     check_records(train, TRAIN_PROMPT_STARTS, TRAIN_ANSWERS, published_questions("train"))
     check_records(held_out, TEST_PROMPT_STARTS, TEST_ANSWERS, published_questions("test"))
     # the reward reads a completion's number after '####' against it, with or without the separator
@@ -81,12 +81,12 @@ def test_output_is_what_data_and_eval_data_read_and_trains(tmp_path, capsys):
     assert common.score("#### 7", train[3]["answer"]) == (0.0, 1.0)
     # and a script trains on it: one tiny gspo.py step (the train split is ASCII, which the tiny tokenizer covers)
     out = tmp_path / "run"
-    argv = ["--task", "gsm8k", "--data", train_file, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+    argv = ["--data", train_file, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
             "--minibatches", "1", "--max-new-tokens", "4", "--eval-every", "0", "--out", out]  # fmt: skip
     status, _, err = main_in_process(gspo, argv, capsys)
     assert status == 0, err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == "gsm8k" and summary["args"]["data"] == str(train_file)
+    assert summary["task"] == "jsonl" and summary["args"]["data"] == str(train_file)
     assert (out / "final" / "model.safetensors").is_file()
 
 

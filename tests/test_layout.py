@@ -120,7 +120,6 @@ CAPABILITIES = {
     ("--model", "tiny-qwen3"): "qwen3_tokenizer",
     ("--reward-model", "tiny-rm"): "reward_model",
     ("--trace-every", "1"): "traces",
-    ("--task", "sums"): "sums_task",
     ("--data", "some.jsonl"): "data_files",
     ("--reward", "some_file.py:fn"): "reward_functions",
     ("--resume", "a-run"): "resume",

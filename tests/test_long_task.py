@@ -12,6 +12,7 @@ import sys
 import pytest
 import recipes
 import staleness_sweep
+import sums_task
 import torch
 from helpers import ROOT, forward_roundings, gamma, probable_gamma, unit_roundoff
 
@@ -19,7 +20,6 @@ import common
 import grpo
 import gspo
 import ppo
-from extras import sums_task
 
 # ----------------------------------------------------------------------------------------------
 # The generator
@@ -31,14 +31,17 @@ def split():
     return sums_task.sums_split()
 
 
-def test_split_is_deterministic_and_the_held_out_set_is_disjoint(split):
+def test_split_is_deterministic_and_the_held_out_set_is_disjoint(split, tmp_path):
     train, held = split
     assert (train, held) == sums_task.sums_split()
     assert len(train) == 20000 and len(held) == 500
     prompts = [ex["prompt"] for ex in train + held]
     assert len(set(prompts)) == len(prompts)  # distinct, so no held-out prompt is a training prompt
     assert not {ex["prompt"] for ex in held} & {ex["prompt"] for ex in train}
-    assert common.load_task("sums", None) == (train, held)
+    sums_task.write_split(tmp_path)  # and the scripts read back exactly the split from its files
+    argv = sums_task.task_flags(tmp_path)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert common.load_task(flags["--data"], flags["--eval-data"]) == (train, held)
 
 
 def test_every_reference_completion_works_the_sum_and_parses_to_the_answer(split):
@@ -76,7 +79,7 @@ def test_length_distribution_as_documented(split):
     for k, expected in zip(sorted(lengths), (12.9, 20.5, 28.3, 36.3, 44.3)):
         assert abs(sum(lengths[k]) / len(lengths[k]) - expected) < 0.05, k
     # with its EOS the longest completion fits the task's default --max-new-tokens
-    assert max(every) + 1 <= sums_task.TASK_DEFAULTS["sums"]["max_new_tokens"]
+    assert max(every) + 1 <= sums_task.TASK_DEFAULTS["max_new_tokens"]
 
 
 @pytest.mark.parametrize(
@@ -96,18 +99,14 @@ def test_reward_on_hand_cases(completion, reward, format_ok):
     assert common.score(completion, "10") == (reward, format_ok)
 
 
-def test_the_task_brings_its_defaults_and_explicit_flags_win():
+def test_the_task_brings_its_flags_and_flags_after_them_win(tmp_path):
     for module in (ppo, grpo, gspo):
-        a = common.parse_args(module.Args, ["--task", "sums"])
+        a = common.parse_args(module.Args, sums_task.task_flags(tmp_path))
         assert (a.model, a.max_new_tokens, a.lr) == ("tiny-sums", 64, 1e-4)
-        a = common.parse_args(
-            module.Args, ["--task", "sums", "--model", "tiny", "--max-new-tokens", "70", "--lr", "3e-4"]
-        )
+        assert (a.data, a.eval_data) == (str(tmp_path / "sums_train.jsonl"), str(tmp_path / "sums_eval.jsonl"))
+        later = ["--model", "tiny", "--max-new-tokens", "70", "--lr", "3e-4"]  # a sweep's EXTRA_ARGS come last
+        a = common.parse_args(module.Args, [*sums_task.task_flags(tmp_path), *later])
         assert (a.model, a.max_new_tokens, a.lr) == ("tiny", 70, 3e-4)
-        a = common.parse_args(module.Args, [])
-        assert (a.model, a.max_new_tokens) == ("tiny", 8)  # the arithmetic demo as it was
-    with pytest.raises(common.UsageError, match="--data is not used by --task sums"):
-        common.load_task("sums", "x.jsonl")
 
 
 @pytest.mark.slow
@@ -239,14 +238,16 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
 @pytest.mark.parametrize("script, extra", [("ppo.py", []), ("grpo.py", []), ("gspo.py", ["--variant", "token"])])
 def test_smoke_run_on_the_task(tmp_path, script, extra):
     out = tmp_path / "run"
-    cmd = [sys.executable, script, "--task", "sums", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
-           "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out), *extra]  # fmt: skip
+    sums_task.write_split(tmp_path)
+    cmd = [sys.executable, script, *sums_task.task_flags(tmp_path), "--steps", "2", "--prompts-per-step", "4",
+           "--group-size", "2", "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out),
+           *extra]  # fmt: skip
     env = {**os.environ, "RLREF_THREADS": "1"}  # a shared 2-core machine: one core per run
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == "sums" and summary["model"] == "tiny-sums" and summary["args"]["max_new_tokens"] == 64
+    assert summary["task"] == "jsonl" and summary["model"] == "tiny-sums" and summary["args"]["max_new_tokens"] == 64
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["response_len"] > 8  # longer than the arithmetic default would allow

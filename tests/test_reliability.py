@@ -131,7 +131,7 @@ def bad_inputs(tmp):
         ),
         (["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')], "noprompt.jsonl:1: missing field 'prompt'"),
         (["--data", tmp], "is a directory"),
-        (["--task", "poetry"], "invalid choice 'poetry' for argument '--task'"),
+        (["--thinking", "maybe"], "invalid choice 'maybe' for argument '--thinking'"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--steps", "2.5"], "Error parsing --steps: invalid literal for int() with base 10: '2.5'"),
         (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),

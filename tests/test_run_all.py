@@ -79,7 +79,6 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
         clip_key: round(statistics.mean(r[clip_key.removeprefix("mean_")] for r in rows), 6),
         "args": {
             "model": "tiny",
-            "task": None,
             "steps": steps,
             "prompts_per_step": 16,
             "group_size": 8,
@@ -356,7 +355,7 @@ def test_failure_mid_sweep_names_the_run_and_writes_no_table(tmp_path, fake_pyth
 # ------------------------------------------------------------------------------------------------
 # --defaults: each script at its own settings, runs of different lengths in one report
 # ------------------------------------------------------------------------------------------------
-BUDGET = ("STEPS", "PROMPTS_PER_STEP", "GROUP_SIZE", "MAX_NEW_TOKENS", "EVAL_EVERY", "TASK", "MINIBATCHES")
+BUDGET = ("STEPS", "PROMPTS_PER_STEP", "GROUP_SIZE", "MAX_NEW_TOKENS", "EVAL_EVERY", "MINIBATCHES")
 OWN_STEPS = {algo: FAKE_DEFAULTS[algo]["steps"] for algo in ALGOS}  # ppo 20, grpo 30, gspo 30
 
 
@@ -832,7 +831,8 @@ def test_staleness_plan_lists_the_grid_and_its_commands(tmp_path):
         del argv[2]
         flags = dict(zip(argv[2::2], argv[3::2]))
         assert argv[1].endswith(config.split("-")[0] + ".py")
-        assert flags["--task"] == "sums" and flags["--epochs"] == "1" and flags["--minibatches"] == mb
+        assert flags["--data"] == str(tmp_path / "s" / "sums_train.jsonl") and flags["--model"] == "tiny-sums"
+        assert flags["--epochs"] == "1" and flags["--minibatches"] == mb
         assert flags["--seed"] == seed and flags["--steps"] == "100" and argv[-2:] == ["--lr", "1e-4"]
         assert flags["--out"] == str(tmp_path / "s" / config / f"mb{mb}" / f"seed{seed}")
         assert flags.get("--loss-agg") == {"grpo": "seq-mean-token-mean", "grpo-tokenmean": "token-mean"}.get(config)

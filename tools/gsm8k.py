@@ -2,7 +2,7 @@
 
     python tools/gsm8k.py                  # downloads both splits from GitHub, writes data/gsm8k_{train,test}.jsonl
     python tools/gsm8k.py --from DIR       # the same from DIR/train.jsonl and DIR/test.jsonl, already downloaded
-    python grpo.py --task gsm8k --data data/gsm8k_train.jsonl --eval-data data/gsm8k_test.jsonl ...
+    python grpo.py --data data/gsm8k_train.jsonl --eval-data data/gsm8k_test.jsonl ...
 
 GSM8K is published in openai/grade-school-math as grade_school_math/data/train.jsonl (7,473 records) and
 test.jsonl (1,319), one {"question": ..., "answer": "...reasoning...\\n#### 72"} a line; the Hugging Face
