@@ -162,21 +162,8 @@ def aggregate(
     raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
 
 
-def grpo_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    eps_low=0.2,
-    eps_high=0.2,
-    ref_logp=None,
-    kl_coef=0.0,
-    agg="seq-mean-token-mean",
-    max_len=None,
-    denominator=None,
-    weights=None,
-):
+def grpo_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, ref_logp=None, kl_coef=0.0,
+              agg="seq-mean-token-mean", max_len=None, denominator=None, weights=None):  # fmt: skip
     """GRPO's per-token clipped surrogate (plus beta * k3 to the reference) as a loss to minimise.
     `logp`, `old_logp`, `mask` (and `ref_logp`) are [B, T]; `advantages` is [B] or [B, T].
     `weights` [B, T], detached (--is-correction), multiply each token's surrogate term, not the KL.

@@ -119,16 +119,7 @@ def seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 
 
 def gspo_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    eps_low=3e-4,
-    eps_high=4e-4,
-    variant="sequence",
-    denominator: int | None = None,
-    weights=None,
+    logp, old_logp, advantages, mask, *, eps_low=3e-4, eps_high=4e-4, variant="sequence", denominator=None, weights=None
 ):
     """GSPO's clipped surrogate as a loss to minimise; `logp`, `old_logp`, `mask` are [B, T]. The
     mean over sequences divides by `denominator` (default B): pass the whole minibatch's size when
@@ -251,8 +242,7 @@ def train(args: Args):
             rows = idx[advantages[idx] != 0] if args.entropy_coef == 0 else idx
             plan.append((idx, rows if len(rows) else idx[:1]))  # at least one row: every update (and rank) runs
         has_old = torch.zeros(len(roll), dtype=torch.bool, device=env.device)  # [B] the rows pi_old is computed on
-        for _, rows in plan:
-            has_old[rows] = True
+        has_old[torch.cat([rows for _, rows in plan])] = True
         has_old |= moe is not None or ref_model is not None
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
             old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]

@@ -379,8 +379,7 @@ def train(args: Args):
         # 6. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
         #    score in the batch equal, or no exploration left: entropy near 0, completions all alike) or collapsed,
         #    write the row, and checkpoint (every --save-every steps, on Ctrl-C).
-        entropy = common.global_mean(roll.entropy[mask.bool()])  # all ranks' tokens, so that the ranks agree
-        no_signal = common.all_equal(scores) or entropy < common.NO_SIGNAL_ENTROPY
+        no_signal = common.all_equal(scores) or row["entropy"] < common.NO_SIGNAL_ENTROPY  # (all ranks' tokens)
         common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace,
                         shown=("explained_variance",))  # fmt: skip
         if common.save_checkpoint_if_due(args, env, model, tok, state, step):
