@@ -29,8 +29,8 @@ from test_real_checkpoints import graded_reward
 
 import common
 
-# 161 tests, about 160 one-step runs: 5 min 16 s on this 2-core EPYC shared with two other jobs (3 min 41 s in a
-# quieter run)
+# 151 tests, about 150 one-step runs: 7 min 26 s on this 2-core EPYC shared with four other jobs (2026-12-05; 161
+# tests took 3 min 41 s in a quiet run)
 pytestmark = pytest.mark.slow
 
 # One step of a tiny batch, two minibatches (the second off-policy, so clip ranges can act), no evaluation;
