@@ -88,6 +88,7 @@ def test_the_task_brings_its_defaults_and_explicit_flags_win():
         common.load_task("sums", "x.jsonl")
 
 
+@pytest.mark.slow  # 500 greedy 64-token completions
 def test_the_checkpoint_has_its_own_key_and_starts_in_the_band(split):
     path = common.tiny_checkpoint("tiny-sums")
     assert "tiny-qwen3-sums-" in path and path != common.tiny_checkpoint("tiny")
