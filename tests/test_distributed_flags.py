@@ -186,11 +186,15 @@ def gradient_tol(tiny_path):
     return 2 * probable_gamma(forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1)
 
 
+ONE_PROCESS = {}  # (algo, flags, offset) -> a one-process run's record directory
+
+
 def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, torchrun_flags=(), offset=None):
     """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
     the same rollout (`offset`: pi_old offset from it, as `run`'s): the same on both ranks, and the one process's to
     rounding. Returns the two runs' record directories and the records compared."""
-    single = run(tmp_path, algo, flags, 0, offset=offset)
+    key = (algo, tuple(flags), offset)  # one process's run, the same under --fsdp: made once
+    single = ONE_PROCESS.get(key) or ONE_PROCESS.setdefault(key, run(tmp_path, algo, flags, 0, offset=offset))
     ddp = run(tmp_path, algo, flags, WORLD, torchrun_flags, offset=offset)
     total, ended = torch.load(single / "tokens-rank0.pt")
     ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]
