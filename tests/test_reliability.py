@@ -124,6 +124,7 @@ def bad_inputs(tmp):
             ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
             "noanswer.jsonl:3: missing field 'answer'",
         ),
+        (["--reward", tmp / "nope.py:score"], f"--reward {tmp}/nope.py:score: file {tmp}/nope.py not found"),
         (["--task", "poetry"], "invalid choice 'poetry' for argument '--task'"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--steps", "2.5"], "Error parsing --steps: invalid literal for int() with base 10: '2.5'"),
