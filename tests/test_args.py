@@ -123,12 +123,6 @@ def fork_in_process(tmp_path, fields: dict, capsys, *argv):
         sys.modules.pop("fork", None)
 
 
-def one_error_line(proc) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (proc.returncode, proc.stderr)
-    return lines[0]
-
-
 @pytest.mark.parametrize("missing", sorted(RECIPE_FIELDS))
 def test_each_recipe_field_is_required(tmp_path, capsys, missing):
     status, _, err = fork_in_process(tmp_path, {k: v for k, v in RECIPE_FIELDS.items() if k != missing}, capsys)

@@ -9,8 +9,6 @@ import pytest
 import warm_starts as ws  # experiments/, on sys.path through conftest.py
 from helpers import gamma
 
-STUDY = Path(__file__).resolve().parents[1] / "experiments" / "warm_starts.py"
-
 
 def test_verdict_takes_the_worst_gain_of_every_seed():
     def v(gain, t=100.0):
