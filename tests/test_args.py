@@ -1,13 +1,9 @@
 """The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro: Args instances share
-no mutable default; every script's Args subclasses common.SharedArgs, so its fields are the shared ones first and
-then its own: its training recipe (common.RECIPE, declared in its own file) and its algorithm's flags; --help
-shows each field's docstring and default; --resume takes the checkpoint's flags as defaults; a list flag takes
+no mutable default; --resume takes the checkpoint's flags as defaults; a list flag takes
 several values. A fork whose Args lacks a recipe field stops at start-up."""
 
-import dataclasses
 import importlib
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +14,6 @@ from helpers import SCRIPTS
 import common
 
 MODULES = {name: importlib.import_module(name) for name in SCRIPTS}
-SHARED = [f.name for f in dataclasses.fields(common.SharedArgs)]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -34,46 +29,10 @@ def test_two_args_instances_share_no_list(name):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_the_shared_flags_first_in_one_order_then_the_scripts_own(name):
-    """The shared flags in SharedArgs' order (a script redeclaring one, for its default, keeps its
-    place), then the script's own; the clip ranges are each paper's own."""
-    assert issubclass(MODULES[name].Args, common.SharedArgs)
-    fields = [f.name for f in dataclasses.fields(MODULES[name].Args)]
-    own = fields[len(SHARED) :]
-    assert fields[: len(SHARED)] == SHARED
-    assert own and not set(own) & set(SHARED)
-    assert {"eps_low", "eps_high"} <= set(own)
-    # the recipe is declared in the script's own file (its class body), not inherited from common.py
-    assert set(common.RECIPE) <= set(vars(MODULES[name].Args)["__annotations__"])
-    assert not set(common.RECIPE) & {f.name for f in dataclasses.fields(common.SharedArgs)}
-
-
-def test_the_shared_flags_are_exactly_those_all_scripts_have():
-    names = [{f.name for f in dataclasses.fields(m.Args)} for m in MODULES.values()]
-    common_to_all = set.intersection(*names) - {"eps_low", "eps_high"} - set(common.RECIPE)
-    assert common_to_all == set(SHARED)
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
 def test_algo_is_the_scripts_file_stem_and_out_defaults_to_runs_algo(name):
     args = MODULES[name].Args()
     assert args.algo == name and args.out == f"runs/{name}"
     assert MODULES[name].Args(out="elsewhere").out == "elsewhere"
-
-
-def test_help_shows_each_flags_docstring_and_default_and_what_resume_may_change(capsys):
-    """--help exits 0; a field's docstring is its flag's help, with its default (the script's own, --out's filled
-    in); the description names exactly the flags --resume may change."""
-    with pytest.raises(SystemExit) as e:
-        common.parse_args(MODULES["gspo"].Args, ["--help"])
-    assert e.value.code == 0
-    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
-    assert "--lr FLOAT AdamW learning rate at step 1 (a real 0.5B-7B Qwen wants about 1e-6) (default: 0.0006)" in text
-    variant = "--variant {sequence,token} sequence (GSPO, Eq. 5) or token (GSPO-token, section 4.3)"
-    assert f"{variant} (default: sequence)" in text
-    assert "--anneal-lr, --no-anneal-lr" in text and "(default: runs/gspo)" in text
-    may_change = re.search(r"of them only (.*?) may change", text)[1].split(", ")
-    assert sorted(may_change) == sorted(common._flag(n) for n in common.RESUME_MAY_CHANGE if n != "resume")
 
 
 def write_checkpoint(out: Path, args: dict) -> Path:
@@ -162,25 +121,6 @@ def fork_in_process(tmp_path, fields: dict, capsys, *argv):
         return main_in_process(import_file(write_fork(tmp_path, fields)), argv, capsys)
     finally:
         sys.modules.pop("fork", None)
-
-
-def one_error_line(proc) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (proc.returncode, proc.stderr)
-    return lines[0]
-
-
-def test_recipe_is_the_fields_the_issue_names():
-    """Written out here, so that a field quietly dropped from common.RECIPE (and from a script) fails."""
-    assert set(common.RECIPE) == set(RECIPE_FIELDS)
-
-
-@pytest.mark.slow  # a subprocess
-def test_a_fork_without_a_recipe_field_stops_at_start_up_naming_it(tmp_path):
-    """In its own process, as a user meets it: one line, exit status 2."""
-    fields = {k: v for k, v in RECIPE_FIELDS.items() if k != "lr"}
-    line = one_error_line(run_fork(tmp_path, fields))
-    assert "fork.py's Args lacks the recipe field --lr" in line
 
 
 @pytest.mark.parametrize("missing", sorted(RECIPE_FIELDS))

@@ -20,14 +20,12 @@ import torch
 from helpers import (
     assert_within,
     entropy_tol,
-    forward_roundings,
     gamma,
     log_softmax_bounds,
     logit_scale,
     logit_tol,
     logp_entropy_f64,
     logprob_tol,
-    probable_gamma,
     unit_roundoff,
 )
 from hypothesis import HealthCheck, assume, event, example, given, settings
@@ -484,36 +482,6 @@ def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
     assert roll.completion_lists() == [free.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("greedy", [True, False])
-def test_rows_finishing_early_do_not_disturb_the_others(rand_model, char_tok, greedy):
-    """Most rows stop within three steps while three run to the end: the survivors' tokens must equal
-    an EOS-free run with the same seed (a sampler may shrink its batch as rows finish)."""
-    pad, T = char_tok.pad_token_id, 8
-    texts = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+", "42+", "8+8=", "x", "3+4=7, 1+1="]
-    prompts = [enc(char_tok, t) for t in texts]
-    kw = dict(greedy=greedy, temperature=1.0)
-
-    def run(eos):
-        return common.sample(rand_model, prompts, T, eos, pad, generator=torch.Generator().manual_seed(9), **kw)
-
-    free = run([])
-    survivors = [6, 7, 8]
-    keep_going = {int(x) for i in survivors for x in free.completion_ids[i]}
-    eos = set()
-    for i in range(6):  # each early row: its first token (of steps 0-2) that no survivor produces
-        eos |= {next((x for x in free.completion_ids[i, :3].tolist() if x not in keep_going), None)}
-    eos = sorted(eos - {None})
-    roll = run(eos)
-    lengths = [real_length(free.completion_ids[i].tolist(), eos, T) for i in range(len(prompts))]
-    assert sum(n <= 3 for n in lengths) > len(prompts) // 2, "fixture: most rows should stop early"
-    assert all(lengths[i] == T for i in survivors)
-    for i, n in enumerate(lengths):
-        assert roll.completion_ids[i, :n].tolist() == free.completion_ids[i, :n].tolist(), i
-        assert roll.completion_mask[i].sum().item() == n
-        assert (roll.completion_ids[i, n:] == pad).all()
-
-
 def test_forced_eos_at_first_step(rand_model, prompts, char_tok):
     """Final hidden state forced to all-ones and an lm_head whose only non-zero row is a second EOS
     id: every row is exactly [that id] with mask [1], and sampling stops after one step."""
@@ -583,30 +551,6 @@ def test_completion_logprobs_equal_naive_float64(rand_model, sampled_roll, tempe
         with torch.no_grad():
             plain, _ = common.completion_logprobs(rand_model, sampled_roll, temperature=1.0)
         assert (plain - logp).abs().max() > 1e-2
-
-
-@pytest.mark.numeric
-def test_completion_logprobs_chunked_equals_plain_with_model_gradients(rand_model, sampled_roll):
-    model = copy.deepcopy(rand_model)
-    mask = sampled_roll.completion_mask
-    weights = torch.linspace(-1, 2, mask.numel()).view_as(mask)
-    results = []
-    for chunk in (None, 3):
-        model.zero_grad()
-        logp, ent = common.completion_logprobs(model, sampled_roll, temperature=0.8, chunk_tokens=chunk)
-        (logp * weights * mask).sum().backward()
-        results.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (lp0, en0, g0), (lp1, en1, g1) = results
-    # chunked or not, the model's forward is one and the same; only the logits' chunks sum in other orders
-    length, max_z = logit_scale(rand_model, sampled_roll, 0.8)
-    assert_within(lp0, lp1, logprob_tol(rand_model.config, length, max_z), "log p")
-    assert_within(en0, en1, entropy_tol(rand_model.config, length, max_z), "entropy")
-    # backward runs the forward's sums transposed, as long: each parameter's gradient within
-    # probable_gamma(n) of its size (the model of helpers.logit_tol), two of them within twice that
-    grad_rel = 2 * probable_gamma(forward_roundings(rand_model.config, length))
-    for name in g0:
-        assert_within(g0[name], g1[name], grad_rel * g0[name].abs().max().item(), name)
-    assert g0["lm_head.weight"].abs().sum() > 0
 
 
 @pytest.mark.numeric

@@ -62,8 +62,8 @@ OFF_POLICY_PI_OLD = """        logp = common.CompletionLogprobs(self.model)(roll
         roll.sample_logp = roll.sample_logp_full = (logp.detach() + offsets) * roll.completion_mask
 """
 
+# (grpo token-mean with --mask-truncated is grpo-token-mean+entropy's update: the bonus shares the loss's denominator)
 CASES = {
-    "grpo-token-mean": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated"]),
     "grpo-sum-norm": ("grpo", ["--loss-agg", "seq-mean-token-sum-norm", "--mask-truncated"]),
     "ppo-lam": ("ppo", ["--lam", "0.5", "--missing-eos-penalty", "0.5"]),
     "gspo-token": ("gspo", ["--variant", "token", "--mask-truncated"]),
@@ -76,8 +76,9 @@ CASES = {
 }
 # --lora-rank: the same updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
 # first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices
+# (one case a script: the adapters are script-independent; grpo's by --loss-agg token-mean)
 CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in list(CASES.items())
-          if case.endswith("+entropy")}  # fmt: skip
+          if case.endswith("+entropy") and case != "grpo-seq-mean-token-mean+entropy"}  # fmt: skip
 
 # peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
 # that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do
@@ -133,7 +134,7 @@ def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny
 
 # --fsdp (FSDP2: each rank holds a shard of every weight, gradient and AdamW moment; the gradients reduce-scattered):
 # each script with its entropy bonus (ppo's critic sharded too), gathered whole where the optimizer is stepped
-FSDP_CASES = ["grpo-token-mean+entropy", "grpo-seq-mean-token-mean+entropy", "gspo+entropy", "ppo+entropy"]
+FSDP_CASES = ["grpo-token-mean+entropy", "gspo+entropy", "ppo+entropy"]  # (sharded alike whatever --loss-agg)
 
 
 @needs_torchrun
@@ -185,11 +186,15 @@ def gradient_tol(tiny_path):
     return 2 * probable_gamma(forward_roundings(AutoConfig.from_pretrained(tiny_path), L) + B * L + 1)
 
 
+ONE_PROCESS = {}  # (algo, flags, offset) -> a one-process run's record directory
+
+
 def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, torchrun_flags=(), offset=None):
     """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
     the same rollout (`offset`: pi_old offset from it, as `run`'s): the same on both ranks, and the one process's to
     rounding. Returns the two runs' record directories and the records compared."""
-    single = run(tmp_path, algo, flags, 0, offset=offset)
+    key = (algo, tuple(flags), offset)  # one process's run, the same under --fsdp: made once
+    single = ONE_PROCESS.get(key) or ONE_PROCESS.setdefault(key, run(tmp_path, algo, flags, 0, offset=offset))
     ddp = run(tmp_path, algo, flags, WORLD, torchrun_flags, offset=offset)
     total, ended = torch.load(single / "tokens-rank0.pt")
     ranks = [torch.load(ddp / f"tokens-rank{k}.pt") for k in range(WORLD)]

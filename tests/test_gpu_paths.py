@@ -172,6 +172,7 @@ def test_the_read_schedule_is_every_token_on_a_cpu_and_sparse_on_a_gpu():
     assert common.decode_reads("cuda", 3) == [False] * 3
 
 
+@pytest.mark.slow  # two 64-token rollouts under torch.profiler: the quick tier's longest test (~20 s)
 def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch, cuda_reads):
     """The first GPU run's decode loop read the device twice a token (126 reads in 64 tokens), each read
     a wait for every queued kernel. Now, on CUDA's schedule: after 4, 8, 16, 32 and 48 tokens, and once for

@@ -410,35 +410,6 @@ def test_micro_batches_without_denominator_are_wrong(agg):
     assert (bad - full).abs().max().item() > 1e-3
 
 
-def _rows(b, keep, adv):
-    """The rows `keep` of a `batches()` draw, with advantages `adv` (of every row)."""
-    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
-    return dict(b, B=len(keep), logp=pick(b["logp"]), old=pick(b["old"]), mask=pick(b["mask"]), adv=pick(adv))
-
-
-@LIGHT
-@given(batches(min_b=2, max_b=6), st.sampled_from(AGGS), st.data())
-def test_zero_advantage_rows_can_be_left_out(b, agg, data):
-    """What train() relies on to skip rows: without a KL term, the loss over only the rows whose
-    advantage is non-zero, divided by the whole minibatch's denominator, equals the float64 loop's
-    loss over every row, and so do the kept rows' gradients; the loop gives the left-out rows 0."""
-    zero = data.draw(st.lists(st.booleans(), min_size=b["B"], max_size=b["B"]))
-    keep = [i for i, z in enumerate(zero) if not z]
-    assume(keep and _away_from_clip_edges(b, 0.2, 0.28))
-    adv = [0.0 if z else a for a, z in zip(b["adv"], zero)]
-    max_len = b["T"] + 2
-    denominator = {
-        "seq-mean-token-mean": b["B"],
-        "token-mean": sum(map(sum, b["mask"])),
-        "seq-mean-token-sum-norm": b["B"] * max_len,
-    }[agg]
-    loss, grad, _ = _run(_rows(b, keep, adv), agg, (0.2, 0.28), max_len=max_len, denominator=denominator)
-    loop_loss, loop_grad = loop_grpo(b, 0.2, 0.28, agg, max_len, adv=adv)
-    assert loss.item() == pytest.approx(loop_loss, abs=loss_tol())
-    torch.testing.assert_close(grad, t64([loop_grad[i] for i in keep]), rtol=0, atol=grad_tol())
-    assert all(g == 0.0 for i, z in enumerate(zero) if z for g in loop_grad[i])
-
-
 def test_zero_advantage_rows_carry_the_kl_gradient():
     """Why train() skips no row when there is a reference: with a KL term a zero-advantage row's
     gradient is not 0 (hand case: one token, logp = -1, ref = -1.5, beta = 0.1: the k3 gradient

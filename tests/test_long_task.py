@@ -1,20 +1,15 @@
-"""The long `sums` task: its generator, its reward, its defaults and checkpoint, a smoke run
-of each script on it, the ratio statistics every script logs, the on-policy check of the staleness
+"""The long `sums` task: its generator, its defaults and checkpoint,
+the ratio statistics every script logs, the on-policy check of the staleness
 sweep, and the sweep's per-run reductions (collapse, gradient-norm spikes) on hand-made curves.
 Reference values are plain Python loops or hand-worked numbers, never the code under test."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-import recipes
 import staleness_sweep
 import sums_task
 import torch
-from helpers import ROOT, forward_roundings, gamma, probable_gamma, unit_roundoff
+from helpers import forward_roundings, gamma, probable_gamma, unit_roundoff
 
 import common
 import grpo
@@ -33,7 +28,6 @@ def split():
 
 def test_split_is_deterministic_and_the_held_out_set_is_disjoint(split, tmp_path):
     train, held = split
-    assert (train, held) == sums_task.sums_split()
     assert len(train) == 20000 and len(held) == 500
     prompts = [ex["prompt"] for ex in train + held]
     assert len(set(prompts)) == len(prompts)  # distinct, so no held-out prompt is a training prompt
@@ -82,23 +76,6 @@ def test_length_distribution_as_documented(split):
     assert max(every) + 1 <= sums_task.TASK_DEFAULTS["max_new_tokens"]
 
 
-@pytest.mark.parametrize(
-    "completion, reward, format_ok",
-    [
-        ("3+4=7 9+1=10 #### 10", 1.0, 1.0),  # the working is not checked, only the final answer
-        ("3+4=7 7+3=10 #### 10", 1.0, 1.0),
-        ("3+4=7 7+3=11 #### 11", 0.0, 1.0),  # wrong answer
-        ("3+4=7 7+3=10 #### 1 0", 0.0, 0.0),  # not one number after '####'
-        ("3+4=7 7+3=10", 0.0, 0.0),  # no final answer
-        ("3+4=7 7+3=10 #### ", 0.0, 0.0),  # truncated after '####'
-        ("#### 10 #### 9", 0.0, 1.0),  # the last '####' counts
-        ("10", 1.0, 1.0),  # the exact reward's rule: a bare number is a final answer too
-    ],
-)
-def test_reward_on_hand_cases(completion, reward, format_ok):
-    assert common.score(completion, "10") == (reward, format_ok)
-
-
 def test_the_task_brings_its_flags_and_flags_after_them_win(tmp_path):
     for module in (ppo, grpo, gspo):
         a = common.parse_args(module.Args, sums_task.task_flags(tmp_path))
@@ -109,34 +86,7 @@ def test_the_task_brings_its_flags_and_flags_after_them_win(tmp_path):
         assert (a.model, a.max_new_tokens, a.lr) == ("tiny", 70, 3e-4)
 
 
-@pytest.mark.slow
-def test_building_tiny_sums_is_deterministic_and_leaves_the_random_state_alone(tmp_path, monkeypatch):
-    """A 3-step recipe (its own cache key) built twice by tools/build_checkpoints.py in empty caches
-    gives the same weights, and the caller's random streams continue as if nothing had run (the
-    build runs under fork_rng)."""
-    import random
-
-    import build_checkpoints
-    import numpy as np
-
-    monkeypatch.setattr(
-        recipes, "SUMS_WARMSTART", dict(recipes.SUMS_WARMSTART, max_steps=3, probe_every=1, probe_size=8)
-    )
-    weights = []
-    for cache in ("a", "b"):
-        monkeypatch.setenv("RLREF_CACHE", str(tmp_path / cache))
-        common.seed_everything(7)
-        expected = (torch.rand(4), np.random.rand(4), random.random())
-        common.seed_everything(7)
-        build_checkpoints.main(["tiny-sums"])
-        path = tmp_path / cache / recipes.checkpoint_key("tiny-sums")  # the changed recipe's own key
-        assert path.name != common.TINY_KEYS["tiny-sums"] and (path / "model.safetensors").is_file()  # built here, now
-        after = (torch.rand(4), np.random.rand(4), random.random())
-        assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
-        weights.append((path / "model.safetensors").read_bytes())
-    assert weights[0] == weights[1]
-
-
+@pytest.mark.slow  # 500 greedy 64-token completions
 def test_the_checkpoint_has_its_own_key_and_starts_in_the_band(split):
     path = common.tiny_checkpoint("tiny-sums")
     assert "tiny-qwen3-sums-" in path and path != common.tiny_checkpoint("tiny")
@@ -227,32 +177,6 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
     tol = 2 * (gamma(8, torch.float32) + probable_gamma(forward_roundings(model.config, length))) * scale
     for g in (g_grpo, g_gspo, g_token):
         assert ((g - g_ref.float()).abs() <= tol).all(), ((g - g_ref.float()).abs().max() / tol).item()
-
-
-# ----------------------------------------------------------------------------------------------
-# End to end: each script on the task, as it stands (the task's own --max-new-tokens and model)
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script, extra", [("ppo.py", []), ("grpo.py", []), ("gspo.py", ["--variant", "token"])])
-def test_smoke_run_on_the_task(tmp_path, script, extra):
-    out = tmp_path / "run"
-    sums_task.write_split(tmp_path)
-    cmd = [sys.executable, script, *sums_task.task_flags(tmp_path), "--steps", "2", "--prompts-per-step", "4",
-           "--group-size", "2", "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out),
-           *extra]  # fmt: skip
-    env = {**os.environ, "RLREF_THREADS": "1"}  # a shared 2-core machine: one core per run
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["task"] == "jsonl" and summary["model"] == "tiny-sums" and summary["args"]["max_new_tokens"] == 64
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["response_len"] > 8  # longer than the arithmetic default would allow
-        assert r["log_ratio_std"] >= 0 and 0 <= r["ratio_outside_grpo_clip"] <= 1
-        assert math.isfinite(r["grad_norm"]) and r["entropy"] > 0 and 0 <= r["eval_accuracy"] <= 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -243,9 +243,7 @@ def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
 
 @pytest.mark.parametrize(
     "script, argv, expected",
-    [
-        ("gspo", ["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-        ("grpo", ["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be a finite number > 0"),
+    [  # (a flag's bound: test_reliability's bad input sweeps one kind of each check)
         ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
         (
             "gspo",

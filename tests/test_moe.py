@@ -190,8 +190,8 @@ SMOKE = [
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script,extra",
-    [("grpo.py", []), ("grpo.py", ["--routing-replay"]), ("gspo.py", [])],
-    ids=["grpo", "grpo-replay", "gspo"],
+    [("grpo.py", ["--routing-replay"]), ("gspo.py", [])],  # (without it: test_flags_reach_update, --model tiny-moe)
+    ids=["grpo-replay", "gspo"],
 )
 def test_smoke_run_moe(tmp_path, moe, script, extra):
     env = {**os.environ, "RLREF_THREADS": "1"}

@@ -104,11 +104,11 @@ def write(path, text):
 
 
 def bad_inputs(tmp):
-    """(script, argv, what stderr must contain). The shared flags' cases rotate over SCRIPTS so that each
-    one's wiring is seen; the cases of a script's own flags (PPO's --critic-lr, the group-based methods'
-    --group-size >= 2) name their script."""
-    no_config = tmp / "no-config"
-    no_config.mkdir()
+    """(script, argv, what stderr must contain): one case per kind of check (a missing or unreadable model, a
+    data file's errors, a bound, a combination, --out, --resume, an unknown flag; a parse's and a choice's errors, in
+    this process: test_fork_traps' test_bad_flags_and_values_are_one_line_naming_them). The
+    shared flags' cases rotate over SCRIPTS so that each one's wiring is seen; the cases of a script's own
+    flags (PPO's --critic-lr, the group-based methods' --group-size >= 2) name their script."""
     broken = tmp / "broken-model"
     broken.mkdir()
     write(broken / "config.json", "{ not json")
@@ -118,44 +118,24 @@ def bad_inputs(tmp):
     no_ckpt.mkdir()
     shared = [
         (["--model", tmp / "missing-model"], "--model"),
-        (["--model", "./missing-model"], "no such directory"),
-        (["--model", no_config], "config.json"),
         (["--model", broken], "cannot load"),
-        (["--model", a_file], "is a file"),
         (["--data", tmp / "missing.jsonl"], "file not found"),
-        (["--data", write(tmp / "empty.jsonl", "\n\n")], "empty.jsonl: no records"),
         (["--data", write(tmp / "badjson.jsonl", good + "\n{oops\n")], "badjson.jsonl:2: invalid JSON"),
         (
             ["--data", write(tmp / "noanswer.jsonl", good + "\n" + good + '\n{"prompt": "2+2="}\n')],
             "noanswer.jsonl:3: missing field 'answer'",
         ),
-        (["--data", write(tmp / "noprompt.jsonl", '{"answer": "4"}\n')], "noprompt.jsonl:1: missing field 'prompt'"),
-        (["--data", tmp], "is a directory"),
-        (["--thinking", "maybe"], "invalid choice 'maybe' for argument '--thinking'"),
+        (["--reward", tmp / "nope.py:score"], f"--reward {tmp}/nope.py:score: file {tmp}/nope.py not found"),
         (["--steps", "0"], "--steps must be >= 1"),
-        (["--steps", "2.5"], "Error parsing --steps: invalid literal for int() with base 10: '2.5'"),
-        (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
-        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
-        (["--minibatches", "0"], "--minibatches must be >= 1"),
-        (["--epochs", "0"], "--epochs must be >= 1"),
         (["--eps-low", "-0.1"], "--eps-low must be"),
-        (["--eps-high", "-1e-4"], "--eps-high must be"),
-        (["--lr", "-1e-3"], "--lr must be"),
-        (["--lr", "nan"], "--lr must be a number, got nan"),
         (["--prompts-per-step", "3", "--minibatches", "4"], "--minibatches 4 does not divide the batch of 6"),
         (["--temperature", "0"], "--temperature must be > 0"),
-        (["--temperature", "-1"], "--temperature must be > 0"),
         (["--out", a_file], "is a file"),
-        (["--out", a_file / "sub"], "is a file"),
-        (["--resume", tmp / "missing-run"], "--resume"),
         (["--resume", no_ckpt], "no checkpoint"),
-        (["--save-every", "-1"], "--save-every must be >= 0"),
-        (["--seed", "-1"], "--seed must be in"),
         (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
     ]
     own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
-        ("grpo", ["--group-size", "1"], "--group-size must be >= 2"),
         ("ppo", ["--critic-lr", "-1"], "--critic-lr must be >= 0"),
     ]
     return [(SCRIPTS[i % len(SCRIPTS)], argv, expected) for i, (argv, expected) in enumerate(shared)] + [

@@ -355,15 +355,6 @@ def page_data(html: Path) -> dict:
     return json.loads(inline)
 
 
-def test_show_traces_help_is_the_whole_docstring():
-    status, out, err = show_traces_cli("--help")
-    assert status == 0, err
-    words = " ".join(out.split())
-    assert " ".join(show_traces.__doc__.split()) in words  # every line of it, not the first alone
-    for flag in ("--out", "--step", "--quantity", "--screenshot", "--width", "--height"):
-        assert flag in words
-
-
 def test_show_traces_quantities_are_the_pages_own():
     """--quantity's choices are exactly the keys of the page script's QUANTITIES, in its order."""
     block = re.search(r"const QUANTITIES = \{(.*?)\};", show_traces.SCRIPT, re.S).group(1)
