@@ -1044,6 +1044,24 @@ class Rollout:
         return self.prompt_ids.shape[0]
 
     @staticmethod
+    def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
+        """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
+        completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
+        field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
+        P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
+
+        def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
+            xs = [getattr(r, name) for r in rolls]
+            if any(x is None for x in xs) or left is None:
+                return None if any(x is None for x in xs) else sum(xs)
+            return torch.cat([F.pad(x, (P - x.shape[1], 0) if left else (0, T - x.shape[1]), value=value) for x in xs])
+
+        return Rollout(joined("prompt_ids", True, pad_id), joined("prompt_mask", True),
+                       joined("completion_ids", False, pad_id), joined("completion_mask", False),
+                       joined("entropy", False), joined("sample_logp", False), joined("sample_logp_full", False),
+                       joined("seconds"), joined("sampled_tokens"), joined("draws"))  # fmt: skip
+
+    @staticmethod
     def from_lists(prompts, completions, pad_id: int, device="cpu"):
         T = max(1, max(map(len, completions)))
         ids = torch.tensor([list(c) + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
@@ -1514,32 +1532,15 @@ class Rewards:
 
 
 @torch.no_grad()
-def evaluate(
-    model,
-    tok,
-    examples,
-    max_new_tokens: int,
-    reward_fn: Rewards | None = None,
-    system_prompt: str = SYSTEM_PROMPT,
-    n_samples: int = 0,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    generator=None,
-    show: int = 0,
-    batch_size: int = 256,
-    thinking: str = "off",
-) -> dict:
-    """What evaluation reports, on greedy completions of `examples`:
-      reward        the training reward (`reward_fn`, default exact: every component, weighted)
-      reward/reward_model  with --reward-model: its score alone (logged as eval_reward/reward_model)
-      accuracy      exact match of the final answer by reward_fn's answer parser  } when records
-      format_rate   share of completions in which that parser finds a final answer   } have answers
-      pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
-                    `top_p` from `generator`; pass@1 is their mean accuracy, pass@n the unbiased
-                    estimator averaged over prompts (extras/pass_at_k.py)
-      samples       with show = k > 0: the first k examples' prompt, greedy completion, reward,
-                    reward components, answer and whether the completion was truncated
-    Under torchrun each rank evaluates every world-th example and the means are over all ranks."""
+def evaluate(model, tok, examples, max_new_tokens: int, reward_fn: Rewards | None = None,
+             system_prompt: str = SYSTEM_PROMPT, n_samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             generator=None, show: int = 0, batch_size: int = 256, thinking: str = "off") -> dict:  # fmt: skip
+    """What evaluation reports, on greedy completions of `examples`: reward (`reward_fn`'s, default exact), with
+    --reward-model its score alone (reward/reward_model), and, when records have answers, accuracy and format_rate
+    (reward_fn's answer parser); pass@1 and pass@n with n_samples = n >= 2 (n completions per prompt sampled at
+    `temperature`, `top_p` from `generator`: extras/pass_at_k.py); samples with show = k > 0 (the first k examples'
+    prompt, completion, rewards, answer, truncation). Under torchrun each rank evaluates every world-th example and
+    the means are over all ranks."""
     reward_fn = reward_fn or Rewards()
     was_training = model.training
     model.eval()
@@ -1559,16 +1560,13 @@ def evaluate(
                 prompts = encode_prompts(tok, batch, system_prompt, thinking)
                 roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
                 rewards, parts = reward_fn.score(tok, roll, batch)
-                for k, v in {"reward": rewards, **parts}.items():
-                    if k in per_row:
-                        per_row[k].append(v.float())
                 if s == 0 and show:
                     samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
-                if n_samples:  # pass@1 and pass@n: extras/pass_at_k.py
-                    pass_at_k = extra("pass_at_k", "--eval-samples")
-                    for k, v in pass_at_k.pass_rates(model, tok, prompts, batch, reward_fn, n_samples, max_new_tokens,
-                                                     eos, temperature, top_p, generator).items():  # fmt: skip
-                        per_row[k].append(v)
+                rates = extra("pass_at_k", "--eval-samples").pass_rates(model, tok, prompts, batch, reward_fn,
+                    n_samples, max_new_tokens, eos, temperature, top_p, generator) if n_samples else {}  # fmt: skip
+                for k, v in {"reward": rewards, **parts, **rates}.items():
+                    if k in per_row:
+                        per_row[k].append(v.float())
     except RewardError as e:
         error = e
     raise_on_every_rank(error)
@@ -1727,29 +1725,26 @@ class Sampler:
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Updates: minibatches, skipping rows without signal, the non-finite guard, the step's update metrics
+# 8. Updates: minibatches, the non-finite guard, the step's update metrics (pooled over updates and ranks), the trace
 # ---------------------------------------------------------------------------------------------
 
 
 def minibatches(n: int, epochs: int, n_minibatches: int, device):
-    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut
-    into `n_minibatches` equal minibatches."""
+    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut into
+    `n_minibatches` equal minibatches."""
     for _ in range(epochs):
         yield from torch.randperm(n, device=device).chunk(n_minibatches)
 
 
 def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
-    """Factor for a loss that is a token mean over this rank's minibatch `mask` [B, T]: under
-    torchrun it rescales the rank's mean to its share of all ranks' tokens, so that DDP's average of
-    the gradients is the whole batch's token mean; exactly 1 without torchrun."""
+    """Factor for a loss that is a token mean over this rank's minibatch `mask` [B, T]: under torchrun the rank's
+    share of all ranks' tokens, so that DDP's average of the gradients is the whole batch's token mean; else 1."""
     return mask.sum().clamp(min=1) / mean_denominator(mask.sum())
 
 
 def anneal_lr(args, step: int, *optimizers: tuple) -> float:
-    """--anneal-lr: set each (optimizer, base_lr) pair's learning rate to base_lr * frac, where frac
-    falls linearly from 1 at step 1 to 1/steps at the last step (CleanRL's schedule); returns frac
-    (1 when off). Stateless, so a resumed run continues the same schedule (a larger --steps on
-    resume stretches what is left of it)."""
+    """--anneal-lr: each (optimizer, base_lr)'s learning rate set to base_lr * frac, frac falling linearly from 1 at
+    step 1 to 1/steps at the last (CleanRL's schedule); returns frac (1 when off). Stateless: --resume continues it."""
     frac = 1.0 - (step - 1) / args.steps if args.anneal_lr else 1.0
     for optimizer, base_lr in optimizers:
         for group in optimizer.param_groups:
@@ -1762,24 +1757,20 @@ class NonFiniteError(Exception):
 
 
 class NonFiniteGuard:
-    """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
-    update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
-    exactly as they were; `limit` skips in a row stop the run (NonFiniteError)."""
+    """Lets an update step the optimizer only if its loss and gradient norms are finite (a skipped update leaves the
+    weights and AdamW's state exactly as they were); `limit` skips in a row stop the run (NonFiniteError)."""
 
     def __init__(self, limit: int):
         self.limit, self.in_a_row = limit, 0
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
-        if all(torch.isfinite(v).all() for v in values):
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(
-                f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step {step}); "
-                f"stopping with the weights of the last finite update: lower --lr or check the data"
-            )
-        return False
+        finite = all(torch.isfinite(v).all() for v in values)
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+        if not finite and self.in_a_row >= self.limit:
+            raise NonFiniteError(f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step "
+                                 f"{step}); stopping with the weights of the last finite update: lower --lr or check "
+                                 "the data")  # fmt: skip
+        return finite
 
     def state_dict(self):
         return {"in_a_row": self.in_a_row}
@@ -1792,34 +1783,27 @@ RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRP
 
 
 def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """How far an update's policy has moved from pi_old, measured the same way whatever the
-    algorithm, over the update's completion tokens (mask [B, T]):
-      log_ratio_std             population std of the per-token log(pi / pi_old)
-      ratio_outside_grpo_clip   share of tokens whose own ratio lies outside [1 - 0.2, 1 + 0.2]
-    On-policy (the first update of a rollout) both are 0."""
-    mask = mask.bool()
-    log_ratio = (logp.detach() - old_logp)[mask].double()  # [N] the update's tokens
-    if log_ratio.numel() == 0:
-        return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    """How far an update's policy moved from pi_old over its tokens (mask [B, T]), whatever the algorithm: the
+    population std of the per-token log(pi / pi_old), and the share of tokens whose ratio lies outside
+    [1 - RATIO_BAND, 1 + RATIO_BAND]. On-policy both are 0."""
+    log_ratio = (logp.detach() - old_logp)[mask.bool()].double()  # [N] the update's tokens
     ratio = log_ratio.exp()
     outside = (ratio < 1 - RATIO_BAND) | (ratio > 1 + RATIO_BAND)
     return {
-        "log_ratio_std": log_ratio.std(unbiased=False).item(),
-        "ratio_outside_grpo_clip": outside.double().mean().item(),
+        "log_ratio_std": log_ratio.std(unbiased=False).item() if log_ratio.numel() else 0.0,
+        "ratio_outside_grpo_clip": outside.double().mean().item() if log_ratio.numel() else 0.0,
     }
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each
-    script's group_advantages decides it (their advantages are exactly 0)."""
+    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each script's
+    group_advantages decides it (their advantages are exactly 0)."""
     r = rewards.view(-1, group_size)
     return r.max(1).values == r.min(1).values
 
 
 def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tensor:
-    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on
-    every rank): groups in which every completion failed, as a collapsing run has them. A run that is
-    learning has many constant groups too, but at the top (every completion right), which these leave out."""
+    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on every rank)."""
     return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
 
 
@@ -1835,20 +1819,15 @@ def check_filter_groups(args):
 
 
 # How each number an update reports is pooled over the step's updates that stepped and over the ranks (`pool`,
-# docs/metrics.md): the one place that says it. A numeric `info` key not named here is an error (`update_terms`), so a
-# fork that adds a metric declares how it is counted. Units:
+# docs/metrics.md). A numeric `info` key not named here is an error (`update_terms`): a fork that adds a metric
+# declares how it is counted. Units:
 #   "minibatch tokens"     a share of the forwarded rows' loss tokens, counted as a share of every completion token
-#                          of the update's minibatch (TRL's and verl's clip fraction): sum of the counts / sum of the
-#                          minibatches' tokens
-#   "minibatch sequences"  the same of sequences: clipped sequences / the minibatches' sequences
-#   "tokens"               a mean over the update's loss tokens: weighted by them
-#   "tokens, std"          a population std over the update's loss tokens: pooled exactly, from each update's count,
-#                          mean and std (the mean: `POOLED_STD_MEANS`)
-#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the loss's
-#                          info holds "ratio_seqs" (GSPO, both variants), that many sequences (rows with a loss token)
-#   "ratio items, std"     the same for a population std
-#   "max"                  the largest over every update and rank
-#   "update"               one number per update (a loss, a gradient norm): the mean over updates and ranks
+#                          of the minibatch (TRL's and verl's clip fraction); "minibatch sequences": of sequences
+#   "tokens"               a mean over the update's loss tokens, weighted by them ("tokens, std": a population std,
+#                          pooled exactly from each update's count, mean and std; the mean: POOLED_STD_MEANS)
+#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the info
+#                          holds "ratio_seqs" (GSPO), that many sequences ("ratio items, std": a std)
+#   "max"                  the largest over every update and rank; "update": one number per update, the mean
 UPDATE_STAT_UNITS = {
     "clip_frac": "minibatch tokens",
     "clip_frac_low": "minibatch tokens",
@@ -1872,10 +1851,9 @@ POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"
 
 
 def update_stat_terms(numbers: dict, counts: dict) -> dict:
-    """One update's numbers as the sums `pooled_update_stats` adds up: {key: [weighted sum, weight]} (a std:
-    [n * mean, n, n * std^2, n * mean^2]; a max: [value]). `counts`: the update's "tokens" (its loss tokens),
-    "minibatch tokens", "minibatch sequences" and "ratio items"; `numbers` holds each std's mean
-    (`POOLED_STD_MEANS`) beside it. Raises ValueError naming a key UPDATE_STAT_UNITS does not declare."""
+    """One update's numbers as the sums `pool` adds up: {key: [weighted sum, weight]} (a std: [n * mean, n,
+    n * std^2, n * mean^2]; a max: [value]), weighted by `counts` (its "tokens", "minibatch tokens", ...). Raises
+    ValueError naming a key UPDATE_STAT_UNITS does not declare."""
     terms = {}
     for key, value in numbers.items():
         if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
@@ -1902,11 +1880,10 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
 
 
 def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
-    """One update's numbers as `pool` adds them up, after its optimizer step: the numbers of the loss's `info`
-    (a tensor in it, the ratio or the clip decisions, is left out), each weighted by what UPDATE_STAT_UNITS says it
-    counts, and `token_ratio_stats` of its log-probs `logp` against pi_old `old_logp` over the loss's `mask` [b, T]
-    of the `forwarded` rows. The clip fractions become shares of the whole minibatch (`minibatch_mask`, [m, T]: its
-    completion tokens, and m sequences), as TRL and verl count them: a row left out has advantage 0 and never clips."""
+    """One update's numbers as `pool` adds them up, after its optimizer step: the loss's `info` (its tensors left
+    out) and `token_ratio_stats` of `logp` against pi_old `old_logp` over the loss's `mask` [b, T] of the `forwarded`
+    rows, each weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the whole minibatch
+    (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out has advantage 0 and never clips."""
     numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
     ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
     loss_tokens, mask = mask.sum().item(), mask.bool()
@@ -1924,11 +1901,10 @@ def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: in
 
 
 def pool(updates: list[dict], skipped: int) -> dict:
-    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: each
-    summed over updates and ranks in one all-reduce (a max in one more), then divided (UPDATE_STAT_UNITS); a
-    std is the pooled population std, sqrt((sum of n std^2 + sum of n mean^2 - N mean^2) / N). A weighted number
-    whose weights are all 0 (no token anywhere) is 0, a ratio 1. `skipped_updates`: how many the non-finite
-    guard skipped, the mean over the ranks. Every rank calls it with the same keys."""
+    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank (the same keys):
+    summed over updates and ranks in one all-reduce (a max in one more), then divided; a std is the pooled population
+    std, sqrt((sum n std^2 + sum n mean^2 - N mean^2) / N). With no weight anywhere: 0 (ratio_mean 1).
+    `skipped_updates`: how many the non-finite guard skipped, the mean over the ranks."""
     keys = list(updates[0]) if updates else []
     maxima = [k for k in keys if UPDATE_STAT_UNITS[k] == "max"]
     summed = [k for k in keys if k not in maxima]
@@ -1945,31 +1921,28 @@ def pool(updates: list[dict], skipped: int) -> dict:
     for key, width in zip(summed, widths, strict=True):
         total, weight, *second = sums[start : start + width]
         start += width
-        empty = 1.0 if key == "ratio_mean" else 0.0  # no token moved: ratio 1
-        if not second:
-            out[key] = total / weight if weight > 0 else empty
-        else:
+        value = total / weight if weight > 0 else (1.0 if key == "ratio_mean" else 0.0)  # no token moved: ratio 1
+        if second:  # a std, from the pooled sums
             std_sq, mean_sq = second
-            mean = total / weight if weight > 0 else 0.0
-            out[key] = math.sqrt(max(0.0, std_sq + mean_sq - weight * mean**2) / weight) if weight > 0 else 0.0
+            value = math.sqrt(max(0.0, std_sq + mean_sq - weight * value**2) / weight) if weight > 0 else 0.0
+        out[key] = value
     return {k: out[k] for k in ["skipped_updates", *keys]}
 
 
 def trace_due(args, step: int) -> bool:
-    """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the
-    last step), where this copy of the project has extras/traces.py; 0: never."""
-    if args.trace_every is None:
-        if not (Path(__file__).parent / "extras" / "traces.py").is_file():
-            return False
-        return bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
-    return bool(args.trace_every) and step % args.trace_every == 0
+    """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the last step),
+    where this copy of the project has extras/traces.py; 0: never."""
+    if args.trace_every is not None:
+        return bool(args.trace_every) and step % args.trace_every == 0
+    evaluates = bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
+    return evaluates and (Path(__file__).parent / "extras" / "traces.py").is_file()
 
 
 def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,
                 **per_token):  # fmt: skip
-    """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed
-    to the updates (pi_old `old_logp` on the rows `has_old`, and `per_token`, the script's other [B, T] values:
-    ref_logp, value, token_reward); each update adds to it (`Trace.update`), `log_step` writes it. Else None."""
+    """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed to
+    the updates (pi_old on the rows `has_old`; `per_token`: ref_logp, value, token_reward); each update adds to it
+    (`Trace.update`), `log_step` writes it. Else None."""
     if env.rank > 0 or not trace_due(args, step):
         return None
     per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
@@ -1978,8 +1951,8 @@ def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, ad
 
 
 def routing(model):
-    """An MoE model's routing (extras/moe.py's RoutingReplay: each token's experts recorded in pi_old's forward,
-    routing_drift, grpo.py's --routing-replay); None for a dense model."""
+    """An MoE model's routing (extras/moe.py: experts recorded in pi_old's forward, routing_drift, --routing-replay);
+    None for a dense model."""
     return extra("moe", "an MoE --model").RoutingReplay(model) if is_moe(model) else None
 
 
@@ -1991,10 +1964,7 @@ def recording_experts(moe, roll: Rollout):
 
 def tokens_per_s(roll: Rollout) -> float:
     """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample's
-    figures; a Rollout.concat of several draws adds them up)."""
-    if roll.seconds is None or roll.sampled_tokens is None:  # tokens_per_s would be a wrong number
-        raise ValueError("tokens_per_s needs a Rollout from Sampler.sample (or rows picked from one): this one "
-                         "has no seconds / sampled_tokens")  # fmt: skip
+    figures, added up over the draws a Rollout.concat joins)."""
     return all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds
 
 
@@ -2005,9 +1975,9 @@ def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
     """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
-    (their advantages are exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every
-    completion failed: the collapse watch); sample_rounds (`draws`), groups_sampled, and groups_kept, the groups
-    trained (`rewards`) whose rewards differ (--filter-groups). {} without groups (--group-size 1)."""
+    (advantages exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every completion
+    failed, as a collapsing run has them; a learning run's are at the top); sample_rounds (`draws`),
+    groups_sampled, and groups_kept, the groups trained (`rewards`) whose rewards differ. {} for --group-size 1."""
     if group_size < 2:
         return {}
     lowest = all_reduce_sum(sampled_rewards.float().min(), op="MIN")
