@@ -1,13 +1,7 @@
-"""extras/reward_functions.py: several --reward functions, --reward-weights, your own functions (module:function or
-file.py:function) and --reward-model, imported and called with every check a user's code needs (common.Rewards,
-docs/rewards.md).
-
-A function has TRL's signature and is called by keyword, once per batch of B completions:
-
-    f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B
-
-NaN, infinity, a value that is not a number, a list of the wrong length or an exception inside it stop
-the run: RewardError, one line naming the function, the problem and the row, exit status 2.
+"""extras/reward_functions.py: several --reward functions, --reward-weights, your own functions and --reward-model
+(common.Rewards, docs/rewards.md). A function has TRL's signature, called by keyword once per batch of B completions,
+f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B, `fields` every other column of the
+records. An exception, NaN, infinity, a non-number or a wrong length stop the run: RewardError naming the row (exit 2).
 """
 
 from __future__ import annotations
@@ -50,14 +44,8 @@ def load_function(spec: str):
     """(name, function) of --reward "package.module:function" or "path/to/file.py:function"."""
     source, _, attr = spec.rpartition(":")
     if not source or not attr:
-        raise UsageError(
-            f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or file.py:function"
-        )
-    return attr, import_function(spec, source, attr)
-
-
-def import_function(spec: str, source: str, attr: str):
-    """The function `attr` of module `source` ("package.module" or "path/to/file.py") of --reward `spec`."""
+        raise UsageError(f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or "
+                         "file.py:function")  # fmt: skip
     try:
         if source.endswith(".py") or "/" in source or os.sep in source:
             path = Path(source).expanduser()
@@ -77,7 +65,7 @@ def import_function(spec: str, source: str, attr: str):
         raise UsageError(f"--reward {spec}: {source} has no function {attr!r}")
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
-    return fn
+    return attr, fn
 
 
 def call(name, fn, records, tok, roll, columns) -> torch.Tensor:

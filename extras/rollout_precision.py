@@ -1,9 +1,5 @@
-"""extras/rollout_precision.py: the sampler in bf16 (--rollout-dtype), pi_old from the sampler (--old-logp
-rollout), the mismatch between the sampler mu and the trainer, and its correction (--is-correction).
-
-Imported by common.py only when one of those flags is set (docs/rollout_mismatch.md). The scripts see
-two lines of it: `common.is_weights` (the loss weights, which change the gradient) and the Sampler; the
-mismatch statistics are the scripts' (`rollout_mismatch`, `mismatch_stats`: logged as mismatch_* and is_*).
+"""extras/rollout_precision.py: the sampler in bf16 (--rollout-dtype), pi_old from the sampler (--old-logp rollout),
+the mismatch between the sampler mu and the trainer, and its correction (--is-correction): docs/rollout_mismatch.md.
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ def check_args(args):
 
 
 class LowPrecisionCopy:
-    """The policy's module structure with parameters of `dtype`, filled from the policy at the start of
-    a rollout and emptied at its end (`cast_from`), so that it costs memory only while sampling
-    (buffers, such as RoPE's frequencies, stay float32; its KV cache is `dtype` too). With LoRA the copy
-    holds the adapters: it samples the adapted policy."""
+    """The policy's modules with parameters of `dtype`, filled from the policy for a rollout and emptied after it
+    (`cast_from`): memory only while sampling (buffers stay float32). With LoRA it samples the adapted policy."""
 
     def __init__(self, model, dtype: torch.dtype):
         self.dtype = dtype
