@@ -1189,9 +1189,8 @@ def _host(x: torch.Tensor):
 
 
 def _distinct_rows(prompts: list[list[int]], pad_id: int) -> tuple[list[int], list[int]]:
-    """(first, copies): `first` holds a row index of each distinct prompt, ordered as the rows of its
-    left-padded ids and mask sort (torch.unique's order), and copies[i] is the place of row i's prompt in
-    `first`: prompts[first[copies[i]]] == prompts[i]. Computed on the host, from the lists."""
+    """(first, copies): a row index of each distinct prompt, in the order its left-padded ids and mask sort
+    (torch.unique's), and copies[i], the place of row i's prompt in `first`: prompts[first[copies[i]]] == prompts[i]."""
     P = max(map(len, prompts))
     key = lambda p: ([pad_id] * (P - len(p)) + list(p), len(p))  # noqa: E731 (ids left-padded, then the mask)
     places = {}
@@ -1381,10 +1380,9 @@ def _concat_linears(*linears) -> tuple:
 
 
 def _attention(q, k, v, bias, scale: float, fused: bool | None = None):
-    """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias
-    broadcastable to [B, Hkv, M, N]. `fused` (default: on CUDA) the fused kernel (float32 scores for a
-    bf16 model), whose output may come back strided (laid out [B, M, Hkv, D]); else plain matmuls, which
-    beat it on CPU for one-token queries. Tests run both on a CPU."""
+    """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias broadcastable to
+    [B, Hkv, M, N]. `fused` (default: on CUDA): SDPA, whose output may be strided; else plain matmuls (faster on CPU
+    for one-token queries)."""
     if q.is_cuda if fused is None else fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * scale + bias
@@ -1436,21 +1434,18 @@ def extract_boxed(completion: str) -> str | None:
 
 
 def after_thinking(completion: str) -> str | None:
-    """The part of a completion that states its answer: the text after the last </think> when it
-    reasons first (--thinking on), the whole completion otherwise; None when it opens <think> and
-    never closes it (its answer, if any, is still inside its reasoning)."""
+    """The part of a completion that states its answer: the text after the last </think> (--thinking on), else the
+    whole completion; None when it opens <think> and never closes it (its answer is still inside its reasoning)."""
     if "</think>" in completion:
         return completion.rsplit("</think>", 1)[1]
     return None if "<think>" in completion else completion
 
 
 def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, float]:
-    """(reward, format_ok): reward 1.0 iff the final answer that `parser` reads equals the gold
-    answer; format_ok 1.0 iff it reads one. Both read only the text after </think> (`after_thinking`):
-    a completion whose <think> never closes has no answer, (0, 0). parser "exact": the text after the
-    last '####' (or the whole text); "boxed": the content of the last \\boxed{}. A numeric gold answer
-    needs exactly one number there, compared normalised ('1,234' = '1234.0'); any other gold, the
-    stripped text."""
+    """(reward, format_ok): reward 1.0 iff the final answer `parser` reads (after </think>: `after_thinking`) equals
+    the gold answer, format_ok 1.0 iff it reads one. "exact": the text after the last '####' (or the whole text);
+    "boxed": the last \\boxed{}'s content. A numeric gold needs exactly one number there, compared normalised
+    ('1,234' = '1234.0'); any other, the stripped text."""
     completion = after_thinking(completion)
     if completion is None:
         return 0.0, 0.0
@@ -1624,8 +1619,8 @@ class CompletionLogprobs(torch.nn.Module):
 
 
 def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions that predict each completion token. `bf16` (default:
-    on CUDA) runs the forward under bf16 autocast, on whatever device the ids are (tests use a CPU's)."""
+    """[B, T, H] final hidden states at the positions that predict each completion token; `bf16` (default: on CUDA)
+    runs the forward under bf16 autocast (tests use a CPU's)."""
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
     positions = (attn.cumsum(1) - 1).clamp(min=0)
@@ -1829,24 +1824,16 @@ def check_filter_groups(args):
 #                          holds "ratio_seqs" (GSPO), that many sequences ("ratio items, std": a std)
 #   "max"                  the largest over every update and rank; "update": one number per update, the mean
 UPDATE_STAT_UNITS = {
-    "clip_frac": "minibatch tokens",
-    "clip_frac_low": "minibatch tokens",
-    "clip_frac_high": "minibatch tokens",
-    "dual_clip_frac": "minibatch tokens",
-    "vf_clip_frac": "minibatch tokens",
+    **dict.fromkeys(["clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "vf_clip_frac"],
+                    "minibatch tokens"),
     "clip_frac_seqs": "minibatch sequences",
-    "kl": "tokens",
-    "approx_kl": "tokens",
-    "ratio_outside_grpo_clip": "tokens",
+    **dict.fromkeys(["kl", "approx_kl", "ratio_outside_grpo_clip"], "tokens"),
     "log_ratio_std": "tokens, std",
     "ratio_mean": "ratio items",
     "ratio_std": "ratio items, std",
     "ratio_max_dev": "max",
-    "loss": "update",
-    "value_loss": "update",
-    "grad_norm": "update",
-    "critic_grad_norm": "update",
-}
+    **dict.fromkeys(["loss", "value_loss", "grad_norm", "critic_grad_norm"], "update"),
+}  # fmt: skip
 POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"}  # the mean each std is about
 
 
@@ -1887,14 +1874,9 @@ def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: in
     numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
     ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
     loss_tokens, mask = mask.sum().item(), mask.bool()
-    counts = {
-        "tokens": loss_tokens,
-        "forwarded tokens": loss_tokens,
-        "minibatch tokens": minibatch_mask.sum().item(),
-        "forwarded sequences": forwarded,
-        "minibatch sequences": minibatch_mask.shape[0],
-        "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs,
-    }
+    counts = {"tokens": loss_tokens, "forwarded tokens": loss_tokens, "minibatch tokens": minibatch_mask.sum().item(),
+              "forwarded sequences": forwarded, "minibatch sequences": minibatch_mask.shape[0],
+              "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs}  # fmt: skip
     log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
     numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
     return update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts)
