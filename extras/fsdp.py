@@ -139,17 +139,13 @@ class GatheredState:
         return get_optimizer_state_dict(self.module, self.optimizer, options=options)
 
     def load_state_dict(self, state: dict):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True)
+        options = dcp.StateDictOptions(full_state_dict=True)
         if self.optimizer is None:
-            set_model_state_dict(self.module, state, options=options)
+            dcp.set_model_state_dict(self.module, state, options=options)
         else:
-            set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
+            dcp.set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
 
 
 def checkpointed(state: dict, model) -> dict:
