@@ -1489,8 +1489,8 @@ class Rewards:
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
         self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)
         if len(specs) != 1 or specs[0] not in BUILTIN_REWARDS or weights or reward_model is not None:
-            mixed = extra("reward_functions", f"--reward {' '.join(specs)}").load_rewards
-            self.names, self.fns, self.weights = mixed(specs, weights, reward_model, reward_model_weight)
+            mixed = extra("reward_functions", "--reward (several, or your own), --reward-weights or --reward-model")
+            self.names, self.fns, self.weights = mixed.load_rewards(specs, weights, reward_model, reward_model_weight)
         self.parser = "boxed" if "boxed" in specs else "exact"
         self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields
         self.scores_answers = all(isinstance(r.get("answer"), str) for r in records)
