@@ -1574,17 +1574,9 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
     texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
     ends = completion_ends(roll, eos).tolist()
     components = {k.removeprefix("reward/"): v for k, v in parts.items() if k.startswith("reward/")}
-    return [
-        {
-            "prompt": rec["prompt"],
-            "completion": text,
-            "reward": rewards[i].item(),
-            "rewards": {name: v[i].item() for name, v in components.items()},
-            "answer": rec.get("answer"),
-            "truncated": not ends[i],
-        }
-        for i, (rec, text) in enumerate(zip(records, texts))
-    ]
+    return [{"prompt": rec["prompt"], "completion": text, "reward": rewards[i].item(),
+             "rewards": {name: v[i].item() for name, v in components.items()}, "answer": rec.get("answer"),
+             "truncated": not ends[i]} for i, (rec, text) in enumerate(zip(records, texts))]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1782,12 +1774,11 @@ def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     population std of the per-token log(pi / pi_old), and the share of tokens whose ratio lies outside
     [1 - RATIO_BAND, 1 + RATIO_BAND]. On-policy both are 0."""
     log_ratio = (logp.detach() - old_logp)[mask.bool()].double()  # [N] the update's tokens
-    ratio = log_ratio.exp()
-    outside = (ratio < 1 - RATIO_BAND) | (ratio > 1 + RATIO_BAND)
-    return {
-        "log_ratio_std": log_ratio.std(unbiased=False).item() if log_ratio.numel() else 0.0,
-        "ratio_outside_grpo_clip": outside.double().mean().item() if log_ratio.numel() else 0.0,
-    }
+    if not log_ratio.numel():
+        return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
+    outside = (log_ratio.exp() < 1 - RATIO_BAND) | (log_ratio.exp() > 1 + RATIO_BAND)
+    return {"log_ratio_std": log_ratio.std(unbiased=False).item(),
+            "ratio_outside_grpo_clip": outside.double().mean().item()}  # fmt: skip
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -1965,13 +1956,9 @@ def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: i
     lowest = all_reduce_sum(sampled_rewards.float().min(), op="MIN")
     counts = torch.tensor([len(sampled_rewards), (~constant_groups(rewards, group_size)).sum().item()])
     rows, kept = all_reduce_sum(counts.float()).tolist()
-    return {
-        "zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
-        "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
-        "sample_rounds": draws,
-        "groups_sampled": int(rows) // group_size,
-        "groups_kept": int(kept),
-    }
+    return {"zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
+            "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
+            "sample_rounds": draws, "groups_sampled": int(rows) // group_size, "groups_kept": int(kept)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

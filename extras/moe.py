@@ -79,10 +79,8 @@ class RoutingReplay:
     @staticmethod
     def _check(router, output):
         if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(
-                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
-                "as Qwen3-MoE's router does"
-            )
+            raise TypeError(f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                            "as Qwen3-MoE's router does")  # fmt: skip
 
     def _record_hook(self, layer, router, inputs, output):
         self._check(router, output)
