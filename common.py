@@ -1002,16 +1002,15 @@ class Rollout:
     completion_mask: torch.Tensor  # [B, T] 1 on generated tokens, the EOS token included
     entropy: torch.Tensor | None = None  # [B, T] the sampling distribution's entropy at each token (sample())
     # sample(record_logp=True): the behaviour policy mu's log-prob of each sampled token, as sampled (after
-    # temperature and top-p), and the sampler's log-prob of it under its whole distribution (temperature only)
+    # temperature and top-p), and under its whole distribution (temperature only)
     sample_logp: torch.Tensor | None = None  # [B, T] log mu
     sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
-    # tokens_per_s's: the seconds Sampler.sample took and the completion tokens it made; rows picked out keep
-    # their draw's figures (its rate); None: not from Sampler.sample (from_lists), which tokens_per_s refuses
+    # Sampler.sample's seconds and completion tokens (tokens_per_s), over `draws` calls; rows picked out keep them
     seconds: float | None = None
     sampled_tokens: int | None = None
-    draws: int | None = None  # how many Sampler.sample calls those figures add up (1 for one; `concat` sums)
-    # an MoE model's routing of these rows in their pi_old forward (recording_experts): [layers, B, P + T, k], the
-    # experts of each token; it travels with the batch, so a batch trained steps later replays its own experts
+    draws: int | None = None
+    # an MoE model's experts of each token in the pi_old forward (recording_experts): [layers, B, P + T, k]; it
+    # travels with the batch, so a batch trained steps later replays its own experts
     experts: torch.Tensor | None = None
 
     def __getitem__(self, idx):
@@ -1026,54 +1025,38 @@ class Rollout:
 
     @staticmethod
     def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
-        """The rows of `rolls`, in order, as one Rollout: prompts re-padded on the left and completions on
-        the right (with `pad_id`, masks 0) to the widest part, so each row's prompt ++ completion is as
-        it was. Parts may have no rows. seconds, sampled_tokens and draws add up (None if a part lacks
-        them): a concatenation of selections of several draws costs what those draws did. `experts` is
-        not kept (its positions moved with the padding): record the joined batch's pi_old forward."""
-        P = max(r.prompt_ids.shape[1] for r in rolls)
-        T = max(r.completion_ids.shape[1] for r in rolls)
-        left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
-        right = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
+        completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
+        field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
+        P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
 
-        def joined(name, combine):  # None when a part lacks the field
+        def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
             xs = [getattr(r, name) for r in rolls]
-            return None if any(x is None for x in xs) else combine(xs)
+            if any(x is None for x in xs) or left is None:
+                return None if any(x is None for x in xs) else sum(xs)
+            return torch.cat([F.pad(x, (P - x.shape[1], 0) if left else (0, T - x.shape[1]), value=value) for x in xs])
 
-        cat = lambda name, pad, v: joined(name, lambda xs: torch.cat([pad(x, v) for x in xs]))  # noqa: E731
-        total = lambda name: joined(name, sum)  # noqa: E731
-
-        return Rollout(cat("prompt_ids", left, pad_id), cat("prompt_mask", left, 0),
-                       cat("completion_ids", right, pad_id), cat("completion_mask", right, 0),
-                       cat("entropy", right, 0), cat("sample_logp", right, 0),
-                       cat("sample_logp_full", right, 0), total("seconds"), total("sampled_tokens"),
-                       total("draws"))  # fmt: skip
+        return Rollout(joined("prompt_ids", True, pad_id), joined("prompt_mask", True),
+                       joined("completion_ids", False, pad_id), joined("completion_mask", False),
+                       joined("entropy", False), joined("sample_logp", False), joined("sample_logp_full", False),
+                       joined("seconds"), joined("sampled_tokens"), joined("draws"))  # fmt: skip
 
     @staticmethod
     def from_lists(prompts, completions, pad_id: int, device="cpu"):
-        P, T = max(map(len, prompts)), max(1, max(map(len, completions)))
-        pids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-        pmask = torch.zeros(len(prompts), P, dtype=torch.long)
-        cids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-        cmask = torch.zeros(len(prompts), T)
-        assert len(prompts) == len(completions)
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            pids[i, P - len(p) :], pmask[i, P - len(p) :] = torch.tensor(p), 1
-            cids[i, : len(c)], cmask[i, : len(c)] = torch.tensor(c, dtype=torch.long), 1
-        return Rollout(pids.to(device), pmask.to(device), cids.to(device), cmask.to(device))
+        T = max(1, max(map(len, completions)))
+        ids = torch.tensor([list(c) + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
+        mask = torch.tensor([[1.0] * len(c) + [0.0] * (T - len(c)) for c in completions], device=device)
+        return Rollout(*_left_pad(prompts, pad_id, device), ids, mask)
 
     def completion_lists(self) -> list[list[int]]:
         lengths = self.completion_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# When the decode loop reads the device (is any row alive? which?), a property of the device type. On a GPU a
-# read waits for every queued kernel, so reading per token keeps the GPU idle between steps: the loop reads
-# after EARLY_READS tokens, then once per READ_EVERY (6 reads in a 64-token rollout, the last one for the
-# width). Rows that end between two reads decode padding until the next one (masked out; their random draws
-# rewound), so the output is a per-token loop's; the early reads stop short completions (a few tokens here)
-# soon after a per-token check would. Where a read waits for nothing (READS_EACH_TOKEN_ON: a CPU's tensors are
-# host memory), decoding past the last row's end would only cost time: there the loop reads after every token.
+# When the decode loop reads the device (is any row alive? which?). On a GPU a read waits for every queued kernel,
+# so the loop reads after EARLY_READS tokens, then once per READ_EVERY; rows that end between two reads decode
+# padding until the next one (masked out; their random draws rewound), so the output is a per-token loop's. On a
+# CPU (READS_EACH_TOKEN_ON) a read waits for nothing: the loop reads after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
 READS_EACH_TOKEN_ON = ("cpu",)
 
@@ -1085,33 +1068,15 @@ def decode_reads(device_type: str, max_new_tokens: int) -> list[bool]:
     return [(t + 1) % READ_EVERY == 0 or t + 1 in EARLY_READS for t in range(max_new_tokens)]
 
 
-def sample(
-    model,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_ids: list[int],
-    pad_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    generator=None,
-    record_logp: bool = False,
-) -> Rollout:
-    """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n
-    samples). A row stops at the first of any EOS id; the EOS token is inside the completion mask
-    and every position after it is padding. Greedy output equals `model.generate`'s (tests:
-    test_common.py, test_speed.py; bench: benchmarks/sampler.py). The sampler runs in the weights'
-    dtype (a bf16 copy: `Sampler`); record_logp: also keep, per sampled token, its log-prob under
-    the distribution it was drawn from and under the untruncated one (Rollout.sample_logp*).
-
-    Qwen2/Qwen3/Llama models run through `_StaticKVDecoder` (KV cache, mask and positions allocated
-    once), dropping the rows that have finished when a read of the device finds half of the batch done.
-    Any other model runs through its own HF forward. The loop reads the device after the tokens that
-    `decode_reads` names for its type (every one on a CPU; on a GPU after 4, 8, then every 16) and once
-    for the width; whatever the schedule, the tokens, the draws left in `generator` and the width are
-    those of a loop that read it every step (tests/test_gpu_paths.py)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
+           record_logp: bool = False) -> Rollout:  # fmt: skip
+    """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n samples). A row
+    stops at the first of any EOS id, the EOS token inside the completion mask, padding after it. Greedy output
+    equals `model.generate`'s (tests/test_common.py). record_logp: also keep each token's log-prob under the
+    distribution it was drawn from and under the untruncated one (Rollout.sample_logp*, extras/rollout_precision.py).
+    Finished rows are dropped when a read of the device finds half of the batch done; whatever the read schedule
+    (`decode_reads`), the tokens, the draws left in `generator` and the width are a per-token loop's."""
     lora = _loaded("lora")
     if lora is not None:  # LoRA: the transformers model whose projections apply the adapters
         model = lora.lora_base(model)
@@ -1122,46 +1087,24 @@ def sample(
     roll = Rollout(*_left_pad(prompts, pad_id, device), out, mask)  # the completions are filled in below
     if not greedy and generator is None:  # the device's default stream, as an explicit generator (rewound below)
         generator = default_generator(device)
+    stats = {name: torch.zeros(B, max_new_tokens, device=device) for name in
+             ["entropy"] * (not greedy) + ["sample_logp", "sample_logp_full"] * record_logp}  # fmt: skip
     # --fsdp: whole weights while sampling (gathered outside inference mode: FSDP2 reuses their storage)
     with gathered(model), torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal
+        decoder, logits = _prefill(model, roll, prompts, pad_id, max_new_tokens)
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
-        fast = _StaticKVDecoder.supports(model)
-        if fast:  # a prompt repeated for several samples is prefilled once, then its cache rows copied
-            first, copies = _distinct_rows(prompts, pad_id)
-            shared = len(first) < B
-            decoder = _StaticKVDecoder(model, roll[torch.tensor(first, device=device)] if shared else roll,
-                                       max_new_tokens)  # fmt: skip
-            logits = decoder.prefill()
-            if shared:
-                copies = torch.tensor(copies, device=device)
-                logits = logits.index_select(0, copies)
-                decoder.keep(copies)
-        else:
-            decoder = extra("hf_decoder", f"--model {type(model).__name__}").HFDecoder(model, roll, max_new_tokens)
-            logits = decoder.prefill()
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
         width = torch.zeros((), dtype=torch.long, device=device)  # steps that some row was alive for
-        entropy = None if greedy else torch.zeros(B, max_new_tokens, device=device)
-        if record_logp:
-            sample_logp, sample_logp_full = torch.zeros(2, B, max_new_tokens, device=device)
         draws = []  # (step, generator state before its draw) since the last read
         reads = decode_reads(device.type, max_new_tokens)
         for t in range(max_new_tokens):
             if not greedy:
                 draws.append((t, generator.get_state()))
-            token = _next_token(logits, rows, B, temperature, top_p, greedy, generator)
-            token = torch.where(alive, token, pad_id)
+            token = torch.where(alive, _next_token(logits, rows, B, temperature, top_p, greedy, generator), pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
-            if entropy is not None:  # of logits / temperature before top-p, as completion_logprobs computes it
-                entropy[rows, t] = _entropy(logits.float() / temperature) * alive
-            if record_logp:  # the same arithmetic as _next_token's, at the token it drew
-                scaled = logits.float() / temperature
-                full = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-                kept = _top_p_filter(scaled, top_p).log_softmax(-1) if top_p < 1.0 else None
-                sampled = full if kept is None else kept.gather(-1, token[:, None]).squeeze(-1)
-                # where, not *: a finished row's padding may lie outside the nucleus (-inf * 0 is nan)
-                sample_logp_full[rows, t], sample_logp[rows, t] = full.where(alive, 0.0), sampled.where(alive, 0.0)
+            for name, value in _token_stats(logits, token, alive, temperature, top_p, record_logp, greedy).items():
+                stats[name][rows, t] = value
             width += alive.any()
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1:
@@ -1171,7 +1114,7 @@ def sample(
                 if not any(alive_now):
                     break
                 draws.clear()
-                if fast and 2 * sum(alive_now) <= len(rows):  # half done: drop finished rows
+                if isinstance(decoder, _StaticKVDecoder) and 2 * sum(alive_now) <= len(rows):  # drop finished rows
                     keep = torch.tensor([i for i, a in enumerate(alive_now) if a], device=device)
                     decoder.keep(keep)
                     rows, alive, token = rows[keep], alive[keep], token[keep]
@@ -1181,11 +1124,36 @@ def sample(
         if step == width:
             generator.set_state(state)
             break
-    entropy = None if entropy is None else entropy[:, :width]
-    roll = Rollout(roll.prompt_ids, roll.prompt_mask, out[:, :width], mask[:, :width], entropy)
+    return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, :width], mask[:, :width],
+                   **{name: x[:, :width] for name, x in stats.items()})  # fmt: skip
+
+
+def _prefill(model, roll: Rollout, prompts, pad_id: int, max_new_tokens: int):
+    """(decoder, next-token logits [B, V]): a Llama-family model through `_StaticKVDecoder`, a prompt repeated for
+    several samples prefilled once and its cache rows copied; any other through its own forward (extras/)."""
+    if not _StaticKVDecoder.supports(model):
+        decoder = extra("hf_decoder", f"--model {type(model).__name__}").HFDecoder(model, roll, max_new_tokens)
+        return decoder, decoder.prefill()
+    first, copies = _distinct_rows(prompts, pad_id)
+    if len(first) == len(prompts):
+        decoder = _StaticKVDecoder(model, roll, max_new_tokens)
+        return decoder, decoder.prefill()
+    device = roll.prompt_ids.device
+    decoder = _StaticKVDecoder(model, roll[torch.tensor(first, device=device)], max_new_tokens)
+    logits = decoder.prefill()
+    copies = torch.tensor(copies, device=device)
+    decoder.keep(copies)
+    return decoder, logits.index_select(0, copies)
+
+
+def _token_stats(logits, token, alive, temperature: float, top_p: float, record_logp: bool, greedy: bool) -> dict:
+    """Per decoded row, at the token drawn: the entropy of logits / temperature before top-p (as completion_logprobs
+    computes it; none when greedy) and, with record_logp, its log-probs (extras/rollout_precision.py); 0 where done."""
+    stats = {} if greedy else {"entropy": _entropy(logits.float() / temperature) * alive}
     if record_logp:
-        roll.sample_logp, roll.sample_logp_full = sample_logp[:, :width], sample_logp_full[:, :width]
-    return roll
+        precision = extra("rollout_precision", "--rollout-dtype")
+        stats.update(precision.token_logps(logits, token, alive, temperature, top_p))
+    return stats
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -1196,15 +1164,13 @@ def default_generator(device: torch.device) -> torch.Generator:
 
 
 def _host(x: torch.Tensor):
-    """`x` as Python values: the decode loop's one way to read the device (on a GPU it waits for every
-    queued kernel; the tests count its calls)."""
+    """`x` as Python values: the decode loop's one way to read the device (the tests count its calls)."""
     return x.tolist()
 
 
 def _distinct_rows(prompts: list[list[int]], pad_id: int) -> tuple[list[int], list[int]]:
-    """(first, copies): `first` holds a row index of each distinct prompt, ordered as the rows of its
-    left-padded ids and mask sort (torch.unique's order), and copies[i] is the place of row i's prompt in
-    `first`: prompts[first[copies[i]]] == prompts[i]. Computed on the host, from the lists."""
+    """(first, copies): a row index of each distinct prompt, in the order its left-padded ids and mask sort
+    (torch.unique's), and copies[i], the place of row i's prompt in `first`: prompts[first[copies[i]]] == prompts[i]."""
     P = max(map(len, prompts))
     key = lambda p: ([pad_id] * (P - len(p)) + list(p), len(p))  # noqa: E731 (ids left-padded, then the mask)
     places = {}
@@ -1251,84 +1217,48 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 
 
 class _StaticKVDecoder:
-    """Prefill and one-token decode steps of a Llama-family decoder (Qwen2, Qwen3, Llama), calling
-    the model's own modules layer by layer, over buffers allocated per `sample` call:
-      k, v    [B, kv_heads, C, head_dim] per layer; slot s holds sequence position s. C slots:
-              room for the prompt and GROW more tokens, grown by GROW slots when full (one copy
-              per GROW steps), so that a step attends over about as many slots as are written,
-              not over P + T mostly empty ones
-      bias    [B, 1, 1, P + T] additive attention mask: -inf on left padding and on slots not
-              written yet; each step opens its own slot in place
-      cos/sin RoPE for every slot, positions counted from each row's first real token
-      slot    the slot the next token goes to
-    A decode step attends over all C slots (masked: on CPU this beats slicing the written slots,
-    whose strided batches run slower in batched matmul).
-    The arithmetic is the HF forward's, with RMSNorm as one call and q and k normalised and
-    rotated together (both exact), and the attention done directly (float rounding differs)."""
+    """Prefill and one-token steps of a Llama-family decoder (Qwen2, Qwen3, Llama) through the model's own modules,
+    over buffers allocated per `sample` call: k, v [B, kv_heads, C, head_dim] per layer (slot s holds position s; C
+    grows by GROW slots when full, so a step attends over about as many slots as are written), `bias` [B, 1, 1, P + T]
+    (-inf on left padding and unwritten slots), cos/sin (RoPE from each row's first real token). The arithmetic is the
+    HF forward's (the attention's float rounding differs). On CPU (FUSED_ON) q, k, v run as one matmul, as do the
+    MLP's gate and up (`_layer_weights`): a few percent of a small model's step."""
 
-    GROW = 16  # cache slots added at a time (fewer slots per step than allocating all P + T at once)
-    FUSED_ON = ("cpu",)  # device types whose q, k, v and gate, up projections run as one matmul each (below)
-
+    GROW = 16
+    FUSED_ON = ("cpu",)
     MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
     @classmethod
     def supports(cls, model) -> bool:
         from transformers import PreTrainedModel
 
-        config = getattr(model, "config", None)
-        fields = {k: getattr(config, k, None) for k in ("model_type", "layer_types")}
-        return isinstance(model, PreTrainedModel) and cls.supports_config(fields)
+        fields = lambda config: {k: getattr(config, k, None) for k in ("model_type", "layer_types")}  # noqa: E731
+        return isinstance(model, PreTrainedModel) and cls.supports_config(fields(model.config))
 
     @classmethod
     def supports_config(cls, config: dict) -> bool:
-        """A config.json's fields: a Llama-family model whose layers all attend fully (sliding-window
-        layers: transformers' forward instead)."""
+        """A config.json's fields: a Llama-family model whose layers all attend fully (no sliding window)."""
         layer_types = set(config.get("layer_types") or ["full_attention"])
         return config.get("model_type") in cls.MODEL_TYPES and layer_types == {"full_attention"}
 
     def __init__(self, model, roll: Rollout, max_new_tokens: int):
         config, self.base, self.lm_head = model.config, model.get_decoder(), model.get_output_embeddings()
-        self.prompt_ids = roll.prompt_ids  # only the prompts of `roll` are used
-        (B, P), device = roll.prompt_ids.shape, roll.prompt_ids.device
+        self.prompt_ids, (B, P), device = roll.prompt_ids, roll.prompt_ids.shape, roll.prompt_ids.device
         L, attn = P + max_new_tokens, self.base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         kv_shape = (B, self.kv_heads, min(L, P + self.GROW), self.head_dim)
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
-        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device).masked_fill_(
-            ~valid[:, None, None], -math.inf
-        )
+        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device)
+        self.bias.masked_fill_(~valid[:, None, None], -math.inf)
         positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
         self.sin = torch.cat([-self.sin[..., :half], self.sin[..., half:]], -1)
         self.slot = P
-        # Qwen3 normalises each head's query and key (q_norm, k_norm): both weights as one [heads + kv_heads, D]
-        self.qk_norm = [
-            None
-            if not hasattr(layer.self_attn, "q_norm")
-            else torch.cat(
-                [
-                    layer.self_attn.q_norm.weight.expand(self.heads, -1),
-                    layer.self_attn.k_norm.weight.expand(self.kv_heads, -1),
-                ]
-            )
-            for layer in self.base.layers
-        ]
-        # On CPU, the q, k, v projections as one matmul and the MLP's gate and up projections as
-        # one, over weights concatenated here, save a few percent of a small model's decode step
-        # (a copy of those weights, made per sample() call as they change between training steps;
-        # on CUDA the copy would cost memory)
-        fuse = device.type in self.FUSED_ON
-        self.qkv = [
-            _concat_linears(a.q_proj, a.k_proj, a.v_proj) if fuse else None
-            for a in (layer.self_attn for layer in self.base.layers)
-        ]
-        self.gate_up = [
-            _concat_linears(m.gate_proj, m.up_proj) if fuse and _is_gated_mlp(m) else None
-            for m in (layer.mlp for layer in self.base.layers)
-        ]
+        self.weights = [_layer_weights(layer, self.heads, self.kv_heads, device.type in self.FUSED_ON)
+                        for layer in self.base.layers]  # fmt: skip
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts into slots 0..P-1; next-token logits [B, V] (float32)."""
@@ -1337,13 +1267,13 @@ class _StaticKVDecoder:
         # a padding query sees itself too, so that no softmax row is empty (its output is unused)
         visible = causal & ((self.bias[..., :P] == 0) | torch.eye(P, dtype=torch.bool, device=device))
         bias = torch.zeros(visible.shape, dtype=self.bias.dtype, device=device).masked_fill_(~visible, -math.inf)
-        # one row per (query head of a group, position), as _forward lays the queries out
+        # one row per (query head of a group, position), as _layer_forward lays the queries out
         return self._forward(self.prompt_ids, 0, bias.repeat(1, 1, self.heads // self.kv_heads, 1))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
-        if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots, a layer at a time
-            more = min(self.GROW, self.bias.shape[-1] - self.slot)  # up to P + T slots
+        if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots (up to P + T), a layer at a time
+            more = min(self.GROW, self.bias.shape[-1] - self.slot)
             for cache in (self.k, self.v):
                 for i, c in enumerate(cache):
                     cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
@@ -1353,55 +1283,63 @@ class _StaticKVDecoder:
         return logits
 
     def keep(self, rows: torch.Tensor):
-        """Keep the rows `rows` of every buffer, in that order: drops finished rows, or repeats
-        each prefilled prompt for its samples."""
+        """Keep the rows `rows` of every buffer, in that order (drops finished rows, or copies prefilled prompts)."""
         take = lambda x: x.index_select(0, rows)  # noqa: E731 (several times faster than x[rows] on CPU)
         self.k, self.v = [take(k) for k in self.k], [take(v) for v in self.v]
         self.bias, self.cos, self.sin = take(self.bias), take(self.cos), take(self.sin)
 
     def _forward(self, ids, first, bias):
-        """Tokens `ids` [B, S] into cache slots first..first+S-1,
-        attending to slots 0..N-1 with `bias` [B, 1, G * S or 1, N]; returns the logits after the
-        last of them (the last layer, once its keys and values are cached, runs for that token only)."""
+        """Tokens `ids` [B, S] into cache slots first..first+S-1, attending to slots 0..N-1 with `bias`
+        [B, 1, G * S or 1, N]; the logits after the last of them."""
         h = self.base.embed_tokens(ids)
-        (B, S, _), H, Hkv, D = h.shape, self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.cos[:, first : first + S, None], self.sin[:, first : first + S, None]
-        write = lambda cache, x: cache[:, :, first : first + S].copy_(x)  # noqa: E731
-        N, last = bias.shape[-1], self.base.layers[-1]
-        for layer, qkv, gate_up, qk_norm, k_cache, v_cache in zip(
-            self.base.layers, self.qkv, self.gate_up, self.qk_norm, self.k, self.v
-        ):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm)
-            if qkv is None:
-                qk, v = torch.cat([attn.q_proj(x), attn.k_proj(x)], -1), attn.v_proj(x)
-            else:
-                qk, v = F.linear(x, *qkv).split([(H + Hkv) * D, Hkv * D], -1)
-            qk = qk.unflatten(-1, (H + Hkv, D))  # queries and keys [B, S, H + Hkv, D]: one norm, one rotation
-            if qk_norm is not None:
-                qk = qk_norm * F.rms_norm(qk.float(), (D,), eps=attn.q_norm.variance_epsilon).to(qk.dtype)
-            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
-            write(k_cache, qk[:, :, H:].transpose(1, 2))
-            write(v_cache, v.unflatten(-1, (Hkv, D)).transpose(1, 2))
-            # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
-            q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
-            if S > 1 and layer is last:  # its keys and values are cached: the rest matters for the last token only
-                q, bias, h, S = (
-                    q.unflatten(2, (H // Hkv, S))[:, :, :, -1:].flatten(2, 3),
-                    bias[..., S - 1 :: S, :],
-                    h[:, -1:],
-                    1,
-                )
-            out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
-            # reshape, not view: SDPA's output on CUDA is strided ([B, Hkv, M, D] laid out as [B, M, Hkv, D])
-            h = h + attn.o_proj(out.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
-            x = _rms_norm(h, layer.post_attention_layernorm)
-            if gate_up is None:
-                h = h + layer.mlp(x)
-            else:  # down(act(gate(x)) * up(x)), as the MLP's forward
-                gate, up = F.linear(x, *gate_up).chunk(2, -1)
-                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        rope = self.cos[:, first : first + ids.shape[1], None], self.sin[:, first : first + ids.shape[1], None]
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.base.layers, self.k, self.v)):
+            h = _layer_forward(layer, self.weights[i], h, rope, k_cache, v_cache, first, bias, i == len(self.k) - 1)
         return self.lm_head(self.base.norm(h[:, -1])).float()  # the module itself: its hooks run
+
+
+def _layer_weights(layer, heads: int, kv_heads: int, fuse: bool) -> tuple:
+    """(heads, qkv, gate_up, qk_norm) of a decoder layer: with `fuse`, the q, k, v projections as one (weight, bias)
+    and a gated MLP's gate and up as one (else None); Qwen3's q_norm and k_norm weights as one [heads + kv_heads, D]."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _concat_linears(attn.q_proj, attn.k_proj, attn.v_proj) if fuse else None
+    gated = type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    gate_up = _concat_linears(mlp.gate_proj, mlp.up_proj) if fuse and gated else None
+    qk_norm = None
+    if hasattr(attn, "q_norm"):
+        qk_norm = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+    return heads, qkv, gate_up, qk_norm
+
+
+def _layer_forward(layer, weights, h, rope, k_cache, v_cache, first: int, bias, last: bool):
+    """One decoder layer on hidden states `h` [B, S, hidden], its keys and values written into cache slots
+    first..first+S-1; the last layer (`last`), once they are cached, runs for the last token only."""
+    (H, qkv, gate_up, qk_norm), attn = weights, layer.self_attn
+    (B, S, _), D, Hkv, N = h.shape, attn.head_dim, k_cache.shape[1], bias.shape[-1]
+    x = _rms_norm(h, layer.input_layernorm)
+    if qkv is None:
+        qk, v = torch.cat([attn.q_proj(x), attn.k_proj(x)], -1), attn.v_proj(x)
+    else:
+        qk, v = F.linear(x, *qkv).split([(H + Hkv) * D, Hkv * D], -1)
+    qk = qk.unflatten(-1, (H + Hkv, D))  # queries and keys [B, S, H + Hkv, D]: one norm, one rotation
+    if qk_norm is not None:
+        qk = qk_norm * F.rms_norm(qk.float(), (D,), eps=attn.q_norm.variance_epsilon).to(qk.dtype)
+    qk = torch.addcmul(qk * rope[0], qk.roll(D // 2, -1), rope[1])
+    k_cache[:, :, first : first + S].copy_(qk[:, :, H:].transpose(1, 2))
+    v_cache[:, :, first : first + S].copy_(v.unflatten(-1, (Hkv, D)).transpose(1, 2))
+    # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
+    q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
+    if S > 1 and last:  # its keys and values are cached: the rest matters for the last token only
+        q, bias = q.unflatten(2, (H // Hkv, S))[:, :, :, -1:].flatten(2, 3), bias[..., S - 1 :: S, :]
+        h, S = h[:, -1:], 1
+    out = _attention(q, k_cache[:, :, :N], v_cache[:, :, :N], bias, attn.scaling)
+    # reshape, not view: SDPA's output on CUDA is strided ([B, Hkv, M, D] laid out as [B, M, Hkv, D])
+    h = h + attn.o_proj(out.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D))
+    x = _rms_norm(h, layer.post_attention_layernorm)
+    if gate_up is None:
+        return h + layer.mlp(x)
+    gate, up = F.linear(x, *gate_up).chunk(2, -1)  # down(act(gate(x)) * up(x)), as the MLP's forward
+    return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 def _rms_norm(x, norm):
@@ -1421,16 +1359,10 @@ def _concat_linears(*linears) -> tuple:
     return torch.cat([weight(m) for m in linears]), bias
 
 
-def _is_gated_mlp(mlp) -> bool:
-    """A Llama-style MLP whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
-    return type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")
-
-
 def _attention(q, k, v, bias, scale: float, fused: bool | None = None):
-    """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias
-    broadcastable to [B, Hkv, M, N]. `fused` (default: on CUDA) the fused kernel (float32 scores for a
-    bf16 model), whose output may come back strided (laid out [B, M, Hkv, D]); else plain matmuls, which
-    beat it on CPU for one-token queries. Tests run both on a CPU."""
+    """softmax(q k^T * scale + bias) v per KV head: q [B, Hkv, M, D], k and v [B, Hkv, N, D], bias broadcastable to
+    [B, Hkv, M, N]. `fused` (default: on CUDA): SDPA, whose output may be strided; else plain matmuls (faster on CPU
+    for one-token queries)."""
     if q.is_cuda if fused is None else fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * scale + bias
@@ -1482,21 +1414,18 @@ def extract_boxed(completion: str) -> str | None:
 
 
 def after_thinking(completion: str) -> str | None:
-    """The part of a completion that states its answer: the text after the last </think> when it
-    reasons first (--thinking on), the whole completion otherwise; None when it opens <think> and
-    never closes it (its answer, if any, is still inside its reasoning)."""
+    """The part of a completion that states its answer: the text after the last </think> (--thinking on), else the
+    whole completion; None when it opens <think> and never closes it (its answer is still inside its reasoning)."""
     if "</think>" in completion:
         return completion.rsplit("</think>", 1)[1]
     return None if "<think>" in completion else completion
 
 
 def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, float]:
-    """(reward, format_ok): reward 1.0 iff the final answer that `parser` reads equals the gold
-    answer; format_ok 1.0 iff it reads one. Both read only the text after </think> (`after_thinking`):
-    a completion whose <think> never closes has no answer, (0, 0). parser "exact": the text after the
-    last '####' (or the whole text); "boxed": the content of the last \\boxed{}. A numeric gold answer
-    needs exactly one number there, compared normalised ('1,234' = '1234.0'); any other gold, the
-    stripped text."""
+    """(reward, format_ok): reward 1.0 iff the final answer `parser` reads (after </think>: `after_thinking`) equals
+    the gold answer, format_ok 1.0 iff it reads one. "exact": the text after the last '####' (or the whole text);
+    "boxed": the last \\boxed{}'s content. A numeric gold needs exactly one number there, compared normalised
+    ('1,234' = '1234.0'); any other, the stripped text."""
     completion = after_thinking(completion)
     if completion is None:
         return 0.0, 0.0
@@ -1517,28 +1446,11 @@ def score_rollout(tok, roll: Rollout, answers: list[str], parser: str = "exact")
     return torch.tensor([s[0] for s in scored]), torch.tensor([s[1] for s in scored])
 
 
-BUILTIN_REWARDS = {  # --reward NAME; each needs an "answer" in every record
-    "exact": "1 if the final answer (a number after the last '####', or the whole completion) is the answer",
-    "boxed": "1 if the content of the last \\boxed{...} is the answer (numbers normalised as for exact)",
-    "format": "1 if the answer parser in use (boxed's with --reward boxed, else exact's) finds a final answer",
-}
+BUILTIN_REWARDS = ("exact", "boxed", "format")  # --reward NAME (SharedArgs.reward); each reads a record's "answer"
 
 
 class RewardError(UsageError):
     """A --reward function failed or returned something that is not a reward: exit status 2."""
-
-
-def load_reward(spec: str):
-    """(name, function) of one --reward: a built-in name (function None: `Rewards` computes it with
-    score_rollout), "package.module:function", or "path/to/file.py:function" (no package needed)."""
-    if spec in BUILTIN_REWARDS:
-        return spec, None
-    source, _, attr = spec.rpartition(":")
-    if not source or not attr:
-        raise UsageError(
-            f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or file.py:function"
-        )
-    return attr, extra("reward_functions", f"--reward {spec}").import_function(spec, source, attr)
 
 
 def _clip(text, width: int = 40) -> str:
@@ -1548,121 +1460,62 @@ def _clip(text, width: int = 40) -> str:
 
 
 class Rewards:
-    """The run's reward: --reward f_1 .. f_K with --reward-weights w_1 .. w_K (default 1 each):
-
-        reward_i = sum_k w_k f_k(row i)       (None, "does not apply", counts as 0, as in TRL)
-
-    A function has TRL's signature and is called by keyword, once per batch of B completions:
-
-        f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B
-
-    `fields` holds every other column of the rows' records, one list per column under its own
-    name (answer=[...], and whatever else the JSONL file has; None where a record lacks it).
-    Completions are decoded without special tokens. NaN, infinity, a value that is not a number,
-    a list of the wrong length or an exception inside it stop the run: RewardError, one line
-    naming the function, the problem and the row, exit status 2.
-
-    The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer". The answer
-    parser of the run is boxed's when --reward boxed is given, else exact's; `accuracy` (the
-    exact match by that parser) and `format_rate` are reported whenever every record has an
-    answer, so that a curve's "correct" means the same in training and in evaluation."""
+    """The run's reward, reward_i = sum_k w_k f_k(row i), over --reward f_1 .. f_K with --reward-weights w_k (default
+    1 each). The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer", read by the run's
+    answer parser (boxed's with --reward boxed, else exact's); `accuracy` (that exact match) and `format_rate` are
+    reported whenever every record has an answer, so that "correct" means the same in training and in evaluation.
+    Several rewards, weights, your own functions (TRL's signature) and --reward-model: extras/reward_functions.py."""
 
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
-        if not specs and reward_model is None:
-            raise UsageError("--reward: give at least one reward function")
-        loaded = [load_reward(spec) for spec in specs]
-        names = [name for name, _ in loaded]
-        names = [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]  # a.py:f, b.py:f
-        if len(set(names)) < len(names):
-            raise UsageError(f"--reward: {', '.join(specs)} names a function twice; weigh it with --reward-weights")
-        weights = list(weights) or [1.0] * len(specs)
-        if len(weights) != len(specs):
-            raise UsageError(f"--reward-weights: {len(weights)} weights for {len(specs)} rewards ({', '.join(specs)})")
-        if not all(math.isfinite(w) for w in weights):
-            raise UsageError(f"--reward-weights must be finite numbers, got {' '.join(map(str, weights))}")
-        self.names, self.fns, self.weights = names, [fn for _, fn in loaded], weights
-        if reward_model is not None:  # --reward-model: one more component, weighed like the others
-            if not math.isfinite(reward_model_weight):
-                raise UsageError(f"--reward-model-weight must be a finite number, got {reward_model_weight}")
-            self.names, self.fns = self.names + ["reward_model"], self.fns + [reward_model]
-            self.weights = weights + [reward_model_weight]
+        self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)
+        if len(specs) != 1 or specs[0] not in BUILTIN_REWARDS or weights or reward_model is not None:
+            mixed = extra("reward_functions", "--reward (several, or your own), --reward-weights or --reward-model")
+            self.names, self.fns, self.weights = mixed.load_rewards(specs, weights, reward_model, reward_model_weight)
         self.parser = "boxed" if "boxed" in specs else "exact"
         self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields
         self.scores_answers = all(isinstance(r.get("answer"), str) for r in records)
 
     def __call__(self, tok, roll: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict]:
-        """(rewards [B], parts) for a rollout whose row i comes from records[i]: parts holds each
-        component as "reward/<name>" [B] and, when records have answers, "accuracy" and
-        "format_rate" [B]. Under torchrun, a failure on any rank stops every rank."""
+        """`score`; under torchrun, a failure on any rank stops every rank (else they would wait in an all-reduce)."""
         error, result = None, None
         try:
             result = self.score(tok, roll, records)
         except RewardError as e:
             error = e
-        raise_on_every_rank(error)  # the other ranks would wait forever in the next all-reduce
+        raise_on_every_rank(error)
         return result
 
     def score(self, tok, roll: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict]:
-        """`__call__` on this rank alone (raises RewardError here only)."""
+        """(rewards [B], parts) for a rollout whose row i comes from records[i], on this rank alone: parts holds each
+        component as "reward/<name>" [B] and, when records have answers, "accuracy" and "format_rate" [B]."""
         answers = [r.get("answer") for r in records]
-        by_parser = {}  # (correct, format_ok) per answer parser, computed once
-
-        def answer_scores(parser):
-            if parser not in by_parser:
-                by_parser[parser] = score_rollout(tok, roll, answers, parser)
-            return by_parser[parser]
-
-        texts = None
-        parts = {}
+        scored = functools.cache(lambda parser: score_rollout(tok, roll, answers, parser))  # (correct, format_ok)
+        parts, own = {}, extra("reward_functions", "--reward") if any(f is not None for f in self.fns) else None
         for name, fn in zip(self.names, self.fns):
             if fn is None:  # a built-in
-                correct, formats = answer_scores(self.parser if name == "format" else name)
+                correct, formats = scored(self.parser if name == "format" else name)
                 parts[f"reward/{name}"] = formats if name == "format" else correct
-                continue
-            if texts is None:
-                texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
-            parts[f"reward/{name}"] = self._call(name, fn, records, texts)
+            else:
+                parts[f"reward/{name}"] = own.call(name, fn, records, tok, roll, self.columns)
         rewards = sum(w * parts[f"reward/{name}"].double() for name, w in zip(self.names, self.weights)).float()
         if self.scores_answers:
-            parts["accuracy"], parts["format_rate"] = answer_scores(self.parser)
+            parts["accuracy"], parts["format_rate"] = scored(self.parser)
             if "reward/reward_model" in parts:  # how well the learned reward ranks this batch's answers
                 learned = _loaded("reward_model")
                 parts["reward_model_pair_acc"] = learned.pair_accuracy(parts["reward/reward_model"], parts["accuracy"])
         return rewards, parts
 
-    def _call(self, name, fn, records, completions) -> torch.Tensor:
-        """[B] rewards of your own function (or --reward-model's), checked: extras/reward_functions.py."""
-        columns = self.columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
-        return extra("reward_functions", f"--reward {name}").call(name, fn, records, completions, columns)
-
 
 @torch.no_grad()
-def evaluate(
-    model,
-    tok,
-    examples,
-    max_new_tokens: int,
-    reward_fn: Rewards | None = None,
-    system_prompt: str = SYSTEM_PROMPT,
-    n_samples: int = 0,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    generator=None,
-    show: int = 0,
-    batch_size: int = 256,
-    thinking: str = "off",
-) -> dict:
-    """What evaluation reports, on greedy completions of `examples`:
-      reward        the training reward (`reward_fn`, default exact: every component, weighted)
-      reward/reward_model  with --reward-model: its score alone (logged as eval_reward/reward_model)
-      accuracy      exact match of the final answer by reward_fn's answer parser  } when records
-      format_rate   share of completions in which that parser finds a final answer   } have answers
-      pass@1, pass@n  with n_samples = n >= 2: n completions per prompt sampled at `temperature`,
-                    `top_p` from `generator`; pass@1 is their mean accuracy, pass@n the unbiased
-                    estimator averaged over prompts (extras/pass_at_k.py)
-      samples       with show = k > 0: the first k examples' prompt, greedy completion, reward,
-                    reward components, answer and whether the completion was truncated
-    Under torchrun each rank evaluates every world-th example and the means are over all ranks."""
+def evaluate(model, tok, examples, max_new_tokens: int, reward_fn: Rewards | None = None,
+             system_prompt: str = SYSTEM_PROMPT, n_samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             generator=None, show: int = 0, batch_size: int = 256, thinking: str = "off") -> dict:  # fmt: skip
+    """What evaluation reports, on greedy completions of `examples`: reward (`reward_fn`'s, default exact), with
+    --reward-model its score alone (reward/reward_model), and, when records have answers, accuracy and format_rate
+    (reward_fn's answer parser); pass@1 and pass@n with n_samples = n >= 2 (n completions per prompt sampled at
+    `temperature`, `top_p` from `generator`: extras/pass_at_k.py); samples with show = k > 0 (the first k examples'
+    prompt, completion, rewards, answer, truncation). Under torchrun each rank evaluates every world-th example and
+    the means are over all ranks."""
     reward_fn = reward_fn or Rewards()
     was_training = model.training
     model.eval()
@@ -1682,16 +1535,13 @@ def evaluate(
                 prompts = encode_prompts(tok, batch, system_prompt, thinking)
                 roll = sample(model, prompts, max_new_tokens, eos, tok.pad_token_id, greedy=True)
                 rewards, parts = reward_fn.score(tok, roll, batch)
-                for k, v in {"reward": rewards, **parts}.items():
-                    if k in per_row:
-                        per_row[k].append(v.float())
                 if s == 0 and show:
                     samples = _described(tok, roll[:show], batch[:show], rewards, parts, eos)
-                if n_samples:  # pass@1 and pass@n: extras/pass_at_k.py
-                    pass_at_k = extra("pass_at_k", "--eval-samples")
-                    for k, v in pass_at_k.pass_rates(model, tok, prompts, batch, reward_fn, n_samples, max_new_tokens,
-                                                     eos, temperature, top_p, generator).items():  # fmt: skip
-                        per_row[k].append(v)
+                rates = extra("pass_at_k", "--eval-samples").pass_rates(model, tok, prompts, batch, reward_fn,
+                    n_samples, max_new_tokens, eos, temperature, top_p, generator) if n_samples else {}  # fmt: skip
+                for k, v in {"reward": rewards, **parts, **rates}.items():
+                    if k in per_row:
+                        per_row[k].append(v.float())
     except RewardError as e:
         error = e
     raise_on_every_rank(error)
@@ -1704,17 +1554,9 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
     texts = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
     ends = completion_ends(roll, eos).tolist()
     components = {k.removeprefix("reward/"): v for k, v in parts.items() if k.startswith("reward/")}
-    return [
-        {
-            "prompt": rec["prompt"],
-            "completion": text,
-            "reward": rewards[i].item(),
-            "rewards": {name: v[i].item() for name, v in components.items()},
-            "answer": rec.get("answer"),
-            "truncated": not ends[i],
-        }
-        for i, (rec, text) in enumerate(zip(records, texts))
-    ]
+    return [{"prompt": rec["prompt"], "completion": text, "reward": rewards[i].item(),
+             "rewards": {name: v[i].item() for name, v in components.items()}, "answer": rec.get("answer"),
+             "truncated": not ends[i]} for i, (rec, text) in enumerate(zip(records, texts))]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1722,47 +1564,35 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def completion_logprobs(
-    model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto", entropy_grad: bool = False
-):
-    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM).
-    Padding positions hold finite values; multiply by `roll.completion_mask` before use. The
-    entropy is a detached diagnostic unless `entropy_grad`: then it carries a gradient, for a loss
-    term (--entropy-coef). Under --fsdp the call runs through the model's CompletionLogprobs root
-    (`shard`): only the root's own forward gathers the weights it holds."""
+def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto",
+                        entropy_grad: bool = False):  # fmt: skip
+    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM); padding positions hold
+    finite values (multiply by `roll.completion_mask`). The entropy is a detached diagnostic unless `entropy_grad`
+    (--entropy-coef's loss term). Under --fsdp the call runs through the model's CompletionLogprobs root, whose own
+    forward gathers the weights it holds."""
     fsdp = _loaded("fsdp")
-    root = fsdp.LOGPROBS_ROOT.get(model) if fsdp is not None else None
-    if root is not None:
-        return root(roll, temperature, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
-    return _completion_logprobs(model, roll, temperature, chunk_tokens, entropy_grad)
-
-
-def _completion_logprobs(model, roll: Rollout, temperature, chunk_tokens, entropy_grad):
-    hidden = completion_hidden_states(model.get_decoder(), roll)
-    weight = model.get_output_embeddings().weight
-    return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens, entropy_grad)
+    forward = fsdp.LOGPROBS_ROOT.get(model) if fsdp is not None else None
+    return (forward or CompletionLogprobs(model).forward)(roll, temperature, entropy_grad, chunk_tokens)
 
 
 class CompletionLogprobs(torch.nn.Module):
-    """`completion_logprobs(model, roll, temperature)` as a module's forward. DistributedDataParallel
-    averages the gradients of what runs through its wrapped module's forward, and FSDP2 gathers the
-    weights its root holds in the root's forward; the training forward calls the decoder and the output
-    projection directly, so the scripts wrap this. (Under FSDP2 its outputs are views: change them only
-    out of place.)"""
+    """`completion_logprobs` as a module's forward, which the scripts wrap: DDP averages the gradients of what runs
+    through its wrapped module's forward, and FSDP2 gathers the weights its root holds in the root's forward. (Under
+    FSDP2 its outputs are views: change them only out of place.)"""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, roll: Rollout, temperature: float = 1.0, entropy_grad: bool = False, chunk_tokens="auto"):
-        """(logp, entropy) [B, T]; `entropy_grad=True`: the per-token entropy with its gradient, the
-        one call a loss term on the entropy needs (the scripts' --entropy-coef uses it)."""
-        return _completion_logprobs(self.model, roll, temperature, chunk_tokens, entropy_grad)
+        hidden = completion_hidden_states(self.model.get_decoder(), roll)
+        weight = self.model.get_output_embeddings().weight
+        return logprobs_from_hidden(hidden, weight, roll.completion_ids, temperature, chunk_tokens, entropy_grad)
 
 
 def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions that predict each completion token. `bf16` (default:
-    on CUDA) runs the forward under bf16 autocast, on whatever device the ids are (tests use a CPU's)."""
+    """[B, T, H] final hidden states at the positions that predict each completion token; `bf16` (default: on CUDA)
+    runs the forward under bf16 autocast (tests use a CPU's)."""
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     attn = torch.cat([roll.prompt_mask, roll.completion_mask.long()], 1)
     positions = (attn.cumsum(1) - 1).clamp(min=0)
@@ -1777,55 +1607,40 @@ def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) 
 
 
 # float32 logits per chunk on a CPU: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x
-# this (docs/memory.md). On CUDA the chunk is sized to the GPU: its peak at most 1/LOGITS_CHUNK_GPU_SHARE of the
-# GPU's memory (logits_chunk_elements)
+# this (docs/memory.md). On CUDA its peak is at most 1/LOGITS_CHUNK_GPU_SHARE of the GPU's memory
 LOGITS_CHUNK_ELEMENTS = 2**24
 LOGITS_CHUNK_GPU_SHARE = 32
 
 
 def logits_chunk_elements(device: torch.device | str, gpu_memory: int | None = None) -> int:
-    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`; tools/plan_memory.py plans with it.
-    A CPU: LOGITS_CHUNK_ELEMENTS (a CPU run's memory is not what bounds its chunk; fewer, larger chunks would
-    not be faster there). CUDA: the largest power of two whose chunk peak (4 float32 copies of the logits:
-    logits, softmax, product or gradient) fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's memory, never less
-    than a CPU's: 2**28 (~1,770 tokens of Qwen's vocabulary, a 4 GiB peak) on a 139 GiB H200 (unmeasured: no
-    GPU has run it). `gpu_memory`: the GPU's total bytes, by default its properties' (the total, not the free:
-    the chunk is then the same at every step, the planner can know it, and reading it waits for no kernel)."""
+    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`; tools/plan_memory.py plans with it. A
+    CPU: LOGITS_CHUNK_ELEMENTS. CUDA: the largest power of two whose chunk peak (4 float32 copies of the logits)
+    fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's total memory (`gpu_memory` bytes; the total, not the free: the
+    same chunk at every step, known to the planner), never less than a CPU's."""
     device = torch.device(device)
     if device.type != "cuda":
         return LOGITS_CHUNK_ELEMENTS
-    if gpu_memory is None:
-        gpu_memory = torch.cuda.get_device_properties(device).total_memory
+    gpu_memory = gpu_memory or torch.cuda.get_device_properties(device).total_memory
     fits = gpu_memory // (LOGITS_CHUNK_GPU_SHARE * 4 * 4)
     return max(LOGITS_CHUNK_ELEMENTS, 1 << (max(fits, 1).bit_length() - 1))
 
 
-def logprobs_from_hidden(
-    hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto", entropy_grad=False
-):
-    """Per-token log p(target) and the distribution's entropy from hidden states [..., H] and the
-    output projection `weight` [V, H], in float32 from logits / temperature (the entropy detached
-    unless `entropy_grad`). The vocabulary-sized
-    logits are made `chunk_tokens` tokens at a time and recomputed in backward, so no
-    [B, T, V] tensor ever exists; "auto" sizes chunks to the device's `logits_chunk_elements` logits
-    (a small vocabulary is never chunked); chunk_tokens=None is the plain (memory-hungry) computation."""
-    shape = targets.shape
+def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto",
+                         entropy_grad=False):  # fmt: skip
+    """Per-token log p(target) and entropy, in float32 from logits / temperature, from hidden states [..., H] and the
+    output projection `weight` [V, H] (the entropy detached unless `entropy_grad`). The [n, V] logits are made
+    `chunk_tokens` tokens at a time, each chunk recomputed in backward when there are several, so no [B, T, V] tensor
+    exists; "auto" sizes chunks to `logits_chunk_elements`; None: one chunk (the plain, memory-hungry computation)."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens == "auto":
         chunk_tokens = max(1, logits_chunk_elements(h.device) // weight.shape[0])
-    if chunk_tokens is None or h.shape[0] <= chunk_tokens:
-        logp, ent = _logp_entropy_chunk(h, weight, y, temperature, entropy_grad)
-        return logp.view(shape), ent.view(shape)
-    logps, ents = [], []
-    for s in range(0, h.shape[0], chunk_tokens):
-        args = (h[s : s + chunk_tokens], weight, y[s : s + chunk_tokens], temperature, entropy_grad)
-        if torch.is_grad_enabled():
-            lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
-        else:
-            lp, en = _logp_entropy_chunk(*args)
-        logps.append(lp)
-        ents.append(en)
-    return torch.cat(logps).view(shape), torch.cat(ents).view(shape)
+    n = h.shape[0]
+    size = n if chunk_tokens is None or n <= chunk_tokens else chunk_tokens
+    recompute = size < n and torch.is_grad_enabled()
+    chunks = [(h[s : s + size], weight, y[s : s + size], temperature, entropy_grad) for s in range(0, n, max(size, 1))]
+    out = [checkpoint(_logp_entropy_chunk, *c, use_reentrant=False) if recompute else _logp_entropy_chunk(*c)
+           for c in chunks] or [_logp_entropy_chunk(h, weight, y, temperature, entropy_grad)]  # fmt: skip
+    return tuple(torch.cat(x).view(targets.shape) for x in zip(*out))
 
 
 def _logp_entropy_chunk(hidden, weight, targets, temperature: float, entropy_grad: bool = False):
@@ -1854,11 +1669,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 class Sampler:
     """The policy as the rollout samples it, with the run's sampling flags: `sample(prompts, generator)`.
-    --rollout-dtype float32 (the default) samples the policy itself; bfloat16 a bf16 copy, cast from the
-    policy at the start of every rollout and freed at its end (extras/rollout_precision.py; under --fsdp
-    cast from the gathered weights: make the Sampler before `data_parallel`). It records mu
-    (Rollout.sample_logp) whenever anything reads it: a bf16 rollout, --old-logp rollout or
-    --is-correction. Nothing of it is saved in checkpoints: a resumed run samples as an uninterrupted one."""
+    --rollout-dtype float32 (the default) samples the policy itself; bfloat16 a bf16 copy cast from it at the start
+    of every rollout (extras/rollout_precision.py; under --fsdp from the gathered weights: make the Sampler before
+    `data_parallel`). It records mu (Rollout.sample_logp) whenever anything reads it. Nothing of it is checkpointed."""
 
     def __init__(self, model, tok, args):
         self.model, self.args, self.dtype = model, args, ROLLOUT_DTYPES[args.rollout_dtype]
@@ -1872,39 +1685,33 @@ class Sampler:
         a, t0 = self.args, time.perf_counter()
         flags = (a.max_new_tokens, self.eos_ids, self.pad_id, a.temperature, a.top_p)
         with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
-            if self.copy is None or next(self.model.parameters()).dtype == self.dtype:
-                roll = sample(self.model, prompts, *flags, generator=generator, record_logp=self.records)
-            else:
-                with self.copy.cast_from(self.model):
-                    roll = sample(self.copy.module, prompts, *flags, generator=generator, record_logp=True)
+            with self.copy.cast_from(self.model) if self.copy else contextlib.nullcontext(self.model) as policy:
+                roll = sample(policy, prompts, *flags, generator=generator, record_logp=self.records)
         roll.seconds, roll.sampled_tokens, roll.draws = time.perf_counter() - t0, int(roll.completion_mask.sum()), 1
         return roll
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Updates: minibatches, skipping rows without signal, the non-finite guard, the step's update metrics
+# 8. Updates: minibatches, the non-finite guard, the step's update metrics (pooled over updates and ranks), the trace
 # ---------------------------------------------------------------------------------------------
 
 
 def minibatches(n: int, epochs: int, n_minibatches: int, device):
-    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut
-    into `n_minibatches` equal minibatches."""
+    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut into
+    `n_minibatches` equal minibatches."""
     for _ in range(epochs):
         yield from torch.randperm(n, device=device).chunk(n_minibatches)
 
 
 def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
-    """Factor for a loss that is a token mean over this rank's minibatch `mask` [B, T]: under
-    torchrun it rescales the rank's mean to its share of all ranks' tokens, so that DDP's average of
-    the gradients is the whole batch's token mean; exactly 1 without torchrun."""
+    """Factor for a loss that is a token mean over this rank's minibatch `mask` [B, T]: under torchrun the rank's
+    share of all ranks' tokens, so that DDP's average of the gradients is the whole batch's token mean; else 1."""
     return mask.sum().clamp(min=1) / mean_denominator(mask.sum())
 
 
 def anneal_lr(args, step: int, *optimizers: tuple) -> float:
-    """--anneal-lr: set each (optimizer, base_lr) pair's learning rate to base_lr * frac, where frac
-    falls linearly from 1 at step 1 to 1/steps at the last step (CleanRL's schedule); returns frac
-    (1 when off). Stateless, so a resumed run continues the same schedule (a larger --steps on
-    resume stretches what is left of it)."""
+    """--anneal-lr: each (optimizer, base_lr)'s learning rate set to base_lr * frac, frac falling linearly from 1 at
+    step 1 to 1/steps at the last (CleanRL's schedule); returns frac (1 when off). Stateless: --resume continues it."""
     frac = 1.0 - (step - 1) / args.steps if args.anneal_lr else 1.0
     for optimizer, base_lr in optimizers:
         for group in optimizer.param_groups:
@@ -1917,24 +1724,20 @@ class NonFiniteError(Exception):
 
 
 class NonFiniteGuard:
-    """Lets an update step the optimizer only if its loss and gradient norms are finite. A skipped
-    update never calls optimizer.step(), so the weights and the AdamW moments and step count stay
-    exactly as they were; `limit` skips in a row stop the run (NonFiniteError: exit status 3)."""
+    """Lets an update step the optimizer only if its loss and gradient norms are finite (a skipped update leaves the
+    weights and AdamW's state exactly as they were); `limit` skips in a row stop the run (NonFiniteError: exit 3)."""
 
     def __init__(self, limit: int = 3):
         self.limit, self.in_a_row = limit, 0
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
-        if all(torch.isfinite(v).all() for v in values):
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(
-                f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step {step}); "
-                f"stopping with the weights of the last finite update: lower --lr or check the data"
-            )
-        return False
+        finite = all(torch.isfinite(v).all() for v in values)
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+        if not finite and self.in_a_row >= self.limit:
+            raise NonFiniteError(f"loss or gradient norm not finite in {self.in_a_row} consecutive updates (step "
+                                 f"{step}); stopping with the weights of the last finite update: lower --lr or check "
+                                 "the data")  # fmt: skip
+        return finite
 
     def state_dict(self):
         return {"in_a_row": self.in_a_row}
@@ -1947,34 +1750,26 @@ RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRP
 
 
 def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """How far an update's policy has moved from pi_old, measured the same way whatever the
-    algorithm, over the update's completion tokens (mask [B, T]):
-      log_ratio_std             population std of the per-token log(pi / pi_old)
-      ratio_outside_grpo_clip   share of tokens whose own ratio lies outside [1 - 0.2, 1 + 0.2]
-    On-policy (the first update of a rollout) both are 0."""
-    mask = mask.bool()
-    log_ratio = (logp.detach() - old_logp)[mask].double()  # [N] the update's tokens
-    if log_ratio.numel() == 0:
+    """How far an update's policy moved from pi_old over its tokens (mask [B, T]), whatever the algorithm: the
+    population std of the per-token log(pi / pi_old), and the share of tokens whose ratio lies outside
+    [1 - RATIO_BAND, 1 + RATIO_BAND]. On-policy both are 0."""
+    log_ratio = (logp.detach() - old_logp)[mask.bool()].double()  # [N] the update's tokens
+    if not log_ratio.numel():
         return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
-    ratio = log_ratio.exp()
-    outside = (ratio < 1 - RATIO_BAND) | (ratio > 1 + RATIO_BAND)
-    return {
-        "log_ratio_std": log_ratio.std(unbiased=False).item(),
-        "ratio_outside_grpo_clip": outside.double().mean().item(),
-    }
+    outside = (log_ratio.exp() < 1 - RATIO_BAND) | (log_ratio.exp() > 1 + RATIO_BAND)
+    return {"log_ratio_std": log_ratio.std(unbiased=False).item(),
+            "ratio_outside_grpo_clip": outside.double().mean().item()}  # fmt: skip
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each
-    script's group_advantages decides it (their advantages are exactly 0)."""
+    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each script's
+    group_advantages decides it (their advantages are exactly 0)."""
     r = rewards.view(-1, group_size)
     return r.max(1).values == r.min(1).values
 
 
 def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tensor:
-    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on
-    every rank): groups in which every completion failed, as a collapsing run has them. A run that is
-    learning has many constant groups too, but at the top (every completion right), which these leave out."""
+    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on every rank)."""
     return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
 
 
@@ -1990,47 +1785,33 @@ def check_filter_groups(args):
 
 
 # How each number an update reports is pooled over the step's updates that stepped and over the ranks (`pool`,
-# docs/metrics.md): the one place that says it. A numeric `info` key not named here is an error (`update_terms`), so a
-# fork that adds a metric declares how it is counted. Units:
+# docs/metrics.md). A numeric `info` key not named here is an error (`update_terms`): a fork that adds a metric
+# declares how it is counted. Units:
 #   "minibatch tokens"     a share of the forwarded rows' loss tokens, counted as a share of every completion token
-#                          of the update's minibatch (TRL's and verl's clip fraction): sum of the counts / sum of the
-#                          minibatches' tokens
-#   "minibatch sequences"  the same of sequences: clipped sequences / the minibatches' sequences
-#   "tokens"               a mean over the update's loss tokens: weighted by them
-#   "tokens, std"          a population std over the update's loss tokens: pooled exactly, from each update's count,
-#                          mean and std (the mean: `POOLED_STD_MEANS`)
-#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the loss's
-#                          info holds "ratio_seqs" (GSPO, both variants), that many sequences (rows with a loss token)
-#   "ratio items, std"     the same for a population std
-#   "max"                  the largest over every update and rank
-#   "update"               one number per update (a loss, a gradient norm): the mean over updates and ranks
+#                          of the minibatch (TRL's and verl's clip fraction); "minibatch sequences": of sequences
+#   "tokens"               a mean over the update's loss tokens, weighted by them ("tokens, std": a population std,
+#                          pooled exactly from each update's count, mean and std; the mean: POOLED_STD_MEANS)
+#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the info
+#                          holds "ratio_seqs" (GSPO), that many sequences ("ratio items, std": a std)
+#   "max"                  the largest over every update and rank; "update": one number per update, the mean
 UPDATE_STAT_UNITS = {
-    "clip_frac": "minibatch tokens",
-    "clip_frac_low": "minibatch tokens",
-    "clip_frac_high": "minibatch tokens",
-    "dual_clip_frac": "minibatch tokens",
-    "vf_clip_frac": "minibatch tokens",
+    **dict.fromkeys(["clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "vf_clip_frac"],
+                    "minibatch tokens"),
     "clip_frac_seqs": "minibatch sequences",
-    "kl": "tokens",
-    "approx_kl": "tokens",
-    "ratio_outside_grpo_clip": "tokens",
+    **dict.fromkeys(["kl", "approx_kl", "ratio_outside_grpo_clip"], "tokens"),
     "log_ratio_std": "tokens, std",
     "ratio_mean": "ratio items",
     "ratio_std": "ratio items, std",
     "ratio_max_dev": "max",
-    "loss": "update",
-    "value_loss": "update",
-    "grad_norm": "update",
-    "critic_grad_norm": "update",
-}
+    **dict.fromkeys(["loss", "value_loss", "grad_norm", "critic_grad_norm"], "update"),
+}  # fmt: skip
 POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"}  # the mean each std is about
 
 
 def update_stat_terms(numbers: dict, counts: dict) -> dict:
-    """One update's numbers as the sums `pooled_update_stats` adds up: {key: [weighted sum, weight]} (a std:
-    [n * mean, n, n * std^2, n * mean^2]; a max: [value]). `counts`: the update's "tokens" (its loss tokens),
-    "minibatch tokens", "minibatch sequences" and "ratio items"; `numbers` holds each std's mean
-    (`POOLED_STD_MEANS`) beside it. Raises ValueError naming a key UPDATE_STAT_UNITS does not declare."""
+    """One update's numbers as the sums `pool` adds up: {key: [weighted sum, weight]} (a std: [n * mean, n,
+    n * std^2, n * mean^2]; a max: [value]), weighted by `counts` (its "tokens", "minibatch tokens", ...). Raises
+    ValueError naming a key UPDATE_STAT_UNITS does not declare."""
     terms = {}
     for key, value in numbers.items():
         if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
@@ -2057,33 +1838,26 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
 
 
 def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
-    """One update's numbers as `pool` adds them up, after its optimizer step: the numbers of the loss's `info`
-    (a tensor in it, the ratio or the clip decisions, is left out), each weighted by what UPDATE_STAT_UNITS says it
-    counts, and `token_ratio_stats` of its log-probs `logp` against pi_old `old_logp` over the loss's `mask` [b, T]
-    of the `forwarded` rows. The clip fractions become shares of the whole minibatch (`minibatch_mask`, [m, T]: its
-    completion tokens, and m sequences), as TRL and verl count them: a row left out has advantage 0 and never clips."""
+    """One update's numbers as `pool` adds them up, after its optimizer step: the loss's `info` (its tensors left
+    out) and `token_ratio_stats` of `logp` against pi_old `old_logp` over the loss's `mask` [b, T] of the `forwarded`
+    rows, each weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the whole minibatch
+    (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out has advantage 0 and never clips."""
     numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
     ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
     loss_tokens, mask = mask.sum().item(), mask.bool()
-    counts = {
-        "tokens": loss_tokens,
-        "forwarded tokens": loss_tokens,
-        "minibatch tokens": minibatch_mask.sum().item(),
-        "forwarded sequences": forwarded,
-        "minibatch sequences": minibatch_mask.shape[0],
-        "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs,
-    }
+    counts = {"tokens": loss_tokens, "forwarded tokens": loss_tokens, "minibatch tokens": minibatch_mask.sum().item(),
+              "forwarded sequences": forwarded, "minibatch sequences": minibatch_mask.shape[0],
+              "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs}  # fmt: skip
     log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
     numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
     return update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts)
 
 
 def pool(updates: list[dict], skipped: int) -> dict:
-    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: each
-    summed over updates and ranks in one all-reduce (a max in one more), then divided (UPDATE_STAT_UNITS); a
-    std is the pooled population std, sqrt((sum of n std^2 + sum of n mean^2 - N mean^2) / N). A weighted number
-    whose weights are all 0 (no token anywhere) is 0, a ratio 1. `skipped_updates`: how many the non-finite
-    guard skipped, the mean over the ranks. Every rank calls it with the same keys."""
+    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank (the same keys):
+    summed over updates and ranks in one all-reduce (a max in one more), then divided; a std is the pooled population
+    std, sqrt((sum n std^2 + sum n mean^2 - N mean^2) / N). With no weight anywhere: 0 (ratio_mean 1).
+    `skipped_updates`: how many the non-finite guard skipped, the mean over the ranks."""
     keys = list(updates[0]) if updates else []
     maxima = [k for k in keys if UPDATE_STAT_UNITS[k] == "max"]
     summed = [k for k in keys if k not in maxima]
@@ -2100,31 +1874,28 @@ def pool(updates: list[dict], skipped: int) -> dict:
     for key, width in zip(summed, widths, strict=True):
         total, weight, *second = sums[start : start + width]
         start += width
-        empty = 1.0 if key == "ratio_mean" else 0.0  # no token moved: ratio 1
-        if not second:
-            out[key] = total / weight if weight > 0 else empty
-        else:
+        value = total / weight if weight > 0 else (1.0 if key == "ratio_mean" else 0.0)  # no token moved: ratio 1
+        if second:  # a std, from the pooled sums
             std_sq, mean_sq = second
-            mean = total / weight if weight > 0 else 0.0
-            out[key] = math.sqrt(max(0.0, std_sq + mean_sq - weight * mean**2) / weight) if weight > 0 else 0.0
+            value = math.sqrt(max(0.0, std_sq + mean_sq - weight * value**2) / weight) if weight > 0 else 0.0
+        out[key] = value
     return {k: out[k] for k in ["skipped_updates", *keys]}
 
 
 def trace_due(args, step: int) -> bool:
-    """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the
-    last step), where this copy of the project has extras/traces.py; 0: never."""
-    if args.trace_every is None:
-        if not (Path(__file__).parent / "extras" / "traces.py").is_file():
-            return False
-        return bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
-    return bool(args.trace_every) and step % args.trace_every == 0
+    """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the last step),
+    where this copy of the project has extras/traces.py; 0: never."""
+    if args.trace_every is not None:
+        return bool(args.trace_every) and step % args.trace_every == 0
+    evaluates = bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
+    return evaluates and (Path(__file__).parent / "extras" / "traces.py").is_file()
 
 
 def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,
                 **per_token):  # fmt: skip
-    """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed
-    to the updates (pi_old `old_logp` on the rows `has_old`, and `per_token`, the script's other [B, T] values:
-    ref_logp, value, token_reward); each update adds to it (`Trace.update`), `log_step` writes it. Else None."""
+    """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed to
+    the updates (pi_old on the rows `has_old`; `per_token`: ref_logp, value, token_reward); each update adds to it
+    (`Trace.update`), `log_step` writes it. Else None."""
     if env.rank > 0 or not trace_due(args, step):
         return None
     per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
@@ -2133,29 +1904,20 @@ def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, ad
 
 
 def routing(model):
-    """An MoE model's routing (extras/moe.py's RoutingReplay: each token's experts recorded in pi_old's forward,
-    routing_drift, grpo.py's --routing-replay); None for a dense model."""
+    """An MoE model's routing (extras/moe.py: experts recorded in pi_old's forward, routing_drift, --routing-replay);
+    None for a dense model."""
     return extra("moe", "an MoE --model").RoutingReplay(model) if is_moe(model) else None
 
 
-@contextlib.contextmanager
 def recording_experts(moe, roll: Rollout):
     """Context for pi_old's forward of `roll`: with an MoE model's `moe` (`routing`), each token's experts recorded
-    in it into `roll.experts`, which travels with the batch (drift, --routing-replay); with None, nothing."""
-    if moe is None:
-        yield
-        return
-    with moe.record():
-        yield
-    roll.experts = moe.indices
+    into `roll.experts`, which travels with the batch (drift, --routing-replay); with None, nothing."""
+    return contextlib.nullcontext() if moe is None else moe.recording(roll)
 
 
 def tokens_per_s(roll: Rollout) -> float:
     """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample's
-    figures; a Rollout.concat of several draws adds them up)."""
-    if roll.seconds is None or roll.sampled_tokens is None:  # tokens_per_s would be a wrong number
-        raise ValueError("tokens_per_s needs a Rollout from Sampler.sample (or rows picked from one): this one "
-                         "has no seconds / sampled_tokens")  # fmt: skip
+    figures, added up over the draws a Rollout.concat joins)."""
     return all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds
 
 
@@ -2166,21 +1928,17 @@ def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
     """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
-    (their advantages are exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every
-    completion failed: the collapse watch); sample_rounds (`draws`), groups_sampled, and groups_kept, the groups
-    trained (`rewards`) whose rewards differ (--filter-groups). {} without groups (--group-size 1)."""
+    (advantages exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every completion
+    failed, as a collapsing run has them; a learning run's are at the top); sample_rounds (`draws`),
+    groups_sampled, and groups_kept, the groups trained (`rewards`) whose rewards differ. {} for --group-size 1."""
     if group_size < 2:
         return {}
     lowest = all_reduce_sum(sampled_rewards.float().min(), op="MIN")
     counts = torch.tensor([len(sampled_rewards), (~constant_groups(rewards, group_size)).sum().item()])
     rows, kept = all_reduce_sum(counts.float()).tolist()
-    return {
-        "zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
-        "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
-        "sample_rounds": draws,
-        "groups_sampled": int(rows) // group_size,
-        "groups_kept": int(kept),
-    }
+    return {"zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
+            "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
+            "sample_rounds": draws, "groups_sampled": int(rows) // group_size, "groups_kept": int(kept)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,9 +59,5 @@ def fill(args, world: int, pad_id: int, sample_round, first: tuple) -> tuple:
         return first, sampled
     roll, records, rewards, parts = joined
     rows = keep_groups(rewards, G, n)
-    return (
-        roll[rows],
-        [records[i] for i in rows.tolist()],
-        rewards[rows],
-        {k: v[rows] for k, v in parts.items()},
-    ), sampled
+    kept = roll[rows], [records[i] for i in rows.tolist()], rewards[rows], {k: v[rows] for k, v in parts.items()}
+    return kept, sampled

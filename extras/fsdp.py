@@ -1,11 +1,9 @@
 """extras/fsdp.py: --fsdp, PyTorch FSDP2 under torchrun (docs/running.md, "Models that do not fit one GPU").
 
-Imported by common.py only when --fsdp asks for it. What it does: `shard` applies `fully_shard` to each
-decoder layer and then to the root (the policy's CompletionLogprobs wrapper, the critic, the frozen
-reference); `gathered` holds a sharded model's weights whole for the sampler; the state helpers gather
-whole tensors for checkpoints and final/ and hand each rank its shards on --resume. common.py reaches
-it through `common.sharded`, `common.gathered`, `common.data_parallel` and the checkpoint functions,
-so that nothing in the scripts changes under --fsdp.
+`shard` applies `fully_shard` to each decoder layer, then to the root (the policy's CompletionLogprobs wrapper, the
+critic, the reference); `gathered` holds a sharded model's weights whole for the sampler; the state helpers gather
+whole tensors for checkpoints and hand each rank its shards on --resume. common.py reaches it through `sharded`,
+`gathered`, `data_parallel` and the checkpoint functions: nothing in the scripts changes under --fsdp.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ import torch
 import common
 from common import CompletionLogprobs, UsageError
 
-# a model whose CompletionLogprobs wrapper is its FSDP root -> that wrapper (see common.completion_logprobs; the
-# only reference to it a script may keep), and the roots whose weights `gathered` holds whole right now. The
-# wrapper holds its model, so an entry lives until `forget_roots` (main's end, before the process group goes)
+# a model -> its CompletionLogprobs wrapper, its FSDP root (common.completion_logprobs), until `forget_roots`; and
+# the roots whose weights `gathered` holds whole right now
 LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GATHERED: weakref.WeakSet = weakref.WeakSet()
 
@@ -42,14 +39,12 @@ def gathered_dtype(device: torch.device, args) -> torch.dtype:
 
 
 def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """--fsdp: PyTorch FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module` itself, the
-    root, whose forward gathers what the layers leave (embeddings, final norm, output projection, a critic's
-    head). Each rank keeps 1/world of every weight, gradient and AdamW moment; a layer's weights are whole
-    only while it runs, and the gradients are averaged over the ranks as DDP's are. The master weights stay
-    float32. The gathered weights are `dtype` (`gathered_dtype`): bf16 through a MixedPrecisionPolicy
-    (gradients reduced in float32), on which the training forward and the rollout both run, or float32,
-    and then on CUDA the training forward runs under bf16 autocast as without --fsdp. Returns
-    `module`, now the root; a CompletionLogprobs root is registered for its model (`completion_logprobs`)."""
+    """--fsdp: FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module`, the root, whose forward
+    gathers what the layers leave (embeddings, final norm, output projection, a critic's head). Each rank keeps
+    1/world of every weight, gradient and AdamW moment; gradients are averaged as DDP's are; master weights stay
+    float32. Gathered weights are `dtype`: bf16 through a MixedPrecisionPolicy (gradients reduced in float32), or
+    float32 (the training forward then runs under bf16 autocast on CUDA, as without --fsdp). Returns `module`, now
+    the root; a CompletionLogprobs root is registered for its model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = module.model if isinstance(module, CompletionLogprobs) else module
@@ -69,10 +64,8 @@ def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def forget_roots():
-    """Drop every registered root: the sharded models and, through them, their process groups can then be freed
-    (extras/distributed.py's leave_process_group calls it before destroying the group; a sharded model alive into
-    interpreter shutdown can abort a finished rank there: SIGABRT, "terminate called without an active
-    exception")."""
+    """Drop every registered root, so that the sharded models and their process groups can be freed before the group
+    is destroyed (a sharded model alive into interpreter shutdown can abort a finished rank: SIGABRT)."""
     LOGPROBS_ROOT.clear()
 
 
@@ -85,9 +78,9 @@ def sharded(module) -> bool:
 
 @contextlib.contextmanager
 def gathered(model):
-    """--fsdp: every weight of `model` (one `shard` registered) whole on this rank inside the block, for the
-    sampler, which calls the model's modules directly; sharded again after. It is a collective: every
-    rank enters it at the same point, and once; nested, it does nothing. Without --fsdp it does nothing."""
+    """--fsdp: every weight of `model` whole on this rank inside the block, for the sampler (which calls the model's
+    modules directly); sharded again after. A collective: every rank enters it at the same point; nested, or
+    without --fsdp, it does nothing."""
     root = LOGPROBS_ROOT.get(model)
     if root is None or root in _GATHERED:
         yield
@@ -107,8 +100,7 @@ def gathered(model):
 
 
 def full_state_dict(module) -> dict:
-    """`module.state_dict()` with whole tensors. Under --fsdp they are gathered from every rank's shards
-    (a collective: every rank calls it) to rank 0, on CPU; the other ranks get {}."""
+    """`module.state_dict()` with whole tensors: under --fsdp gathered to rank 0, on CPU (a collective); others: {}."""
     if not sharded(module):
         return module.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -117,8 +109,8 @@ def full_state_dict(module) -> dict:
 
 
 def pretrained_state(model) -> dict | None:
-    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one
-    (full_state_dict, a collective), a tied output embedding left out as save_pretrained leaves it out."""
+    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one (a
+    collective), a tied output embedding left out as save_pretrained leaves it out."""
     if not sharded(model):
         return None
     state = full_state_dict(model)
@@ -129,11 +121,9 @@ def pretrained_state(model) -> dict | None:
 
 
 class GatheredState:
-    """A module or an optimizer whose parameters --fsdp shards, as a checkpoint saves it: state_dict()
-    gathers whole tensors to rank 0 (a collective; see full_state_dict), load_state_dict() takes the whole
-    state dict, which every rank reads from the checkpoint, and keeps this rank's shards. A module's state
-    dict is its usual one; an optimizer's is keyed by parameter name (torch.distributed.checkpoint's
-    format), not by position as optimizer.state_dict() is, so --fsdp keeps its value on --resume."""
+    """A module or optimizer --fsdp shards, as a checkpoint saves it: state_dict() gathers whole tensors to rank 0 (a
+    collective), load_state_dict() takes the whole state dict (every rank reads it) and keeps this rank's shards. An
+    optimizer's is keyed by parameter name (torch.distributed.checkpoint's format), not by position."""
 
     same_on_every_rank = True  # (common.save_checkpoint: rank 0 saves it once)
 
@@ -149,22 +139,18 @@ class GatheredState:
         return get_optimizer_state_dict(self.module, self.optimizer, options=options)
 
     def load_state_dict(self, state: dict):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True)
+        options = dcp.StateDictOptions(full_state_dict=True)
         if self.optimizer is None:
-            set_model_state_dict(self.module, state, options=options)
+            dcp.set_model_state_dict(self.module, state, options=options)
         else:
-            set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
+            dcp.set_optimizer_state_dict(self.module, self.optimizer, state, options=options)
 
 
 def checkpointed(state: dict, model) -> dict:
-    """A run's `state` with each module and optimizer that --fsdp shards as a GatheredState (an optimizer
-    with the module whose parameters it updates: `model` or a module of `state`); the rest unchanged."""
+    """A run's `state` with each module and optimizer --fsdp shards as a GatheredState (an optimizer with the module
+    whose parameters it updates: `model` or a module of `state`); the rest unchanged."""
     modules = [model] + [obj for obj in state.values() if isinstance(obj, torch.nn.Module)]
     out = {}
     for name, obj in state.items():
@@ -184,7 +170,7 @@ def load_policy(model, directory, rank: int):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    whole = {}  # rank 0 reads the policy; the others receive their shards from it
+    whole = {}
     if rank == 0:
         whole = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,8 +1,5 @@
 """extras/hf_decoder.py: sampling any causal LM that common._StaticKVDecoder does not take (not a Qwen2, Qwen3
-or Llama model with full attention): the model's own forward with a DynamicCache, no row dropping.
-
-Imported by common.sample only for such a model.
-"""
+or Llama model with full attention, e.g. tiny-moe): the model's own forward with a DynamicCache, no row dropping."""
 
 from __future__ import annotations
 
@@ -24,18 +21,9 @@ class HFDecoder:
         self.n = roll.prompt_ids.shape[1]  # tokens in the cache after prefill
 
     def _forward(self, ids, start):
-        return (
-            self.model(
-                input_ids=ids,
-                attention_mask=self.attn[:, : self.n],
-                position_ids=self.positions[:, start : self.n],
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            .logits[:, -1]
-            .float()
-        )
+        out = self.model(input_ids=ids, attention_mask=self.attn[:, : self.n], past_key_values=self.cache,
+                         position_ids=self.positions[:, start : self.n], use_cache=True, logits_to_keep=1)  # fmt: skip
+        return out.logits[:, -1].float()
 
     def prefill(self):
         return self._forward(self.prompt_ids, 0)

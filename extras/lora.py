@@ -1,9 +1,6 @@
-"""extras/lora.py: --lora-rank, peft LoRA adapters on a frozen base (docs/lora.md).
-
-Imported by common.py only when a LoRA flag asks for it (peft is imported here, not before). The
-reference of a LoRA run is the policy itself with its adapters disabled (`AdaptersOff`): the base never
-trains, so it is the initial policy, and no second copy of the weights is loaded. The sampler reads the
-adapters through `lora_base` and `effective_weight`; a checkpoint's policy/ holds the adapters only.
+"""extras/lora.py: --lora-rank, peft LoRA adapters on a frozen base (docs/lora.md). The reference of a LoRA run is
+the policy with its adapters disabled (`AdaptersOff`): the base never trains, so no second copy is loaded. The
+sampler reads the adapters through `lora_base` and `effective_weight`; a checkpoint's policy/ holds them only.
 """
 
 from __future__ import annotations
@@ -34,10 +31,8 @@ def check_args(args):
 
 
 def check_targets(args):
-    """--lora-targets against the module names of --model, built on the meta device (no weights, no
-    output): before anything is loaded or written. Every name given must exist; of the defaults, one
-    (a Qwen3-MoE's experts are fused tensors, not gate/up/down modules: its attention is adapted).
-    A checkpoint that does not load is left to load_model."""
+    """--lora-targets against the module names of --model built on the meta device, before anything loads: every
+    name given must exist; of the defaults, one (a Qwen3-MoE's experts are fused tensors: its attention is adapted)."""
     if not args.lora_rank:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -55,10 +50,9 @@ def check_targets(args):
 
 
 def add_lora(model, args):
-    """With --lora-rank r > 0: `model` as a peft model whose --lora-targets projections carry
-    rank-r adapters, W x + (alpha / r) B A x, and whose every other weight is frozen (only the
-    adapters train). B starts at 0, so the policy starts equal to the base model. No dropout: the
-    log-probs of pi_old and of the update must come from one function. With r = 0: `model` itself."""
+    """With --lora-rank r > 0: `model` as a peft model whose --lora-targets carry rank-r adapters, W x + (alpha / r)
+    B A x, every other weight frozen; B starts at 0 (the base model). No dropout: pi_old's and the update's log-probs
+    must come from one function. With r = 0: `model` itself."""
     if not args.lora_rank:
         return model
     from peft import LoraConfig, get_peft_model

@@ -1,9 +1,8 @@
 """extras/moe.py: Mixture-of-Experts routing, recorded and replayed (GSPO paper section 5.3), and its drift.
 
-Imported only for a model with sparse MoE blocks (--model tiny-moe, a Qwen3-MoE; common.routing): the scripts
-record each token's experts in the pi_old forward (into Rollout.experts, which travels with the batch), log
-routing_drift (the share of tokens whose experts the step's updates changed) and, for grpo.py's
---routing-replay, replay them in every update.
+Imported only for a model with sparse MoE blocks (--model tiny-moe; common.routing): the scripts record each
+token's experts in the pi_old forward (Rollout.experts), log routing_drift (the share of tokens whose experts the
+step's updates changed) and, for grpo.py's --routing-replay, replay them in every update.
 """
 
 from __future__ import annotations
@@ -19,36 +18,28 @@ from common import Rollout, completion_logprobs
 class RoutingReplay:
     """Record and replay the experts an MoE model routes each position to (Routing Replay).
 
-    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as
-    transformers' Qwen3MoeSparseMoeBlock), whose router `gate` returns (router logits [N, E],
-    top-k weights [N, k], top-k expert ids [N, k]) for the block's N = B * S positions. Hooks are
-    installed only inside `record()` / `replay()`; on a dense model there are no blocks and both
-    are no-ops.
+    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as transformers'
+    Qwen3MoeSparseMoeBlock), whose router returns (router logits [N, E], top-k weights [N, k], top-k expert ids
+    [N, k]) for the block's N = B * S positions, only inside `record()` / `replay()`.
 
-    record(): the forward pass is untouched; afterwards `self.indices` [layers, B, S, k] (long)
-    holds the expert ids each router chose at every position (prompt and completion) of the last
-    forward pass inside the block.
+    record(): the forward is untouched; afterwards `self.indices` [layers, B, S, k] holds the expert ids each router
+    chose at every position (prompt and completion) of the last forward inside the block.
 
-    replay(indices, rows=None): every router returns the *recorded* expert ids (rows `rows` of
-    `indices`, for a minibatch of the recorded batch) in place of its own top-k; the experts that
-    run are exactly the recorded ones. The routing weights are *not* replayed: they are the
-    current router's softmax over all E experts, gathered at the recorded ids and renormalised
-    over the k when the model sets norm_topk_prob, i.e. what the router computes for those
-    experts now. Gradients therefore reach, as in a plain forward, the recorded experts'
-    parameters and the router weight: with norm_topk_prob (Qwen3-MoE, tiny-moe) the softmax's
-    normaliser cancels and only the recorded experts' router rows get gradient; without it every
-    row does, through the normaliser. An expert not recorded for a position gets none from it.
-    With unchanged weights a replayed pass equals a plain one."""
+    replay(indices, rows=None): every router returns the recorded expert ids (rows `rows` of `indices`) in place of
+    its own top-k. The routing weights are not replayed: they are the current router's softmax over all E experts,
+    gathered at the recorded ids (renormalised over the k under norm_topk_prob), so gradients reach the recorded
+    experts and the router as in a plain forward. With unchanged weights a replayed pass equals a plain one."""
 
-    def __init__(self, model, replay_updates: bool = False):
+    def __init__(self, model):
         self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
         self.indices, self._shape, self._layers = None, None, None
-        self.replay_updates = replay_updates  # --routing-replay: `for_update` replays the recorded experts
 
-    def for_update(self, rows):
-        """Context for an update's forward and backward on rows `rows` of the recorded batch: with
-        replay_updates on an MoE model, `replay` of the recorded experts; otherwise nothing."""
-        return self.replay(self.indices if self.replay_updates and self.blocks else None, rows)
+    @contextlib.contextmanager
+    def recording(self, roll: Rollout):
+        """common.recording_experts: record the block's forward of `roll` into `roll.experts`."""
+        with self.record():
+            yield
+        roll.experts = self.indices
 
     def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
         """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
@@ -88,10 +79,8 @@ class RoutingReplay:
     @staticmethod
     def _check(router, output):
         if not (isinstance(output, tuple) and len(output) == 3):
-            raise TypeError(
-                f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
-                "as Qwen3-MoE's router does"
-            )
+            raise TypeError(f"routing replay: {type(router).__name__} does not return (logits, weights, expert ids) "
+                            "as Qwen3-MoE's router does")  # fmt: skip
 
     def _record_hook(self, layer, router, inputs, output):
         self._check(router, output)

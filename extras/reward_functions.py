@@ -1,12 +1,7 @@
-"""extras/reward_functions.py: your own --reward functions (module:function or file.py:function) and
---reward-model, imported and called with every check a user's code needs (common.Rewards, docs/rewards.md).
-
-A function has TRL's signature and is called by keyword, once per batch of B completions:
-
-    f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B
-
-NaN, infinity, a value that is not a number, a list of the wrong length or an exception inside it stop
-the run: RewardError, one line naming the function, the problem and the row, exit status 2.
+"""extras/reward_functions.py: several --reward functions, --reward-weights, your own functions and --reward-model
+(common.Rewards, docs/rewards.md). A function has TRL's signature, called by keyword once per batch of B completions,
+f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B, `fields` every other column of the
+records. An exception, NaN, infinity, a non-number or a wrong length stop the run: RewardError naming the row (exit 2).
 """
 
 from __future__ import annotations
@@ -21,11 +16,36 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import RewardError, UsageError, _clip, _describe
+from common import BUILTIN_REWARDS, RewardError, UsageError, _clip, _describe
 
 
-def import_function(spec: str, source: str, attr: str):
-    """The function `attr` of module `source` ("package.module" or "path/to/file.py") of --reward `spec`."""
+def load_rewards(specs, weights, reward_model, reward_model_weight: float):
+    """(names, functions, weights) of --reward `specs` (a built-in's function None: common.Rewards scores it) with
+    their --reward-weights, and --reward-model's (one more component, weighed like the others) when given."""
+    loaded = [(spec, None) if spec in BUILTIN_REWARDS else load_function(spec) for spec in specs]
+    names = [name for name, _ in loaded]
+    names = [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]  # a.py:f, b.py:f
+    if len(set(names)) < len(names):
+        raise UsageError(f"--reward: {', '.join(specs)} names a function twice; weigh it with --reward-weights")
+    weights = list(weights) or [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise UsageError(f"--reward-weights: {len(weights)} weights for {len(specs)} rewards ({', '.join(specs)})")
+    if not all(math.isfinite(w) for w in weights):
+        raise UsageError(f"--reward-weights must be finite numbers, got {' '.join(map(str, weights))}")
+    fns = [fn for _, fn in loaded]
+    if reward_model is not None:
+        if not math.isfinite(reward_model_weight):
+            raise UsageError(f"--reward-model-weight must be a finite number, got {reward_model_weight}")
+        names, fns, weights = names + ["reward_model"], fns + [reward_model], weights + [reward_model_weight]
+    return names, fns, weights
+
+
+def load_function(spec: str):
+    """(name, function) of --reward "package.module:function" or "path/to/file.py:function"."""
+    source, _, attr = spec.rpartition(":")
+    if not source or not attr:
+        raise UsageError(f"--reward {spec}: unknown; expected {', '.join(BUILTIN_REWARDS)}, module:function or "
+                         "file.py:function")  # fmt: skip
     try:
         if source.endswith(".py") or "/" in source or os.sep in source:
             path = Path(source).expanduser()
@@ -45,12 +65,15 @@ def import_function(spec: str, source: str, attr: str):
         raise UsageError(f"--reward {spec}: {source} has no function {attr!r}")
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
-    return fn
+    return attr, fn
 
 
-def call(name, fn, records, completions, columns) -> torch.Tensor:
-    """[B] float rewards of `fn` on `completions` of `records` (each record's `columns` passed by name; None:
-    does not apply, counted 0); anything that is not a reward raises RewardError naming the row."""
+def call(name, fn, records, tok, roll, columns) -> torch.Tensor:
+    """[B] float rewards of `fn` on the completions of `roll` (decoded without special tokens) of `records` (each
+    record's `columns` passed by name, or every field of these records; None: does not apply, counted 0); anything
+    that is not a reward raises RewardError naming the row."""
+    completions = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
+    columns = columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
     prompts = [r["prompt"] for r in records]
     fields = {k: [r.get(k) for r in records] for k in columns}
     B = len(completions)

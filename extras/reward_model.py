@@ -1,8 +1,6 @@
-"""extras/reward_model.py: --reward-model, a learned reward as one component of the run's reward, and the
-policy's KL to its start (kl_to_init), the x-axis of the over-optimisation curves (docs/reward_model.md).
-
-Imported by common.py only when --reward-model is given. tools/train_reward_model.py trains one.
-"""
+"""extras/reward_model.py: --reward-model, a learned reward as one component of the run's reward, and the policy's
+KL to its start (kl_to_init), the x-axis of the over-optimisation curves (docs/reward_model.md; trained by
+tools/train_reward_model.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +21,10 @@ from common import (
 
 
 def reward_model_text(tok, prompt: str, completion: str, thinking: str = "off") -> str:
-    """What a reward model reads: the prompt and the completion in the reward model's own chat
-    template when its tokenizer has one (a user turn, then an assistant turn; --thinking passed where
-    the template takes it), else concatenated. Qwen3's template writes the assistant turn with a think
-    block whatever --thinking says: the completion's own <think>...</think> reasoning (--thinking on),
-    or an empty one, '<think>\n\n</think>\n\n' before the answer, the same text that --thinking off
-    put at the end of the policy's prompt."""
+    """What a reward model reads: the prompt and the completion as a user and an assistant turn of its own chat
+    template when its tokenizer has one (--thinking passed where the template takes it; Qwen3's writes a think block
+    whatever it says: the completion's own, or the empty one --thinking off put in the policy's prompt), else
+    concatenated."""
     if getattr(tok, "chat_template", None):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return tok.apply_chat_template(messages, tokenize=False, **thinking_kwargs(tok, thinking))
@@ -36,10 +32,8 @@ def reward_model_text(tok, prompt: str, completion: str, thinking: str = "off") 
 
 
 def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64, thinking: str = "off") -> torch.Tensor:
-    """[N] float32: the scalar head of a sequence classifier on each (prompt, completion), re-tokenised
-    with the reward model's tokenizer. Right padding, whatever the tokenizer's padding side: every
-    real token keeps the position it has alone, so a score does not depend on the rest of the batch.
-    Gradients flow when called with them (training); scoring wraps it in no_grad."""
+    """[N] float32: a sequence classifier's scalar head on each (prompt, completion) in its own tokenizer, right
+    padded so that a score does not depend on the rest of the batch (gradients flow when enabled: training)."""
     device = next(model.parameters()).device
     texts = [reward_model_text(tok, p, c, thinking) for p, c in zip(prompts, completions)]
     special = not getattr(tok, "chat_template", None)  # a chat template writes its own special tokens
@@ -53,9 +47,8 @@ def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64, 
 
 
 def check(spec: str):
-    """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output.
-    AutoModelForSequenceClassification would load a causal LM without complaint (with a random
-    head), so the config's architectures and label count are checked here, before anything loads."""
+    """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output (a causal LM would
+    load as one without complaint, with a random head), checked before anything loads."""
     if spec == TINY_RM:
         return
     from transformers import AutoConfig
@@ -103,9 +96,8 @@ def load_reward_model(spec: str, device: torch.device):
 
 
 class RewardModel:
-    """--reward-model as a reward function with TRL's signature, so that `Rewards` weighs it like
-    any other component: the reward is the classifier's score of (prompt, completion) in the reward
-    model's own tokenizer and chat template."""
+    """--reward-model as a reward function with TRL's signature, weighed by `Rewards` like any other: the classifier's
+    score of (prompt, completion), in the reward model's own tokenizer and chat template."""
 
     def __init__(self, spec: str, device: torch.device, batch_size: int = 64, thinking="off"):
         self.model, self.tok = load_reward_model(spec, device)
@@ -118,9 +110,8 @@ class RewardModel:
 
 
 def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float = 1.0) -> dict:
-    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of the
-    sequence-level KL(pi || pi_init): the x-axis of Gao et al. 2022's over-optimisation curves.
-    {} when init_model is None (logged only with --reward-model)."""
+    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of the sequence-level
+    KL(pi || pi_init), the x-axis of Gao et al. 2022's over-optimisation curves; {} when init_model is None."""
     if init_model is None:
         return {}
     with torch.no_grad():
@@ -129,9 +120,8 @@ def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float
 
 
 def pair_accuracy(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
-    """[B] filled with the share of (correct, wrong) pairs of rows in the batch whose correct row
-    scores strictly higher (the reward model's accuracy on the policy's own samples); 0.5 when the
-    batch has no such pair. [B] so that it averages over ranks like the other parts."""
+    """[B] filled with the share of the batch's (correct, wrong) pairs of rows whose correct row scores strictly
+    higher (0.5 without such a pair); [B] so that it averages over ranks like the other parts."""
     good, bad = scores[correct.bool()], scores[~correct.bool()]
     acc = (good[:, None] > bad[None, :]).float().mean().item() if len(good) and len(bad) else 0.5
     return torch.full_like(scores, acc, dtype=torch.float32)

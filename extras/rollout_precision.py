@@ -1,19 +1,16 @@
-"""extras/rollout_precision.py: the sampler in bf16 (--rollout-dtype), pi_old from the sampler (--old-logp
-rollout), the mismatch between the sampler mu and the trainer, and its correction (--is-correction).
-
-Imported by common.py only when one of those flags is set (docs/rollout_mismatch.md). The scripts see
-two lines of it: `common.is_weights` (the loss weights, which change the gradient) and the Sampler; the
-mismatch statistics are the scripts' (`rollout_mismatch`, `mismatch_stats`: logged as mismatch_* and is_*).
+"""extras/rollout_precision.py: the sampler in bf16 (--rollout-dtype), pi_old from the sampler (--old-logp rollout),
+the mismatch between the sampler mu and the trainer, and its correction (--is-correction): docs/rollout_mismatch.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
 import torch
 
-from common import UsageError
+from common import UsageError, _top_p_filter
 
 
 def check_args(args):
@@ -28,33 +25,29 @@ def check_args(args):
 
 
 class LowPrecisionCopy:
-    """The policy's module structure with parameters of `dtype`, filled from the policy at the start of
-    a rollout and emptied at its end (`cast_from`), so that it costs memory only while sampling
-    (buffers, such as RoPE's frequencies, stay float32; its KV cache is `dtype` too). With LoRA the copy
-    holds the adapters: it samples the adapted policy."""
+    """The policy's modules with parameters of `dtype`, filled from the policy for a rollout and emptied after it
+    (`cast_from`): memory only while sampling (buffers stay float32). With LoRA it samples the adapted policy."""
 
     def __init__(self, model, dtype: torch.dtype):
         self.dtype = dtype
         empty = {id(p): torch.nn.Parameter(torch.empty(0), requires_grad=False) for p in model.parameters()}
         self.module = copy.deepcopy(model, memo=empty).eval()
 
+    @contextlib.contextmanager
     def cast_from(self, model):
-        """Context: the copy holds `model`'s current weights cast to `dtype` inside the block."""
+        """Context: the module to sample, the copy holding `model`'s current weights cast to `dtype`, or `model`
+        itself when its weights are `dtype` already (--fsdp gathered them so)."""
+        if next(model.parameters()).dtype == self.dtype:
+            yield model
+            return
         pairs = list(zip(self.module.parameters(), model.parameters()))
-        return _Filled(pairs, self.dtype)
-
-
-class _Filled:
-    def __init__(self, pairs, dtype):
-        self.pairs, self.dtype = pairs, dtype
-
-    def __enter__(self):
-        for dst, src in self.pairs:
+        for dst, src in pairs:
             dst.data = src.detach().to(self.dtype)
-
-    def __exit__(self, *exc):
-        for dst, src in self.pairs:
-            dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
+        try:
+            yield self.module
+        finally:
+            for dst, src in pairs:
+                dst.data = torch.empty(0, dtype=self.dtype, device=src.device)
 
 
 def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -131,3 +124,14 @@ def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> di
     mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
     corrected = is_weight_stats(weights, mask, args.is_correction, args.is_cap)
     return {**mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}
+
+
+def token_logps(logits, token, alive, temperature: float, top_p: float) -> dict:
+    """common.sample(record_logp=True), per decoded row: the log-prob of `token` under logits / temperature
+    (sample_logp_full) and under the distribution it was drawn from, after top-p (sample_logp); 0 where done."""
+    scaled = logits.float() / temperature
+    full = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    kept = _top_p_filter(scaled, top_p).log_softmax(-1) if top_p < 1.0 else None
+    sampled = full if kept is None else kept.gather(-1, token[:, None]).squeeze(-1)
+    # where, not *: a finished row's padding may lie outside the nucleus (-inf * 0 is nan)
+    return {"sample_logp_full": full.where(alive, 0.0), "sample_logp": sampled.where(alive, 0.0)}

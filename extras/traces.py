@@ -1,10 +1,6 @@
 """extras/traces.py: --trace-every, every token of a few groups as sampled, scored and updated (docs/traces.md).
-
-Imported on a traced step. A script's train() starts a Trace (common.start_trace) with what sampling,
-scoring and the no-grad passes computed, adds what each update's loss saw (`Trace.update`: its `info`, the
-ratio and the clip decisions), and common.log_step writes the records to OUT/traces.jsonl. The loss functions
-know nothing of it. tools/show_traces.py draws the page.
-"""
+A script's train() starts a Trace (common.start_trace), adds what each update's loss saw (`Trace.update`), and
+common.log_step writes the records to OUT/traces.jsonl (drawn by tools/show_traces.py)."""
 
 from __future__ import annotations
 
@@ -21,18 +17,15 @@ def _values(x: torch.Tensor | None, n: int):
 
 
 def groups_with_signal(advantages: torch.Tensor, mask: torch.Tensor, group_size: int) -> list[bool]:
-    """Per group of `group_size` consecutive rows: whether some row has a nonzero advantage on some
-    token, i.e. whether the update's gradient from the group can be nonzero. GRPO, GSPO: the group's
-    rewards are not all equal (group_advantages gives a constant group exactly 0); PPO ([B, T]
-    advantages): the whitened GAE of some completion token is not 0."""
+    """Per group of `group_size` consecutive rows: whether some row has a nonzero advantage on some token (the
+    group's gradient can be nonzero): rewards not all equal (GRPO, GSPO), or some nonzero GAE ([B, T], PPO)."""
     nonzero = advantages != 0 if advantages.dim() == 1 else ((advantages != 0) & mask.bool()).any(1)  # [B]
     return nonzero.view(-1, group_size).any(1).tolist()
 
 
 def traced_groups(signal: list[bool], n: int, seed: int, step: int) -> list[int]:
-    """The n groups a step's trace keeps (in rollout order): drawn in a random order of all groups,
-    the groups with signal first. The order comes from a generator of its own, seeded by --seed and
-    the step (the same draw on --resume), so that training's random streams never move."""
+    """The n groups a step's trace keeps (in rollout order): a random order of all groups, those with signal first,
+    from a generator of its own seeded by --seed and the step, so that training's random streams never move."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + 17)  # CPU, not the global one
     order = torch.randperm(len(signal), generator=generator).tolist()
     ranked = sorted(order, key=lambda g: not signal[g])  # stable: those with signal first, in draw order
@@ -40,11 +33,9 @@ def traced_groups(signal: list[bool], n: int, seed: int, step: int) -> list[int]
 
 
 class Trace:
-    """One step's values for --trace-groups groups of this rank's rollout (`traced_groups`: groups with
-    signal first): what sampling, scoring and the no-grad passes computed, given to the constructor,
-    and what each update's loss used (`update`); `records()` makes traces.jsonl's records, one per group.
-    It computes nothing: a row's old_logp is the script's pi_old where the script computed it (`has_old`,
-    [B] bool; None: every row), null on the rows it left out. No random stream moves."""
+    """One step's values for --trace-groups groups of this rank's rollout: what sampling, scoring and the no-grad
+    passes computed, and what each update's loss used (`update`); `records()`: traces.jsonl's, one per group. It
+    computes nothing: old_logp is the script's pi_old on the rows `has_old` ([B] bool; None: every row), else null."""
 
     def __init__(self, args, tok, eos_ids, step, roll, records, rewards, parts, advantages, old_logp, has_old,
                  per_token):  # fmt: skip
@@ -59,9 +50,8 @@ class Trace:
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
     def update(self, rows, logp, entropy, info: dict, on_policy: bool = False):
-        """An update's forwarded rows [b], its log-probs and entropy [b, T], and its loss's `info`, whose
-        "ratio" and "clipped" ([b, T], or [b] for a sequence ratio) the trace keeps; `on_policy`, as the script
-        marked it (its forward ran at the weights that sampled the batch)."""
+        """An update's forwarded rows [b], log-probs and entropy [b, T], its loss's `info` ("ratio" and "clipped",
+        [b, T] or [b] for a sequence ratio, are kept) and `on_policy`, as the script marked it."""
         detached = lambda x: None if x is None else x.detach()  # noqa: E731
         kept = {k: info.get(k) for k in ("ratio", "clipped")}
         self.updates.append((rows, logp.detach(), detached(entropy), kept, bool(on_policy)))
