@@ -35,7 +35,6 @@ traces.jsonl), experiments/ (the studies behind docs/) and benchmarks/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -82,46 +81,6 @@ def die(message: str, status: int = 2):
     sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
     sys.stderr.flush()
     sys.exit(status)
-
-
-def _did_you_mean(word: str, candidates) -> str:
-    """' (did you mean X?)' for the candidate nearest `word`, or '' when none is near."""
-    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
-def _number(kind):
-    """An argparse type for int or float that refuses NaN (every range check would let it through)."""
-
-    def parse(s: str):
-        value = kind(s)
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(s)
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its message: "invalid float value: 'x'"
-    return parse
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The tools' parser (tools/, experiments/): argparse whose own errors are one line, exit status 2, a flag
-    spelled out (argparse would take --step for --steps), an unknown one answered with the nearest real flag."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            flags = [s for a in self._actions for s in a.option_strings]
-            first = next((u for u in unknown if u.startswith("-")), unknown[0])
-            hint = _did_you_mean(first.split("=")[0], flags) if first.startswith("-") else ""
-            self.error(f"unrecognized argument {first}{hint}" if first.startswith("-") else
-                       f"unrecognized arguments: {' '.join(unknown)}")  # fmt: skip
-        return namespace
-
-    def error(self, message):
-        die(message)
 
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype's values
@@ -303,7 +262,8 @@ def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
         if a.startswith("--") or a == "-h":
             flag, eq, value = a.partition("=")
             if flag not in known:  # tyro's own message suggests a flag by its help text, not by its name
-                raise UsageError(f"unrecognized argument {a}{_did_you_mean(flag, known)}")
+                near = difflib.get_close_matches(flag, known, n=1)
+                raise UsageError(f"unrecognized argument {a}" + (f" (did you mean {near[0]}?)" if near else ""))
             if flag in lists:
                 values.setdefault(flag, []).extend([value] if eq else [])
                 continue
