@@ -2174,32 +2174,28 @@ SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with 
 
 
 def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
-    """Before the first step. The reward is called on batches of the run's shapes (`check_rewards`: a reward
-    that fails fails before anything is written). With --resume the checkpoint's weights go into `model`, each
-    `state` object gets its state and the RNG states theirs (extras/resume.py); else step 0 is evaluated. Only
-    then is the run --out held deleted (--overwrite: check_out) and OUT opened: returns its writer.
-    Exact resume: a checkpoint holds the policy's weights, each `state` object (its state_dict(), a
-    torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
-    tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else: put
-    in `state` whatever else moves during the run (a generator, a scheduler, a batch carried to the next step),
-    or a resumed run differs (tests/test_reliability.py). Under torchrun every object but the modules and
-    optimizers is saved by each rank, for itself (tests/test_distributed.py)."""
+    """Before the first step: the reward tried on the run's shapes (`check_rewards`), then --resume's checkpoint
+    loaded into `model`, each `state` object and the RNG states (extras/resume.py), or else step 0 evaluated; only
+    then the run in --out replaced (--overwrite) and OUT opened. Resume is exact only if `state` holds all that moves
+    during the run (a generator, a scheduler, a carried batch: tests/test_reliability.py); under torchrun each rank
+    saves its own, but for modules and optimizers."""
     for name, obj in state.items():
         if not checkpointable(obj):
             what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
             raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
     progress, samples = state["progress"], []
     check_rewards(args, env, model, tok)
-    if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+    if env.resume_from:
         extra("resume", "--resume").load_checkpoint(env.resume_from, model, checkpointed(state, model), env.rank,
                                                     env.world, env.device)  # fmt: skip
     else:
         progress.eval_before, samples = evaluate_run(args, env, model, tok, 0)
         progress.last_eval = progress.eval_before
-        if env.rank == 0:  # (under torchrun the evaluation is all ranks')
+        if env.rank == 0:
             tqdm.write(f"step 0: {describe_eval(progress.eval_before)}")
     if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
-        replace_out(args.out, env.replaces)
+        shutil.rmtree(args.out)
+        print(f"--out {args.out}: --overwrite: replacing the earlier {env.replaces} there whole", file=sys.stderr)
     writer = RunLogger(args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard")
     writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
     writer.show(samples)
@@ -2207,8 +2203,7 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
 
 
 def evaluate_run(args, env: Setup, model, tok, step: int) -> tuple[dict, list]:
-    """(metrics, samples) of `evaluate` on the evaluation set. --eval-samples draws from a generator of its
-    own, seeded by --seed and the step: evaluating never moves training's random streams."""
+    """(metrics, samples) of `evaluate` on the evaluation set, from a generator of its own (--eval-samples)."""
     generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
     metrics = evaluate(model, tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
                        args.eval_samples, args.temperature, args.top_p, generator, SAMPLES_SHOWN,
@@ -2217,11 +2212,8 @@ def evaluate_run(args, env: Setup, model, tok, step: int) -> tuple[dict, list]:
 
 
 def check_rewards(args, env: Setup, model, tok):
-    """Call the reward on batches of the run's own shapes before the first step, so that a reward function
-    that fits only some (one value per distinct prompt, say) fails before anything is written: a training
-    batch (this rank's prompts-per-step share, each prompt --group-size times in a row) and, on --resume,
-    where no step-0 evaluation runs first, an evaluation batch (and one of --eval-samples rows per prompt).
-    Greedy completions of the first records, one per distinct prompt, repeated: no random stream moves."""
+    """The reward called on batches of the run's shapes before anything is written (a training batch; on --resume,
+    which skips step 0's evaluation, an evaluation batch too), on greedy completions: no random stream moves."""
     n = args.prompts_per_step // env.world
     shapes = [(env.train_set[: n * env.world][env.rank :: env.world], args.group_size)]
     if env.resume_from:  # evaluate()'s first batch, and its pass@n batch
@@ -2240,7 +2232,7 @@ def check_rewards(args, env: Setup, model, tok):
 
 
 def progress_bar(args, env: Setup, progress: Progress):
-    """The steps still to run (from the checkpoint's step + 1 when resumed), as a progress bar (rank 0's)."""
+    """The steps still to run, as rank 0's progress bar."""
     first = progress.step + 1
     return tqdm(range(first, args.steps + 1), initial=first - 1, total=args.steps, desc=args.algo,
                 dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
@@ -2248,18 +2240,15 @@ def progress_bar(args, env: Setup, progress: Progress):
 
 def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, bar, row: dict, no_signal: bool,
              started: float, trace=None, shown: tuple = ()):  # fmt: skip
-    """The end of a step: the evaluation when due (every --eval-every steps and the last: eval_accuracy,
-    eval_format_rate, eval_reward, eval_pass@1, ..., printed with the step's `shown` metrics), the warnings
-    (`no_signal`: the script says when a step's rewards gave the update nothing to learn from), step_time_s
-    (since `started`, the evaluation included), `row` appended to metrics.jsonl, the `trace` to traces.jsonl."""
+    """The end of a step: the evaluation when due (printed with the step's `shown` metrics), the warnings
+    (`no_signal`: the step's rewards gave the update nothing to learn from), step_time_s, `row` to metrics.jsonl."""
     step = row["step"]
     writer.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
     progress.clip_fracs.append(row.get(writer.clip_key, 0.0))
-    watch_signal(env, progress, step, no_signal)
     if getattr(args, "filter_groups", False) and row["groups_kept"] < args.prompts_per_step:
-        warn_once(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} "
-                  f"with {row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such "
-                  "steps train on what they have (said once; the run goes on)")  # fmt: skip
+        warn(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} with "
+             f"{row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such steps "
+             "train on what they have (said once; the run goes on)")  # fmt: skip
     samples = []
     evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
     if evaluated:
@@ -2268,10 +2257,9 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
         printed = "  ".join(f"{k} {row[k]:.3f}" for k in (*SHOWN, *shown) if k in row)
         if env.rank == 0:
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(progress.last_eval)}  {printed}")
-    # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether the
-    # step had no signal)
+    # PPO, whose baseline is no group, counts its steps without signal as flat
     flat = row["zero_std_low_frac"] if env.needs_group else float(no_signal)
-    watch_collapse(env, progress, step, flat, row.get("eval_accuracy") if evaluated else None)
+    watch(env, progress, step, no_signal, flat, row.get("eval_accuracy") if evaluated else None)
     row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
     writer.log(row)
     if trace is not None:
@@ -2283,86 +2271,81 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
     progress.step, progress.wall_time_s = step, time.perf_counter() - writer.t_start
 
 
-def warn_once(env: Setup, progress: Progress, what: str, message: str):
-    """One warning line on stderr (rank 0) the first time `what` happens in a run (a process's run)."""
-    if what in progress.warned:
-        return
-    progress.warned.append(what)
-    if env.rank == 0:
-        tqdm.write(f"warning: {message}", file=sys.stderr)
+NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
+NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
+COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
+FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
+COLLAPSE = ("the policy may be collapsing; likely causes: the learning rate (--lr), stale minibatches without a clip "
+            "(--minibatches or --epochs > 1 update off-policy, safe only with the ratio clip), or the reward "
+            "(the run goes on)")  # fmt: skip
 
 
-def watch_signal(env: Setup, progress: Progress, step: int, no_signal: bool):
-    """After NO_SIGNAL_STEPS steps in a row without a learning signal: one warning, kept in summary.json."""
+def warn(env: Setup, progress: Progress, key: str, message: str, where=True):
+    """One line on stderr (rank 0) the first time `key` happens in a run; progress.warned[key] keeps `where`."""
+    if key not in progress.warned:
+        progress.warned[key] = where
+        if env.rank == 0:
+            tqdm.write(f"warning: {message}", file=sys.stderr)
+
+
+def watch(env: Setup, progress: Progress, step: int, no_signal: bool, flat: float, accuracy: float | None):
+    """The warnings of a run that goes wrong, each once (kept in summary.json): NO_SIGNAL_STEPS steps in a row
+    without signal; held-out `accuracy` COLLAPSE_DROP below step 0's at COLLAPSE_EVALS evaluations in a row; more
+    than FLAT_SHARE of the last FLAT_WINDOW steps' groups all at the batch's lowest reward (`flat`: this step's
+    share; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)."""
     progress.no_signal_steps += bool(no_signal)
     progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
-    if progress.no_signal_streak == NO_SIGNAL_STEPS and progress.no_signal is None:
+    if progress.no_signal_streak == NO_SIGNAL_STEPS:
         first = step - NO_SIGNAL_STEPS + 1
-        progress.no_signal = {"from_step": first, "warned_at_step": step}
         why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
                if env.needs_group else "every reward in the batch was equal, or the policy's entropy stayed below "
                f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
                "completion is better")  # fmt: skip
-        if env.rank == 0:
-            tqdm.write(
-                f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
-                "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
-                "(the run goes on)",
-                file=sys.stderr,
-            )
-
-
-def watch_collapse(env: Setup, progress: Progress, step: int, flat: float, accuracy: float | None):
-    """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
-    least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
-    FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
-    completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
-    (PPO: of its steps without signal).
-    `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
+        warn(env, progress, "no_signal", f"no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps "
+             f"{first}-{step}): {why}; try a reward that gives partial credit, a higher --temperature or a larger "
+             "--group-size (the run goes on)", {"from_step": first, "warned_at_step": step})  # fmt: skip
     before = (progress.eval_before or {}).get("accuracy")
     progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
     if accuracy is not None and before is not None:
-        progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
-        fell = progress.eval_accuracies
-        if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in fell]):
-            progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
+        fell = progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
+        if accuracy_collapsed(before, [a for _, a in fell]):
             at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
-            warn_collapse(env, f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
-                               f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
-    if progress.flat_groups is None and mostly_flat(progress.flat_window):
+            warn(env, progress, "accuracy_drop", f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 "
+                 f"{before:.3f} at {COLLAPSE_EVALS} evaluations in a row ({at}): {COLLAPSE}",
+                 {"before": before, "evals": fell, "warned_at_step": step})  # fmt: skip
+    if mostly_flat(progress.flat_window):
         first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
-        progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
         what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if env.needs_group
                 else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
-        warn_collapse(env, f"{share:.0%} of the {what} (steps {first}-{step})")
+        warn(env, progress, "flat_groups", f"{share:.0%} of the {what} (steps {first}-{step}): {COLLAPSE}",
+             {"share": share, "from_step": first, "warned_at_step": step})  # fmt: skip
 
 
-def warn_collapse(env: Setup, what: str):
-    """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
-    if env.rank == 0:
-        tqdm.write(
-            f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
-            "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
-            "with the ratio clip), or the reward (the run goes on)",
-            file=sys.stderr,
-        )
+def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
+    """Whether the last `evals` held-out `accuracies` are each at least `drop` below `before` (the 1e-9 keeps a
+    drop of exactly `drop`, 0.3 to 0.2, a drop in floats)."""
+    recent = accuracies[-evals:]
+    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
+
+
+def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
+    """Whether the last `window` steps' shares of flat groups average more than `share` (exactly `share`, 45 of 50,
+    stays below, though float sums of shares such as 1/3 land a little above it: the 1e-9)."""
+    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
-    """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
-    makes this step the last: returns whether one came. Under torchrun a signal on any rank counts on every
-    rank, and every rank takes part in the save (each keeps its own random streams; --fsdp gathers the weights)."""
-    stopping = on_any_rank(stop_requested())
-    if stopping or checkpoint_due(args, step):
+    """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
+    whether one came, which makes this step the last."""
+    stopping = on_any_rank(_stop["signum"] is not None)
+    if stopping or (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
         save_checkpoint(args.out, args.algo, args, model, tok, checkpointed(state, model), env.rank, env.world)
     return stopping
 
 
 def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, **also_save) -> dict:
-    """Write final/ (the policy, plus each `also_save` module's or state dict as final/NAME.pt; with LoRA the
-    adapters, and with --merge-lora also final/merged/, a standard checkpoint) and summary.json; returns the
-    last evaluation. A run stopped by a signal raises Interrupted (its checkpoint is written), so main() exits
-    with 128 + the signal's number."""
+    """Write final/ (the policy; each `also_save` module or state dict as final/NAME.pt; --merge-lora: final/merged)
+    and summary.json; return the last evaluation. A run a signal stopped raises Interrupted instead."""
     interrupted = progress.step < args.steps
     if not interrupted:
         writer.save_model(model, tok)
@@ -2393,42 +2376,20 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
             "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
             "peak_mem_mb": peak_memory_mb(env.device),
             f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
-            # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
-            "no_signal": progress.no_signal,
+            "no_signal": progress.warned.get("no_signal"),  # where each warning was given (null: not given)
             "no_signal_steps": progress.no_signal_steps,
-            # the collapse warnings (watch_collapse): where each was given (null: not given)
-            "accuracy_drop": progress.accuracy_drop,
-            "flat_groups": progress.flat_groups,
+            "accuracy_drop": progress.warned.get("accuracy_drop"),
+            "flat_groups": progress.warned.get("flat_groups"),
         }
     )
     writer.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
     writer.close()
     if interrupted:
-        raise Interrupted(progress.step, writer.out)
+        raise Interrupted(f"stopped after step {progress.step}; checkpoint in {writer.out / 'checkpoint'}; "
+                          f"continue with --resume {writer.out}")  # fmt: skip
     if writer.enabled:
         print(closing_line(args.algo, before, after, wall_time_s, writer.out), flush=True)
     return progress.last_eval
-
-
-NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
-NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
-COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
-FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
-
-
-def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
-    """Whether the last `evals` of the held-out `accuracies` (the evaluations after step 0, in order) are
-    each at least `drop` below `before`, step 0's. An accuracy is a count over the evaluation set: the
-    1e-9 keeps a drop of exactly `drop` (0.3 to 0.2, which floats make 0.0999...) a drop."""
-    recent = accuracies[-evals:]
-    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
-
-
-def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
-    """Whether more than `share` of the last `window` steps' groups were flat: `flat` holds each step's
-    share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
-    exactly `share` (45 of 50) below, where float sums of shares such as 1/3 land a little above it."""
-    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def all_equal(x: torch.Tensor) -> bool:
@@ -2438,8 +2399,7 @@ def all_equal(x: torch.Tensor) -> bool:
 
 
 def rounded(value, decimals: int = 6):
-    """`value` with each float in it (in dicts and lists too) rounded to `decimals` decimals, as metrics.jsonl
-    rounds: a number summary.json copies from an evaluation equals the logged one."""
+    """`value` with each float in it (in dicts and lists too) rounded as metrics.jsonl rounds."""
     if isinstance(value, float):
         return round(value, decimals)
     if isinstance(value, dict):
@@ -2452,11 +2412,7 @@ def rounded(value, decimals: int = 6):
 def duration(seconds: float) -> str:
     """'45 s', '2 min 17 s', '1 h 3 min'."""
     s = round(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60} s" if s < 3600 else f"{s // 3600} h {s % 3600 // 60} min"
 
 
 # What a run may write into --out, in the order the closing line names them
@@ -2464,9 +2420,8 @@ OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "fi
 
 
 def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
-    """The run's last line: "gspo: held-out accuracy 0.222 -> 0.640 in 2 min 17 s; wrote runs/gspo
-    (summary.json, metrics.jsonl, final/)" (the held-out reward where the task has no accuracy), naming
-    what the run left in `out` (an empty traces.jsonl left out)."""
+    """The run's last line: "gspo: held-out accuracy 0.222 -> 0.640 in 2 min 17 s; wrote runs/gspo (summary.json,
+    ...)" (the reward where the task has no accuracy; an empty traces.jsonl not named)."""
     key = "accuracy" if "accuracy" in after else "reward"
     paths = [out / name for name in OUTPUTS]
     written = [p.name + "/" * p.is_dir() for p in paths if p.is_dir() or (p.is_file() and p.stat().st_size)]
@@ -2489,14 +2444,11 @@ class Progress:
     last_eval: dict | None = None
     clip_fracs: list = field(default_factory=list)
     wall_time_s: float = 0.0
-    no_signal_streak: int = 0  # steps in a row without a learning signal (watch_signal)
+    no_signal_streak: int = 0  # steps in a row without a learning signal
     no_signal_steps: int = 0
-    no_signal: dict | None = None  # where the warning was given
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
-    accuracy_drop: dict | None = None  # where each collapse warning was given (watch_collapse)
-    flat_groups: dict | None = None
-    warned: list = field(default_factory=list)  # the warnings given once a run (warn_once)
+    warned: dict = field(default_factory=dict)  # each warning given (`warn`), and where
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -2507,30 +2459,23 @@ class Progress:
 
 
 class RunLogger:
-    """Writes metrics.jsonl (one object per step), samples.jsonl (a few completions per evaluation),
-    traces.jsonl (--trace-every: one record per traced group),
-    with --report-to tensorboard every metric also to TensorBoard event files in tensorboard/,
-    summary.json and final/ into `out`. metrics.jsonl is the record; TensorBoard a view of it.
-    Resuming from a checkpoint, metrics.jsonl, samples.jsonl and traces.jsonl start with the checkpoint's rows
-    and TensorBoard drops the events logged after the checkpoint's step (purge_step), so a crash
-    after the last checkpoint leaves no duplicated steps behind."""
+    """Writes OUT's metrics.jsonl (a row a step), samples.jsonl, traces.jsonl (--trace-every), summary.json, final/
+    and with --report-to tensorboard tensorboard/ (a view of metrics.jsonl); rank 0 alone. Resumed, each .jsonl
+    starts with the checkpoint's rows and TensorBoard purges the later steps: a crash leaves no step twice."""
 
     def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
         self.out, self.enabled, self.tensorboard = Path(out), enabled, None
         self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
-        if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
-            self.metrics_file, self.samples_file = open(os.devnull, "w"), open(os.devnull, "w")
-            self.traces_file = open(os.devnull, "w")
+        if enabled:
+            self.out.mkdir(parents=True, exist_ok=True)
+        names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
+        self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
+        if not enabled:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(self.out / "metrics.jsonl", "w")
-        self.samples_file = open(self.out / "samples.jsonl", "w")
-        self.traces_file = open(self.out / "traces.jsonl", "w")
         last_step = 0
         if resume_from is not None:
             last_step = json.loads((resume_from / "meta.json").read_text())["step"]
-            kept = ("metrics.jsonl", self.metrics_file), ("samples.jsonl", self.samples_file)
-            for name, file in (*kept, ("traces.jsonl", self.traces_file)):
+            for name, file in self.files.items():
                 saved = resume_from / name
                 for line in saved.read_text().splitlines() if saved.is_file() else []:
                     if line.strip() and json.loads(line)["step"] <= last_step:
@@ -2539,14 +2484,17 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(
-                str(self.out / "tensorboard"), purge_step=last_step + 1 if resume_from else None
-            )
+            purge = last_step + 1 if resume_from else None
+            self.tensorboard = SummaryWriter(str(self.out / "tensorboard"), purge_step=purge)
+
+    def write(self, name: str, rows: list):
+        for row in rows:
+            self.files[name].write(json.dumps(row) + "\n")
+        self.files[name].flush()
 
     def log(self, metrics: dict):
         clean = rounded(metrics)
-        self.metrics_file.write(json.dumps(clean) + "\n")
-        self.metrics_file.flush()
+        self.write("metrics.jsonl", [clean])
         if self.tensorboard is not None:  # the very values metrics.jsonl holds
             for k, v in clean.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -2565,13 +2513,10 @@ class RunLogger:
             tqdm.write(
                 f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
             )
-            self.samples_file.write(json.dumps(s) + "\n")
-        self.samples_file.flush()
+        self.write("samples.jsonl", samples)
 
     def log_traces(self, traces: list):
-        for t in traces:
-            self.traces_file.write(json.dumps(t) + "\n")
-        self.traces_file.flush()
+        self.write("traces.jsonl", traces)
 
     def summary(self, summary: dict):
         if self.enabled:
@@ -2579,15 +2524,14 @@ class RunLogger:
 
     def save_model(self, model, tok, name: str = "final"):
         """A standard checkpoint of `model` in OUT/name, written by rank 0 (--fsdp: gathered from every rank)."""
-        state_dict = pretrained_state(model)  # --fsdp: gathered from every rank
+        state_dict = pretrained_state(model)
         if self.enabled:
             model.save_pretrained(self.out / name, state_dict=state_dict)
             tok.save_pretrained(self.out / name)
 
     def close(self):
-        self.metrics_file.close()
-        self.samples_file.close()
-        self.traces_file.close()
+        for file in self.files.values():
+            file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
 
@@ -2621,12 +2565,7 @@ RESUME_MAY_CHANGE = (
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM stopped the run after a checkpoint was saved: exit status 128 + signal."""
-
-    def __init__(self, step: int, out: Path):
-        super().__init__(
-            f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; continue with --resume {out}"
-        )
+    """A stop signal ended the run after its checkpoint: exit status 128 + the signal's number."""
 
 
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
@@ -2674,16 +2613,6 @@ def _request_stop(signum, frame):
         "(send it again to stop at once)",
         file=sys.stderr,
     )
-
-
-def stop_requested() -> bool:
-    return _stop["signum"] is not None
-
-
-def checkpoint_due(args, step: int) -> bool:
-    """Every --save-every steps and after the last step (when on); a stop signal makes one too (decided on every
-    rank alike: save_checkpoint_if_due)."""
-    return args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
 
 
 def model_signature(config) -> dict:
