@@ -564,12 +564,6 @@ def check_out(args, resume_from: Path | None) -> str | None:
     return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
 
 
-def replace_out(out: str, replaces: str):
-    """Delete the run in `out` that check_out found, saying so in one line (rank 0 only calls it)."""
-    shutil.rmtree(out)
-    print(f"--out {out}: --overwrite: replacing the earlier {replaces} there whole", file=sys.stderr)
-
-
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -2572,10 +2566,8 @@ _stop = {"signum": None}  # set by the handler `main` installs, read by the trai
 
 
 class Unbroken:
-    """stdout or stderr that nobody reading it can crash. `python gspo.py | tee log` stopped by Ctrl-C: the same
-    SIGINT stops tee, and the run's next line would raise BrokenPipeError (a closed terminal: EIO) before its
-    checkpoint is saved. Here the first failed write points the stream's file at /dev/null instead, so the step
-    finishes and the checkpoint and summary are written; only lines that no one could read are lost."""
+    """stdout or stderr whose first failed write (a closed pipe: `| tee` stopped by the same Ctrl-C; a closed
+    terminal) points its file at /dev/null, so that the step finishes and its checkpoint is still written."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -2594,11 +2586,8 @@ class Unbroken:
             self.to_devnull()
 
     def to_devnull(self):
-        """Point the stream's file descriptor at /dev/null (what it still buffers goes there too, at exit)."""
-        try:
+        with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's captured stream)
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):  # no file descriptor (a test's captured stream): nothing to point
-            pass
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
         return getattr(self.stream, name)
@@ -2608,11 +2597,8 @@ def _request_stop(signum, frame):
     if _stop["signum"] is not None:  # the second signal: stop at once, without a checkpoint
         raise KeyboardInterrupt
     _stop["signum"] = signum
-    print(
-        f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
-        "(send it again to stop at once)",
-        file=sys.stderr,
-    )
+    print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+          "(send it again to stop at once)", file=sys.stderr)  # fmt: skip
 
 
 def model_signature(config) -> dict:
@@ -2623,19 +2609,15 @@ def model_signature(config) -> dict:
 
 def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _state_of(obj):
-    """What a checkpoint keeps of one of a run's `state` objects (start_run): a generator's state, a state_dict(),
-    or the value of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
+    """What a checkpoint keeps of a `state` object: a generator's state, a state_dict(), or a plain value."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if hasattr(obj, "state_dict"):
@@ -2655,19 +2637,9 @@ def same_on_every_rank(obj) -> bool:
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
-    """Write out/checkpoint/ atomically: into checkpoint.tmp/ first, which then replaces the
-    previous checkpoint by rename, so a crash while writing leaves the previous one intact.
-      policy/        the policy in Hugging Face format (loads like final/)
-      trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
-                     sampling generator, progress, ...) and the python / numpy / torch RNG states
-      rank<r>.pt     under torchrun, each rank's own: its RNG states and every `state` object that is not a
-                     module or an optimizer (its generators, the stream, a fork's carried batch), so that
-                     every rank resumes exactly
-      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
-                     and traces.jsonl, --trace-every's records)
-      meta.json      algorithm, step, number of processes, model name and config essentials, args
-    Every rank calls it at the same point (--fsdp gathers the weights and optimizer state from every
-    rank; rank 0 writes them). It returns once the checkpoint is complete, on every rank."""
+    """Write OUT/checkpoint/ atomically (into checkpoint.tmp/, then a rename): policy/ (Hugging Face format),
+    trainer.pt (each `state` object's state and the RNG states; under torchrun rank<r>.pt, each rank's own),
+    metrics.jsonl, samples.jsonl, traces.jsonl so far, and meta.json. Every rank calls it at the same point."""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
     policy = pretrained_state(model)  # --fsdp: gathered from every rank
@@ -2675,17 +2647,13 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir(parents=True)
-    if world > 1:  # every rank's own streams, once rank 0 has made checkpoint.tmp/
-        barrier()
-        own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
-        torch.save({"rng": trainer["rng"], "state": own}, tmp / f"rank{rank}.pt")
-        barrier()
+    if world > 1:
+        extra("distributed", "torchrun").save_rank_state(tmp / f"rank{rank}.pt", trainer, state)
     if rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy)
         tok.save_pretrained(tmp / "policy")
         torch.save(trainer, tmp / "trainer.pt")
-        shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-        for name in ("samples.jsonl", "traces.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "traces.jsonl"):
             if (out / name).is_file():
                 shutil.copyfile(out / name, tmp / name)
         meta = {
@@ -2707,31 +2675,26 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE
+# 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE (extras/distributed.py)
 # ---------------------------------------------------------------------------------------------
 
 
+def _torchrun():
+    """extras/distributed.py when this process is one of torchrun's (its process group is up), else None."""
+    dist = torch.distributed
+    return extra("distributed", "torchrun") if dist.is_available() and dist.is_initialized() else None
+
+
 def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """(rank, world, local_rank): under torchrun the process group joined (extras/distributed.py);
-    without torchrun (0, 1, 0), no group."""
+    """(rank, world, local_rank): under torchrun the process group joined; without, (0, 1, 0)."""
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, 0
     return extra("distributed", "torchrun").init_distributed(device)
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
-    """Under torchrun, `module` made data parallel: wrapped in DistributedDataParallel, which averages the
-    gradients of what runs through its forward over the ranks, or with --fsdp (`args.fsdp`) sharded by
-    FSDP2 instead (extras/fsdp.py). Without torchrun, `module` itself."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return module
-    if args is not None and args.fsdp:
-        fsdp = extra("fsdp", "--fsdp")
-        return fsdp.shard(module, fsdp.gathered_dtype(device, args))
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    """Under torchrun `module` in DistributedDataParallel (--fsdp: sharded by FSDP2); without, `module` itself."""
+    return module if _torchrun() is None else _torchrun().data_parallel(module, device, args)
 
 
 # --fsdp's hooks: each does nothing (and imports nothing) unless --fsdp has loaded extras/fsdp.py
@@ -2744,15 +2707,13 @@ def sharded(module) -> bool:
 
 
 def gathered(model):
-    """Context: under --fsdp every weight of `model` whole on this rank inside it (for the sampler, which
-    calls the model's modules directly); a collective. Otherwise nothing."""
+    """Context: under --fsdp every weight of `model` whole on this rank inside it (a collective)."""
     fsdp = _loaded("fsdp")
     return fsdp.gathered(model) if fsdp is not None else contextlib.nullcontext()
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, whose total norm comes back as a plain tensor (under --fsdp torch
-    returns a DTensor, whose full value is the norm of all ranks' shards together)."""
+    """torch.nn.utils.clip_grad_norm_, its norm a plain tensor (under --fsdp torch returns a DTensor)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -2768,41 +2729,25 @@ def pretrained_state(model) -> dict | None:
 
 
 def checkpointed(state: dict, model) -> dict:
-    """A run's `state` (start_run) as a checkpoint saves it: under --fsdp each sharded module and optimizer gathers its
-    whole state when saved (extras/fsdp.py's GatheredState); otherwise `state` itself."""
+    """A run's `state` as a checkpoint saves it (--fsdp: sharded modules and optimizers gathered when saved)."""
     fsdp = _loaded("fsdp")
     return fsdp.checkpointed(state, model) if fsdp is not None else state
 
 
 def barrier():
-    """Wait for every rank (nothing without torchrun)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if _torchrun() is not None:
+        torch.distributed.barrier()
 
 
 def on_any_rank(flag: bool) -> bool:
-    """Whether `flag` is true on at least one rank (`flag` itself without torchrun)."""
+    """Whether `flag` is true on at least one rank."""
     return bool(all_reduce_sum(torch.tensor([float(flag)]), op="MAX")[0] > 0)
 
 
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
-    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks (a new tensor); `x`
-    itself without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    device = x.device
-    x = x.detach().to(collective_device(dist.get_backend()), copy=True)
-    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
-    return x.to(device)
-
-
-def collective_device(backend: str) -> str:
-    """Where a collective's tensor must be: NCCL reduces GPU tensors only (this process's GPU, set by
-    init_distributed), gloo CPU ones."""
-    return "cuda" if backend == "nccl" else "cpu"
+    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks, a new tensor; without torchrun
+    `x` itself."""
+    return x if _torchrun() is None else _torchrun().all_reduce(x, op)
 
 
 def global_mean(x: torch.Tensor) -> float:
@@ -2822,45 +2767,28 @@ def global_means(values: dict) -> dict:
 
 
 def rank_means(values: dict) -> dict:
-    """{name: number} averaged over the ranks (the largest for a *_max_dev), in one all-reduce; `values`
-    itself without torchrun. Every rank calls it with the same names (each rank's own statistics)."""
-    dist = torch.distributed
-    if not values or not (dist.is_available() and dist.is_initialized()):
-        return values
-    x = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
-    mean, largest = all_reduce_sum(x) / dist.get_world_size(), all_reduce_sum(x, op="MAX")
-    return {k: (largest if k.endswith("_max_dev") else mean)[i].item() for i, k in enumerate(values)}
+    """{name: number} averaged over the ranks (the largest for a *_max_dev); `values` itself without torchrun."""
+    return values if not values or _torchrun() is None else _torchrun().rank_means(values)
 
 
 def raise_on_every_rank(error: Exception | None):
-    """Raise `error` if there is one; under torchrun, every other rank raises too (a UsageError
-    naming the rank that failed), so that one rank's failure stops the job instead of leaving the
-    others waiting in their next all-reduce. Every rank must call it at the same point."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        failed = torch.zeros(dist.get_world_size())
-        failed[dist.get_rank()] = float(error is not None)
-        failed = all_reduce_sum(failed)
-        if error is None and failed.any():
-            raise UsageError(f"stopped because rank {int(failed.nonzero()[0])} failed (its error is above)")
+    """Raise `error` if there is one; under torchrun every rank raises when one does (every rank calls it)."""
+    if _torchrun() is not None:
+        _torchrun().raise_if_any_rank_failed(error)
     if error is not None:
         raise error
 
 
 def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
-    """The denominator for a rank's sum over its items (tokens, say) such that, once DDP averages
-    the gradients of the W ranks, the step equals one process dividing the whole batch's sum by
-    the whole batch's count: (sum of local_count over ranks) / W. Without torchrun: local_count."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """A rank's denominator such that, once DDP averages the W ranks' gradients, the step is one process's over
+    the whole batch: (sum of local_count over ranks) / W. Without torchrun: local_count."""
+    world = torch.distributed.get_world_size() if _torchrun() is not None else 1
     return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
 
 
 def reference_model(model, device: torch.device, args):
-    """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
-    adapters disabled (extras/lora.py's AdaptersOff: no second copy of the weights); without, a frozen
-    copy of checkpoint --model, which --fsdp shards as it does the policy."""
+    """The frozen initial policy (KL terms, kl_to_init): with LoRA `model` with its adapters off (extras/lora.py),
+    else a frozen copy of --model (--fsdp: sharded as the policy is)."""
     lora = _loaded("lora")
     if lora is not None and lora.is_lora(model):
         return lora.AdaptersOff(model)
