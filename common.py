@@ -1,9 +1,7 @@
-"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm. Each script's train() shows its
-step (sample, score, advantages, pi_old, the updates, the step's metrics) and calls these plain functions where
-they act.
+"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm, as plain functions each script's
+train() calls where they act.
 
-Its sections:
-   1. Command line     SharedArgs (the flags every script shares) read by tyro, one-line errors (exit 2), main()
+   1. Command line     SharedArgs read by tyro, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
    4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
@@ -11,26 +9,14 @@ Its sections:
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
   7b. The sampler      Sampler: the policy as the rollout samples it
-   8. Updates          minibatches, the non-finite guard, the step's metrics: update_terms and pool (pooled over
-                       updates and ranks as UPDATE_STAT_UNITS counts each), group_metrics, the trace
-   9. The run          start_run (--resume, or step 0's evaluation), log_step (evaluation when due, the warnings,
-                       metrics.jsonl), save_checkpoint_if_due, finish (final/, summary.json)
+   8. Updates          minibatches, the non-finite guard, the step's metrics (update_terms, pool, group_metrics)
+   9. The run          start_run, log_step (evaluations, warnings, metrics.jsonl), finish (final/, summary.json)
   10. Checkpoints      atomic save, SIGINT / SIGTERM / SIGHUP
-  11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
+  11. torchrun         DDP wrapping, all-reduce helpers (their input itself in one process)
 
-What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
-when asked for; a default run imports one, traces, at its evaluations (--trace-every's default; 0: none,
-and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank), moe (MoE routing record,
-replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction), reward_model
-(--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
-data_files (--data, --eval-data), sums_task (--task sums), resume (--resume), distributed (torchrun's
-process group), hf_decoder (sampling a model outside the Llama family), qwen3_tokenizer (--model
-tiny-qwen3: Qwen3's vendored tokenizer), pass_at_k (--eval-samples), filter_groups (--filter-groups). Each is
-reached through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
-
-What runs beside the scripts lives beside them and imports this file, never the other way round:
-tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
-traces.jsonl), experiments/ (the studies behind docs/) and benchmarks/.
+What a flag (or the model) switches on lives in extras/, one module per capability, imported through
+`extra(name, flag)` only when asked for (a missing one is a one-line error naming it). tools/, experiments/ and
+benchmarks/ import this file, never the other way round.
 """
 
 from __future__ import annotations
@@ -76,8 +62,7 @@ class UsageError(Exception):
 
 
 def die(message: str, status: int = 2):
-    # always one line, in one write: under torchrun several ranks share stderr, and a message printed
-    # in two writes (text, then newline) can interleave with another rank's
+    # one line in one write: under torchrun the ranks share stderr, and two writes can interleave with another's
     sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
     sys.stderr.flush()
     sys.exit(status)
@@ -364,9 +349,7 @@ def check_clip(eps_low: float, eps_high: float):
 
 
 def extra(name: str, flag: str):
-    """extras/<name>.py, the optional capability that `flag` switches on, imported now (a default run
-    imports only traces, at its evaluations). Missing from this copy of the project: one line naming it,
-    exit status 2."""
+    """extras/<name>.py, the optional capability that `flag` switches on; missing, a UsageError naming it."""
     try:
         return importlib.import_module(f"extras.{name}")
     except ModuleNotFoundError as e:
@@ -382,37 +365,23 @@ def _loaded(name: str):
 
 
 def _describe(e: Exception, first_sentence: bool = True) -> str:
-    """An exception as one short line for an error message: its class and its first line, cut at the
-    first sentence's end unless `first_sentence` is False (a user's code: its whole first line)."""
+    """An exception as one short line: its class and its first line (cut at its first sentence's end)."""
     line = (str(e).strip().splitlines() or [""])[0]
     return f"{e.__class__.__name__}: {line.split('. ')[0] if first_sentence else line}"
 
 
 def check_model_name(model: str):
-    """'tiny', an existing Hugging Face checkpoint directory, or something shaped like a hub id."""
-    if model in TINY_MODELS or model == TINY_QWEN3:
-        return
-    expected = "expected 'tiny', a checkpoint directory or a hub id like Qwen/Qwen2.5-0.5B"
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UsageError(f"--model {model}: directory has no config.json (not a Hugging Face checkpoint)")
-        return
-    if path.exists():
-        raise UsageError(f"--model {model}: is a file; {expected}")
-    # a local path that does not exist ('runs/x/final', './m', '/abs') must not be sent to the hub
-    local = model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir()
-    if local or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
-        raise UsageError(f"--model {model}: no such directory; {expected}")
+    """'tiny' (an embedded checkpoint), an existing Hugging Face checkpoint directory, or a hub id's shape."""
+    if model not in TINY_MODELS and model != TINY_QWEN3:
+        extra("hub", f"--model {model}").check_model_name(model)
 
 
 EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130), SIGTERM (143) or SIGHUP (129)
 
 
 def main(train, args_cls, argv=None):
-    """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
-    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP
-    after finishing the step and saving a checkpoint (continue it with --resume)."""
+    """The scripts' entry point. Exit status: 0 done; 2 bad input (one line on stderr); 3 stopped by the non-finite
+    guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP after the step and its checkpoint (see --resume)."""
     # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
@@ -420,10 +389,8 @@ def main(train, args_cls, argv=None):
     sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # a closed reader never costs a checkpoint
     try:
         train(parse_args(args_cls, argv))
-    except UsageError as e:
-        die(str(e), EXIT_USAGE)
-    except NonFiniteError as e:
-        die(str(e), EXIT_NON_FINITE)
+    except (UsageError, NonFiniteError) as e:
+        die(str(e), EXIT_NON_FINITE if isinstance(e, NonFiniteError) else EXIT_USAGE)
     except Interrupted as e:
         print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
         sys.exit(128 + _stop["signum"])
@@ -447,26 +414,23 @@ def main(train, args_cls, argv=None):
 class Setup:
     """What `setup` found out before any model is loaded."""
 
-    rank: int  # this process's rank under torchrun (0 without)
+    rank: int  # under torchrun (0 without)
     world: int  # number of processes (1 without torchrun)
     device: torch.device
-    train_set: list  # training records: "prompt", "answer" (where the task has one) and the file's other fields
-    eval_set: list  # evaluation records, at most --eval-size: --eval-data, or a held-out part of the training data
+    train_set: list  # records: "prompt", "answer" (where the task has one) and the file's other fields
+    eval_set: list  # at most --eval-size: --eval-data, or a held-out part of the training data
     resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
-    reward_fn: Rewards  # the run's reward: the --reward functions, weighted by --reward-weights
+    reward_fn: Rewards  # the --reward functions, weighted by --reward-weights
     system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
-    eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
+    eval_overlap: int  # evaluation prompts that also occur in the training data (warned about)
     needs_group: bool  # the advantage compares each prompt's completions (GRPO, GSPO), or not (PPO)
     replaces: str | None = None  # the earlier run in --out that this one replaces whole (check_out), or None
 
 
 def setup(args, needs_group: bool = True) -> Setup:
-    """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
-    any output is written), torchrun's process group, the data, the --reward functions (imported
-    here, so that one that cannot be imported stops the run before it writes anything), the
-    --resume checkpoint, the device and the seeds. An embedded checkpoint (--model tiny, ...) is looked
-    up here, shipped or cached, never built: a missing one is a one-line error. `needs_group`: the
-    advantage compares a prompt's completions (--group-size >= 2)."""
+    """Everything a run needs before its model, each failure a one-line error before anything is written: the
+    flags' checks, torchrun's process group, the data, the --reward functions, --resume's checkpoint, the device
+    and the seeds. `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
     args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
@@ -519,7 +483,7 @@ RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  #
 
 
 def run_scripts(out: Path) -> set:
-    """The scripts that summary.json and the checkpoint in `out` name (empty: none names one)."""
+    """The scripts that summary.json and the checkpoint in `out` name."""
     found = set()
     for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
         try:
@@ -532,11 +496,9 @@ def run_scripts(out: Path) -> set:
 
 
 def check_out(args, resume_from: Path | None) -> str | None:
-    """--out before anything is written: the earlier run that --overwrite replaces whole (start_run does it, on rank 0),
-    or None when there is nothing to replace (no directory, an empty one, or the run that --resume continues in
-    place). A run is never deleted without --overwrite: a directory that holds one (finished or stopped, this
-    script's or another's) is a UsageError, nothing touched, that says how to continue or replace it; so is a
-    non-empty directory that holds no run, which is never deleted, with --overwrite or without."""
+    """The earlier run in --out that --overwrite replaces whole (start_run does, on rank 0), or None: nothing to
+    replace, or the run --resume continues. Without --overwrite a run there is a UsageError; a non-empty directory
+    that holds no run is one with --overwrite too (never deleted)."""
     out = Path(args.out)
     if resume_from is not None and out.resolve() == resume_from.resolve().parent:
         return None  # --resume continues the run in its own directory
@@ -611,7 +573,7 @@ def load_task(
     needs_answer=True,
     check=None,
 ):
-    """Returns (train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
+    """(train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
     that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
     out (arith, sums: their fixed splits), which never overlaps training. `check(where, records)`
     sees each file's records in file order (setup: `check_characters`)."""
@@ -640,8 +602,7 @@ def load_task(
 
 
 def count_overlap(train_set, eval_set) -> int:
-    """How many evaluation records have a prompt that also occurs in the training records
-    (compared after stripping surrounding whitespace): those measure memory, not generalisation."""
+    """How many evaluation prompts also occur (stripped) in the training records: they measure memory."""
     seen = {ex["prompt"].strip() for ex in train_set}
     return sum(ex["prompt"].strip() in seen for ex in eval_set)
 
@@ -685,15 +646,13 @@ SYSTEM_PROMPTS = {
 
 
 def thinking_kwargs(tok, thinking: str = "off") -> dict:
-    """apply_chat_template's enable_thinking for --thinking, where the template reads it (Qwen3's: off
-    ends the generation prompt with an empty <think>\n\n</think>\n\n); {} for any other template."""
+    """apply_chat_template's enable_thinking for --thinking, where the template reads it (Qwen3's)."""
     return {"enable_thinking": thinking == "on"} if "enable_thinking" in (tok.chat_template or "") else {}
 
 
 def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off") -> list[list[int]]:
-    """Token ids per prompt: through the chat template (after `system_prompt`, unless it is '', with
-    --thinking where the template takes it) when the tokenizer has one, as plain text otherwise (the
-    tiny model and base checkpoints)."""
+    """Token ids per prompt: through the chat template (after `system_prompt` unless '') when the tokenizer has
+    one, as plain text otherwise (the tiny model, base checkpoints)."""
     if getattr(tok, "chat_template", None):
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return [
@@ -710,8 +669,7 @@ def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT, thinking: 
 
 
 def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off"):
-    """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
-    `group_size` consecutive rows), and every row's record (what the reward functions read)."""
+    """Each example's prompt ids `group_size` times in a row (a group), and every row's record."""
     prompts = [ids for ids in encode_prompts(tok, examples, system_prompt, thinking) for _ in range(group_size)]
     return prompts, [ex for ex in examples for _ in range(group_size)]
 
@@ -722,19 +680,14 @@ def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYS
 
 
 def load_model(name: str, device: torch.device, grad_checkpointing: bool = False):
-    """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
-    master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
-    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
-    grad_checkpointing: recompute activations in backward (in train mode), less memory."""
+    """(model, tokenizer) of --model. Weights stay float32 (AdamW's master copy: in bf16 most of a 1e-6 update
+    rounds away); on CUDA the training forward runs under bf16 autocast and matmuls may use TF32."""
     from transformers import AutoModelForCausalLM
 
     path = model_path(name)
-    if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
-        # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
-        # only add synchronisation (and collapse when another process shares the cores).
-        torch.set_num_threads(1)
-    if "RLREF_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
+    if "RLREF_THREADS" in os.environ or (device.type == "cpu" and name in TINY_MODELS):
+        # a 0.8M-parameter model's matmuls are too small to split across cores: threads only add synchronisation
+        torch.set_num_threads(int(os.environ.get("RLREF_THREADS", 1)))
     use_tf32(device)
     tok = load_tokenizer(name)
     try:
@@ -749,18 +702,14 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
 
 
 def use_tf32(device: torch.device) -> None:
-    """On CUDA, float32 matmuls (those outside the training forward's bf16 autocast: the sampler's, the
-    critic's head) may use TF32, a 10-bit mantissa; a CPU has no such mode (the flag is left as it is)."""
+    """On CUDA, float32 matmuls outside the training forward's bf16 autocast may use TF32 (a 10-bit mantissa)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
-    """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back
-    to the OS. By default glibc raises its mmap threshold to the size of each mmapped block it frees
-    (up to 32 MB); after that the trunk's activations come from the heap, whose freed pages stay resident
-    (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it moving. Nothing is
-    computed differently. A no-op off glibc, or when the user set MALLOC_MMAP_THRESHOLD_ themselves."""
+    """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back to the OS
+    (glibc would raise the threshold to each freed block's size, then keep freed pages resident: docs/memory.md)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     import ctypes
@@ -772,9 +721,7 @@ def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
 
 
 def quiet_transformers():
-    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards"): the run's bar
-    and its closing line say what is happening. The hub's download bars stay as they were (a real model's
-    first download is worth watching), and our own tqdm bar is not transformers' and is not affected."""
+    """Turn off transformers' own progress bars ("Loading weights", ...); the hub's download bars stay."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging
 
@@ -790,8 +737,7 @@ def is_moe(model) -> bool:
 
 
 def local_config(name: str) -> dict:
-    """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
-    weights load. {} for a hub id, which only loading can read (common.routing checks the model: is_moe)."""
+    """--model `name`'s config.json, read before any weights load ({} for a hub id)."""
     config = Path(model_path(name, ask_hub=False)) / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
@@ -802,66 +748,24 @@ def declares_experts(name: str) -> bool:
 
 
 def model_path(name: str, ask_hub: bool = True) -> str:
-    """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
-    use, extras/qwen3_tokenizer.py), a local directory, or a hub id's source (`hub_model_path`; the id
-    itself with ask_hub=False)."""
+    """Where --model `name` loads from: an embedded checkpoint, tiny-qwen3's (built on first use), a local
+    directory, or a hub id's source (extras/hub.py; the id itself with ask_hub=False)."""
     if name == TINY_QWEN3:
         return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
     if name in TINY_MODELS:
         return tiny_checkpoint(name)
     if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
         return name
-    return hub_model_path(name)
-
-
-HUB_PROBE_S = 3.0  # how long a hub id waits for the hub to answer (huggingface_hub's own retries take ~50 s)
-
-
-@functools.cache  # one question to the hub per model and process
-def hub_model_path(name: str) -> str:
-    """A hub id's source. `name` itself (transformers downloads it, or checks its cache against the hub)
-    when the hub answers one HEAD request within HUB_PROBE_S seconds, or under HF_HUB_OFFLINE=1
-    (transformers reads the cache and asks nothing). Otherwise its snapshot in the local cache, loaded
-    from disk; not cached, a UsageError saying how to use the hub offline."""
-    import threading
-
-    from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.utils import get_session
-
-    if constants.HF_HUB_OFFLINE:
-        return name
-    url, answer = hf_hub_url(name, "config.json"), []
-
-    def head():  # any HTTP status, even 401 / 404, means the hub is there: transformers then says the rest
-        try:
-            get_session().head(url, timeout=HUB_PROBE_S)
-            answer.append(None)
-        except Exception as e:
-            answer.append(_describe(e))
-
-    probe = threading.Thread(target=head, daemon=True)  # a thread: name resolution has no timeout of its own
-    probe.start()
-    probe.join(HUB_PROBE_S)
-    if answer and answer[0] is None:
-        return name
-    cached = try_to_load_from_cache(name, "config.json")
-    if isinstance(cached, str):  # offline, with the model in the cache: load the snapshot, no retries
-        return str(Path(cached).parent)
-    why = answer[0] if answer else f"no answer in {HUB_PROBE_S:g} s"
-    raise UsageError(
-        f"--model {name}: cannot reach the hub ({constants.ENDPOINT}: {why}) and the model is not in the cache "
-        f"{constants.HF_HUB_CACHE}; connect, or download it where there is a network and set HF_HUB_OFFLINE=1"
-    )
+    return extra("hub", f"--model {name}").hub_model_path(name)
 
 
 def add_lora(model, args):
-    """--lora-rank r > 0: `model` as a peft model training rank-r adapters on its frozen weights
-    (extras/lora.py); else `model` itself."""
+    """--lora-rank r > 0: `model` training rank-r adapters on its frozen weights (extras/lora.py); else itself."""
     return extra("lora", "--lora-rank").add_lora(model, args) if args.lora_rank else model
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
+    """The tokenizer of --model `name`, left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
     path = model_path(name)  # (tiny-qwen3: built on first use)
@@ -878,8 +782,7 @@ def load_tokenizer(name: str):
 
 
 def unknown_characters(tok, chars) -> set:
-    """The characters of `chars` that `tok` turns into its unknown token (none without one: a
-    byte-level tokenizer such as Qwen's, or one with byte fallback, represents every character)."""
+    """The characters of `chars` that `tok` turns into its unknown token (none without one: Qwen's)."""
     chars = sorted(set(chars))
     if tok.unk_token_id is None or not chars:
         return set()
@@ -887,10 +790,8 @@ def unknown_characters(tok, chars) -> set:
 
 
 def check_characters(tok, model: str, where: str, records: list[dict]):
-    """Every character of the records' prompts and answers must be one `tok` can represent: a
-    tokenizer with an unknown token (the tiny one covers printable ASCII and newline) turns any
-    other into it, decoding drops it, and a task written in them trains on text the model cannot
-    see, without an error. UsageError naming the first record (in file order) and its characters."""
+    """A UsageError naming the first record whose prompt or answer has characters `tok` turns into its unknown
+    token (which decoding drops: a task written in them would train on text the model cannot see)."""
     texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
     bad = unknown_characters(tok, "".join(texts))
     if bad:
@@ -941,15 +842,8 @@ def cache_root() -> Path:
 
 
 def tiny_checkpoint(name: str = "tiny") -> str:
-    """Path of an embedded checkpoint, all four shipped in checkpoints/ (3-10 MB each). "tiny": a real
-    Qwen3ForCausalLM with a small config, warm-started by SFT on `arith` training pairs until a probe
-    of *training* prompts reaches 20% accuracy, so the held-out accuracy starts in a band that leaves
-    room for RL. "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse, the same
-    recipe. "tiny-sums": the recipe on the `sums` task, started from tiny's weights. "tiny-rm": a
-    reward model (tools/recipes.py holds every recipe). They ship so that every machine starts from
-    the same weights: the recipe stops mid-way through a fast rise, and rebuilt on another CPU model it
-    lands elsewhere in the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
-    key) stops the run with one line naming the command that builds it."""
+    """Path of an embedded checkpoint (tools/recipes.py holds their recipes), shipped in checkpoints/ so that every
+    machine starts from the same weights, or cached under $RLREF_CACHE; else one line naming how to build it."""
     key = TINY_KEYS[name]
     for path in (SHIPPED_CHECKPOINTS / key, cache_root() / key):
         if (path / "config.json").is_file():
