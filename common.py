@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import io
 import itertools
@@ -276,19 +275,16 @@ def parse_args(args_cls, argv=None):
 
 
 def check_common_args(args, needs_group: bool):
-    """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
-    any model is loaded or any output is written."""
-    for name, value in vars(args).items():  # NaN passes every range check: refused in any float flag
-        if any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
-            raise UsageError(f"{_flag(name)} must be a number, got nan")
-    for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size max_consecutive_skips".split():
-        if getattr(args, name) < 1:
-            raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
-    if args.group_size < (2 if needs_group else 1):
-        need = "2 (group advantages need at least two samples per prompt)" if needs_group else "1"
-        raise UsageError(f"--group-size must be >= {need}, got {args.group_size}")
+    """Range checks shared by the three scripts, before any model loads or output is written: the first that fails
+    is a UsageError naming its flag."""
+    nan = [n for n, v in vars(args).items() if any(isinstance(x, float) and math.isnan(x) for x in
+                                                    (v if isinstance(v, list) else [v]))]  # fmt: skip
     finite = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
-    for name, (holds, what) in {  # each flag: the test its value passes, and the message's "must be ..."
+    ranges = {  # each flag: the test its value passes, and the message's "must be ..."
+        **{n: (lambda v: v >= 1, ">= 1") for n in
+           "steps prompts_per_step max_new_tokens minibatches epochs eval_size max_consecutive_skips".split()},
+        "group_size": (lambda v: v >= 1 + needs_group,
+                       ">= 2 (group advantages need at least two samples per prompt)" if needs_group else ">= 1"),
         "temperature": (lambda v: v > 0, "> 0"),
         "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
         "lr": finite,
@@ -301,28 +297,34 @@ def check_common_args(args, needs_group: bool):
         "eval_samples": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (pass@n needs n samples)"),
         "entropy_coef": finite,
         "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
-    }.items():
-        if not holds(getattr(args, name)):
-            raise UsageError(f"{_flag(name)} must be {what}, got {getattr(args, name)}")
-    check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
-    if args.eval_samples:
-        extra("pass_at_k", "--eval-samples")
-    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+    }  # fmt: skip
     batch = args.prompts_per_step * args.group_size
-    if batch % args.minibatches:
-        raise UsageError(
-            f"--minibatches {args.minibatches} does not divide the batch of {batch} completions "
-            f"(--prompts-per-step x --group-size)"
-        )
-    if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
-        raise UsageError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda"):
-        index = int(args.device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    gpu = re.fullmatch(r"cuda(?::(\d+))?", args.device)
+    gpus = torch.cuda.device_count() if gpu else 0
+    out = Path(args.out)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+    problems = [  # (whether it fails, its message), in the order they are checked
+        (nan, f"{_flag(nan[0])} must be a number, got nan" if nan else ""),
+        *((not holds(getattr(args, n)), f"{_flag(n)} must be {what}, got {getattr(args, n)}")
+          for n, (holds, what) in ranges.items()),
+        (args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None,
+         "--report-to tensorboard needs the tensorboard package: pip install tensorboard"),
+        (batch % max(1, args.minibatches), f"--minibatches {args.minibatches} does not divide the batch of {batch} "
+         "completions (--prompts-per-step x --group-size)"),
+        (args.device != "auto" and not gpu and args.device != "cpu",
+         f"--device must be auto, cpu or cuda[:N], got {args.device!r}"),
+        (gpu and int(gpu[1] or 0) >= gpus, f"--device {args.device}: only {gpus} CUDA device(s) visible"),
+        (not existing.is_dir(), f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)"),
+        (not os.access(existing, os.W_OK), f"--out {args.out}: {existing} is not writable"),
+    ]  # fmt: skip
+    for failed, message in problems:
+        if failed:
+            raise UsageError(message)
+    check_choices(args)  # --report-to, --task, and each script's own (--variant, --loss-agg, a fork's)
     check_model_name(args.model)
     # the optional capabilities check their own flags, each imported only when one of its flags is set
+    if args.eval_samples:
+        extra("pass_at_k", "--eval-samples")
     if args.lora_rank or args.merge_lora or args.lora_alpha is not None or args.lora_targets != LORA_TARGETS:
         extra("lora", "--lora-rank").check_args(args)
     if (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0):
@@ -331,12 +333,6 @@ def check_common_args(args, needs_group: bool):
         extra("fsdp", "--fsdp").check_fsdp_args(args)
     if args.trace_every:  # (the default, none, traces at each evaluation when extras/traces.py is there)
         extra("traces", "--trace-every")
-    out = Path(args.out)
-    existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
-    if not existing.is_dir():
-        raise UsageError(f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)")
-    if not os.access(existing, os.W_OK):
-        raise UsageError(f"--out {args.out}: {existing} is not writable")
 
 
 def check_clip(eps_low: float, eps_high: float):
@@ -444,7 +440,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     pin_mmap_threshold()  # before the first large tensor: freed activations leave RSS
     quiet_transformers()  # before the first model loads (the reward model's, the policy's)
     tok = load_tokenizer(args.model)  # the data's characters are checked against it as it loads
-    check = functools.partial(check_characters, tok, args.model)
+    check = lambda where, records: extra("data_files", where).check_characters(tok, args.model, where, records)  # noqa: E731
     train_set, eval_set = load_task(args.task, args.data, args.eval_data, needs_answer=needs_answer, check=check)
     eval_set = eval_set[: args.eval_size]
     device = resolve_device(args.device, local_rank)
@@ -471,28 +467,11 @@ def setup(args, needs_group: bool = True) -> Setup:
         extra("hf_decoder", f"--model {args.model} (outside the hand-written decoder's {_StaticKVDecoder.MODEL_TYPES})")
     if args.lora_rank:
         extra("lora", "--lora-rank").check_targets(args)
-    bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
-    if bad:  # (without a chat template the system prompt is not used)
-        raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
+    if getattr(tok, "chat_template", None) and tok.unk_token_id is not None:  # (a byte-level one represents all)
+        extra("data_files", "--system-prompt").check_system_prompt(tok, args.model, system_prompt)
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group,
                  replaces)  # fmt: skip
-
-
-RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
-
-
-def run_scripts(out: Path) -> set:
-    """The scripts that summary.json and the checkpoint in `out` name."""
-    found = set()
-    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
-        try:
-            algo = json.loads((out / name).read_text()).get("algo")
-        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
-            continue
-        if isinstance(algo, str):
-            found.add(algo)
-    return found
 
 
 def check_out(args, resume_from: Path | None) -> str | None:
@@ -504,26 +483,7 @@ def check_out(args, resume_from: Path | None) -> str | None:
         return None  # --resume continues the run in its own directory
     if not out.is_dir() or not any(out.iterdir()):
         return None
-    if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
-        raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
-    if not any((out / name).exists() for name in RUN_MARKS):
-        raise UsageError(
-            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
-            "so it is not replaced; choose another --out, or empty it"
-        )
-    scripts = run_scripts(out)
-    if not args.overwrite:
-        others = sorted(scripts - {args.algo})
-        if others:
-            held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
-        elif scripts:
-            held = (
-                f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger --steps)"
-            )
-        else:
-            held = "a run that no summary.json or checkpoint names (a crashed run?)"
-        raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
-    return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
+    return extra("resume", f"--out {args.out} (it holds files: --resume, --overwrite)").check_out(args, resume_from)
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -779,36 +739,6 @@ def load_tokenizer(name: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def unknown_characters(tok, chars) -> set:
-    """The characters of `chars` that `tok` turns into its unknown token (none without one: Qwen's)."""
-    chars = sorted(set(chars))
-    if tok.unk_token_id is None or not chars:
-        return set()
-    return {c for c, ids in zip(chars, tok(chars, add_special_tokens=False)["input_ids"]) if tok.unk_token_id in ids}
-
-
-def check_characters(tok, model: str, where: str, records: list[dict]):
-    """A UsageError naming the first record whose prompt or answer has characters `tok` turns into its unknown
-    token (which decoding drops: a task written in them would train on text the model cannot see)."""
-    texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
-    bad = unknown_characters(tok, "".join(texts))
-    if bad:
-        hits = [i for i, t in enumerate(texts) if bad & set(t)]
-        first = sorted(bad & set(texts[hits[0]]))
-        raise UsageError(
-            f"{where}: record {hits[0] + 1} (prompt {_clip(records[hits[0]]['prompt'])}) has characters "
-            f"{_cannot_represent(tok, model, first)} ({len(hits)} of {len(records)} records have such characters)"
-        )
-
-
-def _cannot_represent(tok, model: str, chars) -> str:
-    whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
-        f"--model {model}'s tokenizer")  # fmt: skip
-    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars)
-    return (f"{whose} cannot represent: {listed}; each would become {tok.unk_token}, which decoding drops "
-            "(use characters it knows, or another --model)")  # fmt: skip
 
 
 def eos_token_ids(model, tok) -> list[int]:

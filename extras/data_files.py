@@ -1,7 +1,8 @@
 """extras/data_files.py: --data and --eval-data, JSONL files of {prompt, answer, ...} records or GSM8K's
 {question, answer: "... #### N"}, read with one-line errors naming the file and the line (docs/running.md).
 
-Imported by common.load_task only when a file is given: the built-in tasks (arith, sums) need none.
+Imported by common.load_task only when a file is given: the built-in tasks (arith, sums) need none; also the
+check that a tokenizer with an unknown token can represent every character of the files and --system-prompt.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import UsageError
+from common import TINY_MODELS, UsageError, _clip
 
 
 def jsonl_objects(path: str, flag: str = "--data"):
@@ -79,3 +80,39 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
     if not records:
         raise UsageError(f"{flag} {path}: no records")
     return records
+
+
+def unknown_characters(tok, chars) -> set:
+    """The characters of `chars` that `tok` turns into its unknown token (none without one: Qwen's)."""
+    chars = sorted(set(chars))
+    if tok.unk_token_id is None or not chars:
+        return set()
+    return {c for c, ids in zip(chars, tok(chars, add_special_tokens=False)["input_ids"]) if tok.unk_token_id in ids}
+
+
+def check_characters(tok, model: str, where: str, records: list[dict]):
+    """A UsageError naming the first record whose prompt or answer has characters `tok` turns into its unknown
+    token (which decoding drops: a task written in them would train on text the model cannot see)."""
+    texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
+    bad = unknown_characters(tok, "".join(texts))
+    if bad:
+        hits = [i for i, t in enumerate(texts) if bad & set(t)]
+        first = sorted(bad & set(texts[hits[0]]))
+        raise UsageError(
+            f"{where}: record {hits[0] + 1} (prompt {_clip(records[hits[0]]['prompt'])}) has characters "
+            f"{cannot_represent(tok, model, first)} ({len(hits)} of {len(records)} records have such characters)"
+        )
+
+
+def cannot_represent(tok, model: str, chars) -> str:
+    whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
+        f"--model {model}'s tokenizer")  # fmt: skip
+    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars)
+    return (f"{whose} cannot represent: {listed}; each would become {tok.unk_token}, which decoding drops "
+            "(use characters it knows, or another --model)")  # fmt: skip
+
+
+def check_system_prompt(tok, model: str, system_prompt: str):
+    bad = unknown_characters(tok, system_prompt)
+    if bad:
+        raise UsageError(f"--system-prompt has characters {cannot_represent(tok, model, sorted(bad))}")
