@@ -615,16 +615,9 @@ def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT, thinking: 
     one, as plain text otherwise (the tiny model, base checkpoints)."""
     if getattr(tok, "chat_template", None):
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        return [
-            tok.apply_chat_template(
-                [*system, {"role": "user", "content": ex["prompt"]}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **thinking_kwargs(tok, thinking),
-            )
-            for ex in examples
-        ]
+        kwargs = dict(add_generation_prompt=True, tokenize=True, return_dict=False, **thinking_kwargs(tok, thinking))
+        chats = [[*system, {"role": "user", "content": ex["prompt"]}] for ex in examples]
+        return [tok.apply_chat_template(chat, **kwargs) for chat in chats]
     return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
 
 
@@ -650,12 +643,7 @@ def load_model(name: str, device: torch.device, grad_checkpointing: bool = False
         torch.set_num_threads(int(os.environ.get("RLREF_THREADS", 1)))
     use_tf32(device)
     tok = load_tokenizer(name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    model = _from_pretrained(AutoModelForCausalLM, name, path, dtype=torch.float32)
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tok
@@ -670,14 +658,11 @@ def use_tf32(device: torch.device) -> None:
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
     """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back to the OS
     (glibc would raise the threshold to each freed block's size, then keep freed pages resident: docs/memory.md)."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
     import ctypes
 
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # musl and other C libraries: their own allocator, left alone
-        pass
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        with contextlib.suppress(OSError, AttributeError):  # musl and other C libraries: their own allocator
+            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
 
 
 def quiet_transformers():
@@ -728,17 +713,21 @@ def load_tokenizer(name: str):
     """The tokenizer of --model `name`, left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
-    path = model_path(name)  # (tiny-qwen3: built on first use)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    tok = _from_pretrained(AutoTokenizer, name, model_path(name))  # (tiny-qwen3: built on first use)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _from_pretrained(auto, name: str, path: str, **kwargs):
+    """`auto`.from_pretrained(path): a user's --model that does not load is one line (exit 2), not a traceback."""
+    try:
+        return auto.from_pretrained(path, **kwargs)
+    except Exception as e:
+        if name in TINY_MODELS:
+            raise
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -2175,31 +2164,21 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
             extra("lora", "--merge-lora").save_merged(model, tok, writer.out / "final" / "merged")
     before, after = progress.eval_before, progress.last_eval
     wall_time_s = time.perf_counter() - writer.t_start
-    measured = rounded(
-        {
-            "algo": args.algo,
-            "model": args.model,
-            "task": args.task or ("jsonl" if args.data else "arith"),
-            "seed": args.seed,
-            "steps": args.steps,
-            "step": progress.step,
-            "interrupted": interrupted,
-            "eval_accuracy_before": before.get("accuracy"),
-            "eval_accuracy_after": after.get("accuracy"),
-            "eval_format_rate_after": after.get("format_rate"),
-            "eval_reward_before": before.get("reward"),
-            "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
-            "eval_size": len(env.eval_set),
-            "eval_overlap": env.eval_overlap,  # evaluation prompts also in the training data
-            "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
-            "peak_mem_mb": peak_memory_mb(env.device),
-            f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
-            "no_signal": progress.warned.get("no_signal"),  # where each warning was given (null: not given)
-            "no_signal_steps": progress.no_signal_steps,
-            "accuracy_drop": progress.warned.get("accuracy_drop"),
-            "flat_groups": progress.warned.get("flat_groups"),
-        }
-    )
+    measured = rounded({
+        "algo": args.algo, "model": args.model, "task": args.task or ("jsonl" if args.data else "arith"),
+        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
+        "eval_accuracy_before": before.get("accuracy"), "eval_accuracy_after": after.get("accuracy"),
+        "eval_format_rate_after": after.get("format_rate"), "eval_reward_before": before.get("reward"),
+        "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
+        "eval_size": len(env.eval_set),
+        "eval_overlap": env.eval_overlap,  # evaluation prompts also in the training data
+        "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
+        "peak_mem_mb": peak_memory_mb(env.device),
+        f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+        # where each warning was given (null: not given), and how many steps had no learning signal
+        "no_signal": progress.warned.get("no_signal"), "no_signal_steps": progress.no_signal_steps,
+        "accuracy_drop": progress.warned.get("accuracy_drop"), "flat_groups": progress.warned.get("flat_groups"),
+    })  # fmt: skip
     writer.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
     writer.close()
     if interrupted:
@@ -2480,15 +2459,10 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
         for name in ("metrics.jsonl", "samples.jsonl", "traces.jsonl"):
             if (out / name).is_file():
                 shutil.copyfile(out / name, tmp / name)
-        meta = {
-            "algo": algo,
-            "step": state["progress"].step,
-            "world": world,
-            "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
-            "model": args.model,
-            "config": model_signature(model.config),
-            "args": dataclasses.asdict(args),
-        }
+        meta = {"algo": algo, "step": state["progress"].step, "world": world,
+                "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
+                "model": args.model, "config": model_signature(model.config),
+                "args": dataclasses.asdict(args)}  # fmt: skip
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
