@@ -2279,10 +2279,8 @@ class RunLogger:
                         file.write(line + "\n")
                 file.flush()
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = last_step + 1 if resume_from else None
-            self.tensorboard = SummaryWriter(str(self.out / "tensorboard"), purge_step=purge)
+            board = extra("tensorboard_log", "--report-to tensorboard")
+            self.tensorboard = board.Board(self.out, last_step + 1 if resume_from else None)
 
     def write(self, name: str, rows: list):
         for row in rows:
@@ -2292,11 +2290,8 @@ class RunLogger:
     def log(self, metrics: dict):
         clean = rounded(metrics)
         self.write("metrics.jsonl", [clean])
-        if self.tensorboard is not None:  # the very values metrics.jsonl holds
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tensorboard.add_scalar(k, v, clean["step"])
-            self.tensorboard.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.log(clean)
 
     def show(self, samples: list):
         """Print each evaluation sample on one line and append them to samples.jsonl (rank 0)."""
