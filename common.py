@@ -520,45 +520,16 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
-    """The records of a --data / --eval-data file (extras/data_files.py: JSONL or GSM8K, checked)."""
-    return extra("data_files", flag).load_jsonl(path, flag, needs_answer)
-
-
-def load_task(
-    task: str | None,
-    data: str | None,
-    eval_data: str | None = None,
-    eval_fraction: float = 0.1,
-    needs_answer=True,
-    check=None,
-):
-    """(train_examples, eval_examples). With `eval_data` (--eval-data) the evaluation set is
-    that file and training uses all of --data; otherwise a fixed `eval_fraction` of --data is held
-    out (arith, sums: their fixed splits), which never overlaps training. `check(where, records)`
-    sees each file's records in file order (setup: `check_characters`)."""
-    check = check or (lambda where, records: None)
-    if task is None:
-        task = "jsonl" if data else "arith"
-    held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
-    if held_out is not None:
-        check(f"--eval-data {eval_data}", held_out)
-    if task in ("arith", "sums"):
-        if data:
-            raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
-        train, held = arith_split() if task == "arith" else extra("sums_task", "--task sums").sums_split()
-        return train, held if held_out is None else held_out
-    if not data:
-        raise UsageError(f"--task {task} needs --data FILE.jsonl")
-    records = load_jsonl(data, "--data", needs_answer)
-    check(f"--data {data}", records)
-    if held_out is not None:
-        return records, held_out
-    if len(records) < 2:
-        raise UsageError(f"--data {data}: needs at least 2 records (a training and a held-out part)")
-    order = np.random.RandomState(ARITH_EVAL_SEED).permutation(len(records))
-    n_eval = max(1, int(len(records) * eval_fraction))
-    return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]
+def load_task(task: str | None, data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1,
+              needs_answer=True, check=None):  # fmt: skip
+    """(train_examples, eval_examples): a built-in task's fixed split, or, given files, extras/data_files.py's:
+    --eval-data to evaluate on, else a fixed `eval_fraction` of --data held out; `check(where, records)` sees each."""
+    task = task or ("jsonl" if data else "arith")
+    builtin = {"arith": arith_split, "sums": lambda: extra("sums_task", "--task sums").sums_split()}.get(task)
+    if builtin is not None and not data and not eval_data:
+        return builtin()
+    files = extra("data_files", "--data / --eval-data")
+    return files.load_task(task, data, eval_data, builtin, eval_fraction, needs_answer, check)
 
 
 def count_overlap(train_set, eval_set) -> int:

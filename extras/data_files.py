@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import TINY_MODELS, UsageError, _clip
+import numpy as np
+
+from common import ARITH_EVAL_SEED, TINY_MODELS, UsageError, _clip
 
 
 def jsonl_objects(path: str, flag: str = "--data"):
@@ -116,3 +118,29 @@ def check_system_prompt(tok, model: str, system_prompt: str):
     bad = unknown_characters(tok, system_prompt)
     if bad:
         raise UsageError(f"--system-prompt has characters {cannot_represent(tok, model, sorted(bad))}")
+
+
+def load_task(task: str, data: str | None, eval_data: str | None, builtin, eval_fraction: float = 0.1,
+              needs_answer=True, check=None):  # fmt: skip
+    """common.load_task given a file: (train, eval) records. With --eval-data the evaluation set is that file
+    (training uses all of --data, or the built-in task's training split); otherwise a fixed `eval_fraction` of
+    --data is held out, which never overlaps training. `check(where, records)` sees each file's records."""
+    check = check or (lambda where, records: None)
+    held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
+    if held_out is not None:
+        check(f"--eval-data {eval_data}", held_out)
+    if builtin is not None:
+        if data:
+            raise UsageError(f"--data is not used by --task {task}; drop it or choose --task jsonl/gsm8k")
+        return builtin()[0], held_out
+    if not data:
+        raise UsageError(f"--task {task} needs --data FILE.jsonl")
+    records = load_jsonl(data, "--data", needs_answer)
+    check(f"--data {data}", records)
+    if held_out is not None:
+        return records, held_out
+    if len(records) < 2:
+        raise UsageError(f"--data {data}: needs at least 2 records (a training and a held-out part)")
+    order = np.random.RandomState(ARITH_EVAL_SEED).permutation(len(records))
+    n_eval = max(1, int(len(records) * eval_fraction))
+    return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]
