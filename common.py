@@ -487,11 +487,10 @@ def check_out(args, resume_from: Path | None) -> str | None:
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
-    if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":  # the same (DDP needs the index)
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(device)
+    """--device as a torch.device; auto or cuda under torchrun: this rank's GPU, LOCAL_RANK (DDP needs the index)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
 
 
 def seed_everything(seed: int):
