@@ -333,6 +333,8 @@ def check_common_args(args, needs_group: bool):
         extra("fsdp", "--fsdp").check_fsdp_args(args)
     if args.trace_every:  # (the default, none, traces at each evaluation when extras/traces.py is there)
         extra("traces", "--trace-every")
+    if args.report_to == "tensorboard":
+        extra("tensorboard_log", "--report-to tensorboard")
 
 
 def check_clip(eps_low: float, eps_high: float):
