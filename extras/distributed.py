@@ -31,20 +31,11 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
 
 
 def leave_process_group(exiting: BaseException | None):
-    """main()'s last step under torchrun: destroy the process group. When the rank stops with an
-    exit status (`exiting` is the SystemExit of die() or of a stop by signal; its message is already
-    on stderr), two things first:
-    - the stopped run's frames are released. The exception that led to the exit (SystemExit's
-      __context__) holds train()'s frames in its traceback, and through them the DDP model, which
-      holds the process group: destroy_process_group() alone only unregisters it, and gloo's threads
-      and sockets then live on into interpreter shutdown, where they can abort the process (SIGABRT,
-      "terminate called without an active exception", seen once in 20 runs on a loaded machine);
-    - SIGTERM is ignored from here on: torchrun sends it to every rank still running as soon as one
-      has exited with a failure, and a rank that is already ending with its own status would be
-      reported as killed by SIGTERM instead. If this teardown ever hung, torchrun's SIGKILL follows.
-    Any other exception (a bug) keeps its traceback, for Python to print. Whatever the ending, --fsdp's
-    registry of roots (extras/fsdp.py) lets its sharded model go, and a collection frees what the run has let
-    go, so that no model holding the process group lives on into shutdown."""
+    """main()'s last step under torchrun: destroy the process group. A rank ending with an exit status (`exiting`,
+    its message already on stderr) first drops the tracebacks of the errors behind it, which hold train()'s frames
+    and through them the DDP model and the group (gloo's threads would live on into shutdown and can abort it), and
+    ignores SIGTERM, which torchrun sends once one rank failed (this rank would be reported killed). Then --fsdp's
+    roots (extras/fsdp.py) are let go and a collection frees what still holds the group."""
     if isinstance(exiting, SystemExit) and exiting.code not in (None, 0):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         error, seen = exiting.__context__, set()
