@@ -1,9 +1,7 @@
-"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm. Each script's train() shows its
-step (sample, score, advantages, pi_old, the updates, the step's metrics) and calls these plain functions where
-they act.
+"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm, as plain functions each script's
+train() calls where they act.
 
-Its sections:
-   1. Command line     SharedArgs (the flags every script shares) read by tyro, one-line errors (exit 2), main()
+   1. Command line     SharedArgs read by tyro, one-line errors (exit 2), main()
    2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
    3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
    4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
@@ -11,31 +9,18 @@ Its sections:
    6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate
    7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
   7b. The sampler      Sampler: the policy as the rollout samples it
-   8. Updates          minibatches, the non-finite guard, the step's metrics: update_terms and pool (pooled over
-                       updates and ranks as UPDATE_STAT_UNITS counts each), group_metrics, the trace
-   9. The run          start_run (--resume, or step 0's evaluation), log_step (evaluation when due, the warnings,
-                       metrics.jsonl), save_checkpoint_if_due, finish (final/, summary.json)
+   8. Updates          minibatches, the non-finite guard, the step's metrics (update_terms, pool, group_metrics)
+   9. The run          start_run, log_step (evaluations, warnings, metrics.jsonl), finish (final/, summary.json)
   10. Checkpoints      atomic save, SIGINT / SIGTERM / SIGHUP
-  11. torchrun         DDP wrapping, all-reduce helpers (no-ops in one process)
+  11. torchrun         DDP wrapping, all-reduce helpers (their input itself in one process)
 
-What a flag (or the model) switches on lives in extras/, one module per capability, imported here only
-when asked for; a default run imports one, traces, at its evaluations (--trace-every's default; 0: none,
-and a copy without extras/ skips them): fsdp (--fsdp), lora (--lora-rank), moe (MoE routing record,
-replay, drift), rollout_precision (--rollout-dtype, --old-logp, --is-correction), reward_model
-(--reward-model, kl_to_init), traces (--trace-every), reward_functions (your --reward functions),
-data_files (--data, --eval-data), resume (--resume), distributed (torchrun's process group), hf_decoder
-(sampling a model outside the Llama family), qwen3_tokenizer (--model tiny-qwen3: Qwen3's vendored tokenizer),
-pass_at_k (--eval-samples), filter_groups (--filter-groups). Each is
-reached through `extra(name, flag)`, which names the missing file in one line when a copy of the project lacks it.
-
-What runs beside the scripts lives beside them and imports this file, never the other way round:
-tools/ (the memory planner, reward-model training, the tiny checkpoints' recipes and builder, the page of
-traces.jsonl), experiments/ (the studies behind docs/) and benchmarks/.
+What a flag (or the model) switches on lives in extras/, one module per capability, imported through
+`extra(name, flag)` only when asked for (a missing one is a one-line error naming it). tools/, experiments/ and
+benchmarks/ import this file, never the other way round.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -77,51 +62,10 @@ class UsageError(Exception):
 
 
 def die(message: str, status: int = 2):
-    # always one line, in one write: under torchrun several ranks share stderr, and a message printed
-    # in two writes (text, then newline) can interleave with another rank's
+    # one line in one write: under torchrun the ranks share stderr, and two writes can interleave with another's
     sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
     sys.stderr.flush()
     sys.exit(status)
-
-
-def _did_you_mean(word: str, candidates) -> str:
-    """' (did you mean X?)' for the candidate nearest `word`, or '' when none is near."""
-    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
-def _number(kind):
-    """An argparse type for int or float that refuses NaN (every range check would let it through)."""
-
-    def parse(s: str):
-        value = kind(s)
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(s)
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its message: "invalid float value: 'x'"
-    return parse
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The tools' parser (tools/, experiments/): argparse whose own errors are one line, exit status 2, a flag
-    spelled out (argparse would take --step for --steps), an unknown one answered with the nearest real flag."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            flags = [s for a in self._actions for s in a.option_strings]
-            first = next((u for u in unknown if u.startswith("-")), unknown[0])
-            hint = _did_you_mean(first.split("=")[0], flags) if first.startswith("-") else ""
-            self.error(f"unrecognized argument {first}{hint}" if first.startswith("-") else
-                       f"unrecognized arguments: {' '.join(unknown)}")  # fmt: skip
-        return namespace
-
-    def error(self, message):
-        die(message)
 
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype's values
@@ -297,7 +241,8 @@ def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
         if a.startswith("--") or a == "-h":
             flag, eq, value = a.partition("=")
             if flag not in known:  # tyro's own message suggests a flag by its help text, not by its name
-                raise UsageError(f"unrecognized argument {a}{_did_you_mean(flag, known)}")
+                near = difflib.get_close_matches(flag, known, n=1)
+                raise UsageError(f"unrecognized argument {a}" + (f" (did you mean {near[0]}?)" if near else ""))
             if flag in lists:
                 values.setdefault(flag, []).extend([value] if eq else [])
                 continue
@@ -322,19 +267,16 @@ def parse_args(args_cls, argv=None):
 
 
 def check_common_args(args, needs_group: bool):
-    """Range checks shared by the three scripts; raises UsageError naming the flag. Runs before
-    any model is loaded or any output is written."""
-    for name, value in vars(args).items():  # NaN passes every range check: refused in any float flag
-        if any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
-            raise UsageError(f"{_flag(name)} must be a number, got nan")
-    for name in "steps prompts_per_step max_new_tokens minibatches epochs eval_size".split():
-        if getattr(args, name) < 1:
-            raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
-    if args.group_size < (2 if needs_group else 1):
-        need = "2 (group advantages need at least two samples per prompt)" if needs_group else "1"
-        raise UsageError(f"--group-size must be >= {need}, got {args.group_size}")
+    """Range checks shared by the three scripts, before any model loads or output is written: the first that fails
+    is a UsageError naming its flag."""
+    nan = [n for n, v in vars(args).items() if any(isinstance(x, float) and math.isnan(x) for x in
+                                                    (v if isinstance(v, list) else [v]))]  # fmt: skip
     finite = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
-    for name, (holds, what) in {  # each flag: the test its value passes, and the message's "must be ..."
+    ranges = {  # each flag: the test its value passes, and the message's "must be ..."
+        **{n: (lambda v: v >= 1, ">= 1") for n in
+           "steps prompts_per_step max_new_tokens minibatches epochs eval_size".split()},
+        "group_size": (lambda v: v >= 1 + needs_group,
+                       ">= 2 (group advantages need at least two samples per prompt)" if needs_group else ">= 1"),
         "temperature": (lambda v: v > 0, "> 0"),
         "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
         "lr": finite,
@@ -347,28 +289,34 @@ def check_common_args(args, needs_group: bool):
         "eval_samples": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (pass@n needs n samples)"),
         "entropy_coef": finite,
         "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
-    }.items():
-        if not holds(getattr(args, name)):
-            raise UsageError(f"{_flag(name)} must be {what}, got {getattr(args, name)}")
-    check_choices(args)  # --report-to and each script's own (--variant, --loss-agg, a fork's)
-    if args.eval_samples:
-        extra("pass_at_k", "--eval-samples")
-    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+    }  # fmt: skip
     batch = args.prompts_per_step * args.group_size
-    if batch % args.minibatches:
-        raise UsageError(
-            f"--minibatches {args.minibatches} does not divide the batch of {batch} completions "
-            f"(--prompts-per-step x --group-size)"
-        )
-    if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
-        raise UsageError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda"):
-        index = int(args.device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    gpu = re.fullmatch(r"cuda(?::(\d+))?", args.device)
+    gpus = torch.cuda.device_count() if gpu else 0
+    out = Path(args.out)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+    problems = [  # (whether it fails, its message), in the order they are checked
+        (nan, f"{_flag(nan[0])} must be a number, got nan" if nan else ""),
+        *((not holds(getattr(args, n)), f"{_flag(n)} must be {what}, got {getattr(args, n)}")
+          for n, (holds, what) in ranges.items()),
+        (args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None,
+         "--report-to tensorboard needs the tensorboard package: pip install tensorboard"),
+        (batch % max(1, args.minibatches), f"--minibatches {args.minibatches} does not divide the batch of {batch} "
+         "completions (--prompts-per-step x --group-size)"),
+        (args.device != "auto" and not gpu and args.device != "cpu",
+         f"--device must be auto, cpu or cuda[:N], got {args.device!r}"),
+        (gpu and int(gpu[1] or 0) >= gpus, f"--device {args.device}: only {gpus} CUDA device(s) visible"),
+        (not existing.is_dir(), f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)"),
+        (not os.access(existing, os.W_OK), f"--out {args.out}: {existing} is not writable"),
+    ]  # fmt: skip
+    for failed, message in problems:
+        if failed:
+            raise UsageError(message)
+    check_choices(args)  # --report-to and each script's own (--variant, --loss-agg, a fork's)
     check_model_name(args.model)
     # the optional capabilities check their own flags, each imported only when one of its flags is set
+    if args.eval_samples:
+        extra("pass_at_k", "--eval-samples")
     if args.lora_rank or args.merge_lora or args.lora_alpha is not None or args.lora_targets != LORA_TARGETS:
         extra("lora", "--lora-rank").check_args(args)
     if (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0):
@@ -377,12 +325,8 @@ def check_common_args(args, needs_group: bool):
         extra("fsdp", "--fsdp").check_fsdp_args(args)
     if args.trace_every:  # (the default, none, traces at each evaluation when extras/traces.py is there)
         extra("traces", "--trace-every")
-    out = Path(args.out)
-    existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
-    if not existing.is_dir():
-        raise UsageError(f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)")
-    if not os.access(existing, os.W_OK):
-        raise UsageError(f"--out {args.out}: {existing} is not writable")
+    if args.report_to == "tensorboard":
+        extra("tensorboard_log", "--report-to tensorboard")
 
 
 def check_clip(eps_low: float, eps_high: float):
@@ -395,9 +339,7 @@ def check_clip(eps_low: float, eps_high: float):
 
 
 def extra(name: str, flag: str):
-    """extras/<name>.py, the optional capability that `flag` switches on, imported now (a default run
-    imports only traces, at its evaluations). Missing from this copy of the project: one line naming it,
-    exit status 2."""
+    """extras/<name>.py, the optional capability that `flag` switches on; missing, a UsageError naming it."""
     try:
         return importlib.import_module(f"extras.{name}")
     except ModuleNotFoundError as e:
@@ -413,37 +355,23 @@ def _loaded(name: str):
 
 
 def _describe(e: Exception, first_sentence: bool = True) -> str:
-    """An exception as one short line for an error message: its class and its first line, cut at the
-    first sentence's end unless `first_sentence` is False (a user's code: its whole first line)."""
+    """An exception as one short line: its class and its first line (cut at its first sentence's end)."""
     line = (str(e).strip().splitlines() or [""])[0]
     return f"{e.__class__.__name__}: {line.split('. ')[0] if first_sentence else line}"
 
 
 def check_model_name(model: str):
-    """'tiny', an existing Hugging Face checkpoint directory, or something shaped like a hub id."""
-    if model in TINY_MODELS or model == TINY_QWEN3:
-        return
-    expected = "expected 'tiny', a checkpoint directory or a hub id like Qwen/Qwen2.5-0.5B"
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UsageError(f"--model {model}: directory has no config.json (not a Hugging Face checkpoint)")
-        return
-    if path.exists():
-        raise UsageError(f"--model {model}: is a file; {expected}")
-    # a local path that does not exist ('runs/x/final', './m', '/abs') must not be sent to the hub
-    local = model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir()
-    if local or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
-        raise UsageError(f"--model {model}: no such directory; {expected}")
+    """'tiny' (an embedded checkpoint), an existing Hugging Face checkpoint directory, or a hub id's shape."""
+    if model not in TINY_MODELS and model != TINY_QWEN3:
+        extra("hub", f"--model {model}").check_model_name(model)
 
 
 EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130), SIGTERM (143) or SIGHUP (129)
 
 
 def main(train, args_cls, argv=None):
-    """The command-line entry point of ppo.py, grpo.py and gspo.py. Exit status: 0 done; 2 bad input
-    (one line on stderr); 3 stopped by the non-finite guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP
-    after finishing the step and saving a checkpoint (continue it with --resume)."""
+    """The scripts' entry point. Exit status: 0 done; 2 bad input (one line on stderr); 3 stopped by the non-finite
+    guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP after the step and its checkpoint (see --resume)."""
     # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
@@ -451,10 +379,8 @@ def main(train, args_cls, argv=None):
     sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # a closed reader never costs a checkpoint
     try:
         train(parse_args(args_cls, argv))
-    except UsageError as e:
-        die(str(e), EXIT_USAGE)
-    except NonFiniteError as e:
-        die(str(e), EXIT_NON_FINITE)
+    except (UsageError, NonFiniteError) as e:
+        die(str(e), EXIT_NON_FINITE if isinstance(e, NonFiniteError) else EXIT_USAGE)
     except Interrupted as e:
         print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
         sys.exit(128 + _stop["signum"])
@@ -478,26 +404,23 @@ def main(train, args_cls, argv=None):
 class Setup:
     """What `setup` found out before any model is loaded."""
 
-    rank: int  # this process's rank under torchrun (0 without)
+    rank: int  # under torchrun (0 without)
     world: int  # number of processes (1 without torchrun)
     device: torch.device
-    train_set: list  # training records: "prompt", "answer" (where the task has one) and the file's other fields
-    eval_set: list  # evaluation records, at most --eval-size: --eval-data, or a held-out part of the training data
+    train_set: list  # records: "prompt", "answer" (where the task has one) and the file's other fields
+    eval_set: list  # at most --eval-size: --eval-data, or a held-out part of the training data
     resume_from: Path | None  # the checkpoint directory to continue (--resume), or None
-    reward_fn: Rewards  # the run's reward: the --reward functions, weighted by --reward-weights
+    reward_fn: Rewards  # the --reward functions, weighted by --reward-weights
     system_prompt: str  # what a chat template puts before every prompt ('' for nothing)
-    eval_overlap: int  # evaluation prompts that also occur in the training data (warned about, not refused)
+    eval_overlap: int  # evaluation prompts that also occur in the training data (warned about)
     needs_group: bool  # the advantage compares each prompt's completions (GRPO, GSPO), or not (PPO)
     replaces: str | None = None  # the earlier run in --out that this one replaces whole (check_out), or None
 
 
 def setup(args, needs_group: bool = True) -> Setup:
-    """Everything a run needs before its model: the flags' checks (one line, exit status 2, before
-    any output is written), torchrun's process group, the data, the --reward functions (imported
-    here, so that one that cannot be imported stops the run before it writes anything), the
-    --resume checkpoint, the device and the seeds. An embedded checkpoint (--model tiny, ...) is looked
-    up here, shipped or cached, never built: a missing one is a one-line error. `needs_group`: the
-    advantage compares a prompt's completions (--group-size >= 2)."""
+    """Everything a run needs before its model, each failure a one-line error before anything is written: the
+    flags' checks, torchrun's process group, the data, the --reward functions, --resume's checkpoint, the device
+    and the seeds. `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
     args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
@@ -511,7 +434,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     pin_mmap_threshold()  # before the first large tensor: freed activations leave RSS
     quiet_transformers()  # before the first model loads (the reward model's, the policy's)
     tok = load_tokenizer(args.model)  # the data's characters are checked against it as it loads
-    check = functools.partial(check_characters, tok, args.model)
+    check = lambda where, records: extra("data_files", where).check_characters(tok, args.model, where, records)  # noqa: E731
     train_set, eval_set = load_task(args.data, args.eval_data, needs_answer=needs_answer, check=check)
     eval_set = eval_set[: args.eval_size]
     device = resolve_device(args.device, local_rank)
@@ -538,75 +461,30 @@ def setup(args, needs_group: bool = True) -> Setup:
         extra("hf_decoder", f"--model {args.model} (outside the hand-written decoder's {_StaticKVDecoder.MODEL_TYPES})")
     if args.lora_rank:
         extra("lora", "--lora-rank").check_targets(args)
-    bad = unknown_characters(tok, system_prompt) if getattr(tok, "chat_template", None) else set()
-    if bad:  # (without a chat template the system prompt is not used)
-        raise UsageError(f"--system-prompt has characters {_cannot_represent(tok, args.model, sorted(bad))}")
+    if getattr(tok, "chat_template", None) and tok.unk_token_id is not None:  # (a byte-level one represents all)
+        extra("data_files", "--system-prompt").check_system_prompt(tok, args.model, system_prompt)
     seed_everything(args.seed)
     return Setup(rank, world, device, train_set, eval_set, resume_from, reward_fn, system_prompt, overlap, needs_group,
                  replaces)  # fmt: skip
 
 
-RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
-
-
-def run_scripts(out: Path) -> set:
-    """The scripts that summary.json and the checkpoint in `out` name (empty: none names one)."""
-    found = set()
-    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
-        try:
-            algo = json.loads((out / name).read_text()).get("algo")
-        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
-            continue
-        if isinstance(algo, str):
-            found.add(algo)
-    return found
-
-
 def check_out(args, resume_from: Path | None) -> str | None:
-    """--out before anything is written: the earlier run that --overwrite replaces whole (start_run does it, on rank 0),
-    or None when there is nothing to replace (no directory, an empty one, or the run that --resume continues in
-    place). A run is never deleted without --overwrite: a directory that holds one (finished or stopped, this
-    script's or another's) is a UsageError, nothing touched, that says how to continue or replace it; so is a
-    non-empty directory that holds no run, which is never deleted, with --overwrite or without."""
+    """The earlier run in --out that --overwrite replaces whole (start_run does, on rank 0), or None: nothing to
+    replace, or the run --resume continues. Without --overwrite a run there is a UsageError; a non-empty directory
+    that holds no run is one with --overwrite too (never deleted)."""
     out = Path(args.out)
     if resume_from is not None and out.resolve() == resume_from.resolve().parent:
         return None  # --resume continues the run in its own directory
     if not out.is_dir() or not any(out.iterdir()):
         return None
-    if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
-        raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
-    if not any((out / name).exists() for name in RUN_MARKS):
-        raise UsageError(
-            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
-            "so it is not replaced; choose another --out, or empty it"
-        )
-    scripts = run_scripts(out)
-    if not args.overwrite:
-        others = sorted(scripts - {args.algo})
-        if others:
-            held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
-        elif scripts:
-            held = (
-                f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger --steps)"
-            )
-        else:
-            held = "a run that no summary.json or checkpoint names (a crashed run?)"
-        raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
-    return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"
-
-
-def replace_out(out: str, replaces: str):
-    """Delete the run in `out` that check_out found, saying so in one line (rank 0 only calls it)."""
-    shutil.rmtree(out)
-    print(f"--out {out}: --overwrite: replacing the earlier {replaces} there whole", file=sys.stderr)
+    return extra("resume", f"--out {args.out} (it holds files: --resume, --overwrite)").check_out(args, resume_from)
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
-    if device == "auto":  # under torchrun each process takes GPU number LOCAL_RANK
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":  # the same (DDP needs the index)
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(device)
+    """--device as a torch.device; auto or cuda under torchrun: this rank's GPU, LOCAL_RANK (DDP needs the index)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
 
 
 def seed_everything(seed: int):
@@ -635,39 +513,17 @@ def arith_split(max_operand: int = 99):
     return examples[ARITH_EVAL_SIZE:], examples[:ARITH_EVAL_SIZE]
 
 
-def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
-    """The records of a --data / --eval-data file (extras/data_files.py: JSONL or GSM8K, checked)."""
-    return extra("data_files", flag).load_jsonl(path, flag, needs_answer)
-
-
-def load_task(
-    data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1, needs_answer=True, check=None
-):
-    """Returns (train_examples, eval_examples): --data's records, or without it the built-in arith task's. With
-    `eval_data` (--eval-data) the evaluation set is that file and training uses all of --data; otherwise a fixed
-    `eval_fraction` of --data is held out (arith: its fixed split), which never overlaps training.
-    `check(where, records)` sees each file's records in file order (setup: `check_characters`)."""
-    check = check or (lambda where, records: None)
-    held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
-    if held_out is not None:
-        check(f"--eval-data {eval_data}", held_out)
-    if not data:
-        train, held = arith_split()
-        return train, held if held_out is None else held_out
-    records = load_jsonl(data, "--data", needs_answer)
-    check(f"--data {data}", records)
-    if held_out is not None:
-        return records, held_out
-    if len(records) < 2:
-        raise UsageError(f"--data {data}: needs at least 2 records (a training and a held-out part)")
-    order = np.random.RandomState(ARITH_EVAL_SEED).permutation(len(records))
-    n_eval = max(1, int(len(records) * eval_fraction))
-    return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]
+def load_task(data: str | None, eval_data: str | None = None, eval_fraction: float = 0.1, needs_answer=True,
+              check=None):  # fmt: skip
+    """(train_examples, eval_examples): the built-in arith task's fixed split, or, given files, extras/data_files.py's:
+    --eval-data to evaluate on, else a fixed `eval_fraction` of --data held out; `check(where, records)` sees each."""
+    if not data and not eval_data:
+        return arith_split()
+    return extra("data_files", "--data / --eval-data").load_task(data, eval_data, eval_fraction, needs_answer, check)
 
 
 def count_overlap(train_set, eval_set) -> int:
-    """How many evaluation records have a prompt that also occurs in the training records
-    (compared after stripping surrounding whitespace): those measure memory, not generalisation."""
+    """How many evaluation prompts also occur (stripped) in the training records: they measure memory."""
     seen = {ex["prompt"].strip() for ex in train_set}
     return sum(ex["prompt"].strip() in seen for ex in eval_set)
 
@@ -711,33 +567,23 @@ SYSTEM_PROMPTS = {
 
 
 def thinking_kwargs(tok, thinking: str = "off") -> dict:
-    """apply_chat_template's enable_thinking for --thinking, where the template reads it (Qwen3's: off
-    ends the generation prompt with an empty <think>\n\n</think>\n\n); {} for any other template."""
+    """apply_chat_template's enable_thinking for --thinking, where the template reads it (Qwen3's)."""
     return {"enable_thinking": thinking == "on"} if "enable_thinking" in (tok.chat_template or "") else {}
 
 
 def encode_prompts(tok, examples, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off") -> list[list[int]]:
-    """Token ids per prompt: through the chat template (after `system_prompt`, unless it is '', with
-    --thinking where the template takes it) when the tokenizer has one, as plain text otherwise (the
-    tiny model and base checkpoints)."""
+    """Token ids per prompt: through the chat template (after `system_prompt` unless '') when the tokenizer has
+    one, as plain text otherwise (the tiny model, base checkpoints)."""
     if getattr(tok, "chat_template", None):
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        return [
-            tok.apply_chat_template(
-                [*system, {"role": "user", "content": ex["prompt"]}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **thinking_kwargs(tok, thinking),
-            )
-            for ex in examples
-        ]
+        kwargs = dict(add_generation_prompt=True, tokenize=True, return_dict=False, **thinking_kwargs(tok, thinking))
+        chats = [[*system, {"role": "user", "content": ex["prompt"]}] for ex in examples]
+        return [tok.apply_chat_template(chat, **kwargs) for chat in chats]
     return [tok(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
 
 
 def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYSTEM_PROMPT, thinking: str = "off"):
-    """Token ids of each example's prompt, repeated `group_size` times in a row (a group is
-    `group_size` consecutive rows), and every row's record (what the reward functions read)."""
+    """Each example's prompt ids `group_size` times in a row (a group), and every row's record."""
     prompts = [ids for ids in encode_prompts(tok, examples, system_prompt, thinking) for _ in range(group_size)]
     return prompts, [ex for ex in examples for _ in range(group_size)]
 
@@ -748,59 +594,40 @@ def prompts_and_records(tok, examples, group_size: int, system_prompt: str = SYS
 
 
 def load_model(name: str, device: torch.device, grad_checkpointing: bool = False):
-    """(model, tokenizer) for 'tiny' or any local directory / hub id. Weights stay float32 (the
-    master copy AdamW updates: in bf16 most of a 1e-6 update rounds away); on CUDA the training
-    forward runs under bf16 autocast (`completion_hidden_states`) and matmuls may use TF32.
-    grad_checkpointing: recompute activations in backward (in train mode), less memory."""
+    """(model, tokenizer) of --model. Weights stay float32 (AdamW's master copy: in bf16 most of a 1e-6 update
+    rounds away); on CUDA the training forward runs under bf16 autocast and matmuls may use TF32."""
     from transformers import AutoModelForCausalLM
 
     path = model_path(name)
-    if device.type == "cpu" and name in TINY_MODELS and "RLREF_THREADS" not in os.environ:
-        # A 0.8M-parameter model's matmuls are too small to split across cores: extra threads
-        # only add synchronisation (and collapse when another process shares the cores).
-        torch.set_num_threads(1)
-    if "RLREF_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["RLREF_THREADS"]))
+    if "RLREF_THREADS" in os.environ or (device.type == "cpu" and name in TINY_MODELS):
+        # a 0.8M-parameter model's matmuls are too small to split across cores: threads only add synchronisation
+        torch.set_num_threads(int(os.environ.get("RLREF_THREADS", 1)))
     use_tf32(device)
     tok = load_tokenizer(name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except Exception as e:  # a user's checkpoint that does not load: one line, exit 2, not a traceback
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    model = _from_pretrained(AutoModelForCausalLM, name, path, dtype=torch.float32)
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tok
 
 
 def use_tf32(device: torch.device) -> None:
-    """On CUDA, float32 matmuls (those outside the training forward's bf16 autocast: the sampler's, the
-    critic's head) may use TF32, a 10-bit mantissa; a CPU has no such mode (the flag is left as it is)."""
+    """On CUDA, float32 matmuls outside the training forward's bf16 autocast may use TF32 (a 10-bit mantissa)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def pin_mmap_threshold(nbytes: int = 1 << 20) -> None:
-    """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back
-    to the OS. By default glibc raises its mmap threshold to the size of each mmapped block it frees
-    (up to 32 MB); after that the trunk's activations come from the heap, whose freed pages stay resident
-    (docs/memory.md). Setting the threshold (glibc's M_MMAP_THRESHOLD, -3) also stops it moving. Nothing is
-    computed differently. A no-op off glibc, or when the user set MALLOC_MMAP_THRESHOLD_ themselves."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
+    """Keep glibc's malloc serving blocks of >= `nbytes` by mmap, so that a freed activation goes back to the OS
+    (glibc would raise the threshold to each freed block's size, then keep freed pages resident: docs/memory.md)."""
     import ctypes
 
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # musl and other C libraries: their own allocator, left alone
-        pass
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        with contextlib.suppress(OSError, AttributeError):  # musl and other C libraries: their own allocator
+            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
 
 
 def quiet_transformers():
-    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards"): the run's bar
-    and its closing line say what is happening. The hub's download bars stay as they were (a real model's
-    first download is worth watching), and our own tqdm bar is not transformers' and is not affected."""
+    """Turn off transformers' own progress bars ("Loading weights", ...); the hub's download bars stay."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging
 
@@ -816,8 +643,7 @@ def is_moe(model) -> bool:
 
 
 def local_config(name: str) -> dict:
-    """--model `name`'s config.json, read before loading: what it needs of extras/ is known before any
-    weights load. {} for a hub id, which only loading can read (common.routing checks the model: is_moe)."""
+    """--model `name`'s config.json, read before any weights load ({} for a hub id)."""
     config = Path(model_path(name, ask_hub=False)) / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
@@ -828,112 +654,41 @@ def declares_experts(name: str) -> bool:
 
 
 def model_path(name: str, ask_hub: bool = True) -> str:
-    """Where --model `name` loads from: an embedded checkpoint's directory, tiny-qwen3's (built on first
-    use, extras/qwen3_tokenizer.py), a local directory, or a hub id's source (`hub_model_path`; the id
-    itself with ask_hub=False)."""
+    """Where --model `name` loads from: an embedded checkpoint, tiny-qwen3's (built on first use), a local
+    directory, or a hub id's source (extras/hub.py; the id itself with ask_hub=False)."""
     if name == TINY_QWEN3:
         return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
     if name in TINY_MODELS:
         return tiny_checkpoint(name)
     if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
         return name
-    return hub_model_path(name)
-
-
-HUB_PROBE_S = 3.0  # how long a hub id waits for the hub to answer (huggingface_hub's own retries take ~50 s)
-
-
-@functools.cache  # one question to the hub per model and process
-def hub_model_path(name: str) -> str:
-    """A hub id's source. `name` itself (transformers downloads it, or checks its cache against the hub)
-    when the hub answers one HEAD request within HUB_PROBE_S seconds, or under HF_HUB_OFFLINE=1
-    (transformers reads the cache and asks nothing). Otherwise its snapshot in the local cache, loaded
-    from disk; not cached, a UsageError saying how to use the hub offline."""
-    import threading
-
-    from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.utils import get_session
-
-    if constants.HF_HUB_OFFLINE:
-        return name
-    url, answer = hf_hub_url(name, "config.json"), []
-
-    def head():  # any HTTP status, even 401 / 404, means the hub is there: transformers then says the rest
-        try:
-            get_session().head(url, timeout=HUB_PROBE_S)
-            answer.append(None)
-        except Exception as e:
-            answer.append(_describe(e))
-
-    probe = threading.Thread(target=head, daemon=True)  # a thread: name resolution has no timeout of its own
-    probe.start()
-    probe.join(HUB_PROBE_S)
-    if answer and answer[0] is None:
-        return name
-    cached = try_to_load_from_cache(name, "config.json")
-    if isinstance(cached, str):  # offline, with the model in the cache: load the snapshot, no retries
-        return str(Path(cached).parent)
-    why = answer[0] if answer else f"no answer in {HUB_PROBE_S:g} s"
-    raise UsageError(
-        f"--model {name}: cannot reach the hub ({constants.ENDPOINT}: {why}) and the model is not in the cache "
-        f"{constants.HF_HUB_CACHE}; connect, or download it where there is a network and set HF_HUB_OFFLINE=1"
-    )
+    return extra("hub", f"--model {name}").hub_model_path(name)
 
 
 def add_lora(model, args):
-    """--lora-rank r > 0: `model` as a peft model training rank-r adapters on its frozen weights
-    (extras/lora.py); else `model` itself."""
+    """--lora-rank r > 0: `model` training rank-r adapters on its frozen weights (extras/lora.py); else itself."""
     return extra("lora", "--lora-rank").add_lora(model, args) if args.lora_rank else model
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of --model `name` ('tiny' or a directory / hub id), left-padding, with a pad token."""
+    """The tokenizer of --model `name`, left-padding, with a pad token."""
     from transformers import AutoTokenizer
 
-    path = model_path(name)  # (tiny-qwen3: built on first use)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    tok = _from_pretrained(AutoTokenizer, name, model_path(name))  # (tiny-qwen3: built on first use)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def unknown_characters(tok, chars) -> set:
-    """The characters of `chars` that `tok` turns into its unknown token (none without one: a
-    byte-level tokenizer such as Qwen's, or one with byte fallback, represents every character)."""
-    chars = sorted(set(chars))
-    if tok.unk_token_id is None or not chars:
-        return set()
-    return {c for c, ids in zip(chars, tok(chars, add_special_tokens=False)["input_ids"]) if tok.unk_token_id in ids}
-
-
-def check_characters(tok, model: str, where: str, records: list[dict]):
-    """Every character of the records' prompts and answers must be one `tok` can represent: a
-    tokenizer with an unknown token (the tiny one covers printable ASCII and newline) turns any
-    other into it, decoding drops it, and a task written in them trains on text the model cannot
-    see, without an error. UsageError naming the first record (in file order) and its characters."""
-    texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
-    bad = unknown_characters(tok, "".join(texts))
-    if bad:
-        hits = [i for i, t in enumerate(texts) if bad & set(t)]
-        first = sorted(bad & set(texts[hits[0]]))
-        raise UsageError(
-            f"{where}: record {hits[0] + 1} (prompt {_clip(records[hits[0]]['prompt'])}) has characters "
-            f"{_cannot_represent(tok, model, first)} ({len(hits)} of {len(records)} records have such characters)"
-        )
-
-
-def _cannot_represent(tok, model: str, chars) -> str:
-    whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
-        f"--model {model}'s tokenizer")  # fmt: skip
-    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars)
-    return (f"{whose} cannot represent: {listed}; each would become {tok.unk_token}, which decoding drops "
-            "(use characters it knows, or another --model)")  # fmt: skip
+def _from_pretrained(auto, name: str, path: str, **kwargs):
+    """`auto`.from_pretrained(path): a user's --model that does not load is one line (exit 2), not a traceback."""
+    try:
+        return auto.from_pretrained(path, **kwargs)
+    except Exception as e:
+        if name in TINY_MODELS:
+            raise
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -967,15 +722,8 @@ def cache_root() -> Path:
 
 
 def tiny_checkpoint(name: str = "tiny") -> str:
-    """Path of an embedded checkpoint, all four shipped in checkpoints/ (3-10 MB each). "tiny": a real
-    Qwen3ForCausalLM with a small config, warm-started by SFT on `arith` training pairs until a probe
-    of *training* prompts reaches 20% accuracy, so the held-out accuracy starts in a band that leaves
-    room for RL. "tiny-moe": a Qwen3MoeForCausalLM of the same shape, every layer sparse, the same
-    recipe. "tiny-sums": the recipe on the `sums` task, started from tiny's weights. "tiny-rm": a
-    reward model (tools/recipes.py holds every recipe). They ship so that every machine starts from
-    the same weights: the recipe stops mid-way through a fast rise, and rebuilt on another CPU model it
-    lands elsewhere in the band. A checkpoint neither shipped nor cached under $RLREF_CACHE (a changed recipe: a new
-    key) stops the run with one line naming the command that builds it."""
+    """Path of an embedded checkpoint (tools/recipes.py holds their recipes), shipped in checkpoints/ so that every
+    machine starts from the same weights, or cached under $RLREF_CACHE; else one line naming how to build it."""
     key = TINY_KEYS[name]
     for path in (SHIPPED_CHECKPOINTS / key, cache_root() / key):
         if (path / "config.json").is_file():
@@ -1952,32 +1700,28 @@ SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with 
 
 
 def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
-    """Before the first step. The reward is called on batches of the run's shapes (`check_rewards`: a reward
-    that fails fails before anything is written). With --resume the checkpoint's weights go into `model`, each
-    `state` object gets its state and the RNG states theirs (extras/resume.py); else step 0 is evaluated. Only
-    then is the run --out held deleted (--overwrite: check_out) and OUT opened: returns its writer.
-    Exact resume: a checkpoint holds the policy's weights, each `state` object (its state_dict(), a
-    torch.Generator's get_state(), or the value of a list, dict or dataclass such as a carried Rollout, whose
-    tensors come back on the run's device) and each rank's torch / numpy / random RNG states, nothing else: put
-    in `state` whatever else moves during the run (a generator, a scheduler, a batch carried to the next step),
-    or a resumed run differs (tests/test_reliability.py). Under torchrun every object but the modules and
-    optimizers is saved by each rank, for itself (tests/test_distributed.py)."""
+    """Before the first step: the reward tried on the run's shapes (`check_rewards`), then --resume's checkpoint
+    loaded into `model`, each `state` object and the RNG states (extras/resume.py), or else step 0 evaluated; only
+    then the run in --out replaced (--overwrite) and OUT opened. Resume is exact only if `state` holds all that moves
+    during the run (a generator, a scheduler, a carried batch: tests/test_reliability.py); under torchrun each rank
+    saves its own, but for modules and optimizers."""
     for name, obj in state.items():
         if not checkpointable(obj):
             what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
             raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
     progress, samples = state["progress"], []
     check_rewards(args, env, model, tok)
-    if env.resume_from:  # the policy's weights, `state` and the RNG states as they were after that step
+    if env.resume_from:
         extra("resume", "--resume").load_checkpoint(env.resume_from, model, checkpointed(state, model), env.rank,
                                                     env.world, env.device)  # fmt: skip
     else:
         progress.eval_before, samples = evaluate_run(args, env, model, tok, 0)
         progress.last_eval = progress.eval_before
-        if env.rank == 0:  # (under torchrun the evaluation is all ranks')
+        if env.rank == 0:
             tqdm.write(f"step 0: {describe_eval(progress.eval_before)}")
     if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
-        replace_out(args.out, env.replaces)
+        shutil.rmtree(args.out)
+        print(f"--out {args.out}: --overwrite: replacing the earlier {env.replaces} there whole", file=sys.stderr)
     writer = RunLogger(args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard")
     writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
     writer.show(samples)
@@ -1985,8 +1729,7 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
 
 
 def evaluate_run(args, env: Setup, model, tok, step: int) -> tuple[dict, list]:
-    """(metrics, samples) of `evaluate` on the evaluation set. --eval-samples draws from a generator of its
-    own, seeded by --seed and the step: evaluating never moves training's random streams."""
+    """(metrics, samples) of `evaluate` on the evaluation set, from a generator of its own (--eval-samples)."""
     generator = torch.Generator(env.device).manual_seed(args.seed * 1_000_003 + step * 1_009 + env.rank)
     metrics = evaluate(model, tok, env.eval_set, args.max_new_tokens, env.reward_fn, env.system_prompt,
                        args.eval_samples, args.temperature, args.top_p, generator, SAMPLES_SHOWN,
@@ -1995,11 +1738,8 @@ def evaluate_run(args, env: Setup, model, tok, step: int) -> tuple[dict, list]:
 
 
 def check_rewards(args, env: Setup, model, tok):
-    """Call the reward on batches of the run's own shapes before the first step, so that a reward function
-    that fits only some (one value per distinct prompt, say) fails before anything is written: a training
-    batch (this rank's prompts-per-step share, each prompt --group-size times in a row) and, on --resume,
-    where no step-0 evaluation runs first, an evaluation batch (and one of --eval-samples rows per prompt).
-    Greedy completions of the first records, one per distinct prompt, repeated: no random stream moves."""
+    """The reward called on batches of the run's shapes before anything is written (a training batch; on --resume,
+    which skips step 0's evaluation, an evaluation batch too), on greedy completions: no random stream moves."""
     n = args.prompts_per_step // env.world
     shapes = [(env.train_set[: n * env.world][env.rank :: env.world], args.group_size)]
     if env.resume_from:  # evaluate()'s first batch, and its pass@n batch
@@ -2018,7 +1758,7 @@ def check_rewards(args, env: Setup, model, tok):
 
 
 def progress_bar(args, env: Setup, progress: Progress):
-    """The steps still to run (from the checkpoint's step + 1 when resumed), as a progress bar (rank 0's)."""
+    """The steps still to run, as rank 0's progress bar."""
     first = progress.step + 1
     return tqdm(range(first, args.steps + 1), initial=first - 1, total=args.steps, desc=args.algo,
                 dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
@@ -2026,18 +1766,15 @@ def progress_bar(args, env: Setup, progress: Progress):
 
 def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, bar, row: dict, no_signal: bool,
              started: float, trace=None, shown: tuple = ()):  # fmt: skip
-    """The end of a step: the evaluation when due (every --eval-every steps and the last: eval_accuracy,
-    eval_format_rate, eval_reward, eval_pass@1, ..., printed with the step's `shown` metrics), the warnings
-    (`no_signal`: the script says when a step's rewards gave the update nothing to learn from), step_time_s
-    (since `started`, the evaluation included), `row` appended to metrics.jsonl, the `trace` to traces.jsonl."""
+    """The end of a step: the evaluation when due (printed with the step's `shown` metrics), the warnings
+    (`no_signal`: the step's rewards gave the update nothing to learn from), step_time_s, `row` to metrics.jsonl."""
     step = row["step"]
     writer.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
     progress.clip_fracs.append(row.get(writer.clip_key, 0.0))
-    watch_signal(env, progress, step, no_signal)
     if getattr(args, "filter_groups", False) and row["groups_kept"] < args.prompts_per_step:
-        warn_once(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} "
-                  f"with {row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such "
-                  "steps train on what they have (said once; the run goes on)")  # fmt: skip
+        warn(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} with "
+             f"{row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such steps "
+             "train on what they have (said once; the run goes on)")  # fmt: skip
     samples = []
     evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
     if evaluated:
@@ -2046,10 +1783,9 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
         printed = "  ".join(f"{k} {row[k]:.3f}" for k in (*SHOWN, *shown) if k in row)
         if env.rank == 0:
             tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(progress.last_eval)}  {printed}")
-    # the share of groups all-equal at the batch's lowest reward (PPO, whose baseline is no group: whether the
-    # step had no signal)
+    # PPO, whose baseline is no group, counts its steps without signal as flat
     flat = row["zero_std_low_frac"] if env.needs_group else float(no_signal)
-    watch_collapse(env, progress, step, flat, row.get("eval_accuracy") if evaluated else None)
+    watch(env, progress, step, no_signal, flat, row.get("eval_accuracy") if evaluated else None)
     row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
     writer.log(row)
     if trace is not None:
@@ -2061,86 +1797,81 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
     progress.step, progress.wall_time_s = step, time.perf_counter() - writer.t_start
 
 
-def warn_once(env: Setup, progress: Progress, what: str, message: str):
-    """One warning line on stderr (rank 0) the first time `what` happens in a run (a process's run)."""
-    if what in progress.warned:
-        return
-    progress.warned.append(what)
-    if env.rank == 0:
-        tqdm.write(f"warning: {message}", file=sys.stderr)
+NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
+NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
+COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
+FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
+COLLAPSE = ("the policy may be collapsing; likely causes: the learning rate (--lr), stale minibatches without a clip "
+            "(--minibatches or --epochs > 1 update off-policy, safe only with the ratio clip), or the reward "
+            "(the run goes on)")  # fmt: skip
 
 
-def watch_signal(env: Setup, progress: Progress, step: int, no_signal: bool):
-    """After NO_SIGNAL_STEPS steps in a row without a learning signal: one warning, kept in summary.json."""
+def warn(env: Setup, progress: Progress, key: str, message: str, where=True):
+    """One line on stderr (rank 0) the first time `key` happens in a run; progress.warned[key] keeps `where`."""
+    if key not in progress.warned:
+        progress.warned[key] = where
+        if env.rank == 0:
+            tqdm.write(f"warning: {message}", file=sys.stderr)
+
+
+def watch(env: Setup, progress: Progress, step: int, no_signal: bool, flat: float, accuracy: float | None):
+    """The warnings of a run that goes wrong, each once (kept in summary.json): NO_SIGNAL_STEPS steps in a row
+    without signal; held-out `accuracy` COLLAPSE_DROP below step 0's at COLLAPSE_EVALS evaluations in a row; more
+    than FLAT_SHARE of the last FLAT_WINDOW steps' groups all at the batch's lowest reward (`flat`: this step's
+    share; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)."""
     progress.no_signal_steps += bool(no_signal)
     progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
-    if progress.no_signal_streak == NO_SIGNAL_STEPS and progress.no_signal is None:
+    if progress.no_signal_streak == NO_SIGNAL_STEPS:
         first = step - NO_SIGNAL_STEPS + 1
-        progress.no_signal = {"from_step": first, "warned_at_step": step}
         why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
                if env.needs_group else "every reward in the batch was equal, or the policy's entropy stayed below "
                f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
                "completion is better")  # fmt: skip
-        if env.rank == 0:
-            tqdm.write(
-                f"warning: no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps {first}-{step}): {why}; "
-                "try a reward that gives partial credit, a higher --temperature or a larger --group-size "
-                "(the run goes on)",
-                file=sys.stderr,
-            )
-
-
-def watch_collapse(env: Setup, progress: Progress, step: int, flat: float, accuracy: float | None):
-    """Warn once each (rank 0; kept in summary.json) when the run looks collapsed: held-out accuracy at
-    least COLLAPSE_DROP below its step-0 value at COLLAPSE_EVALS evaluations in a row, or more than
-    FLAT_SHARE of the last FLAT_WINDOW steps' groups all-equal at their batch's lowest reward (every
-    completion failed; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)
-    (PPO: of its steps without signal).
-    `flat`: this step's share; `accuracy`: this step's held-out accuracy, None if it did not evaluate."""
+        warn(env, progress, "no_signal", f"no learning signal for {NO_SIGNAL_STEPS} steps in a row (steps "
+             f"{first}-{step}): {why}; try a reward that gives partial credit, a higher --temperature or a larger "
+             "--group-size (the run goes on)", {"from_step": first, "warned_at_step": step})  # fmt: skip
     before = (progress.eval_before or {}).get("accuracy")
     progress.flat_window = [*progress.flat_window, flat][-FLAT_WINDOW:]
     if accuracy is not None and before is not None:
-        progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
-        fell = progress.eval_accuracies
-        if progress.accuracy_drop is None and accuracy_collapsed(before, [a for _, a in fell]):
-            progress.accuracy_drop = {"before": before, "evals": fell, "warned_at_step": step}
+        fell = progress.eval_accuracies = [*progress.eval_accuracies, [step, accuracy]][-COLLAPSE_EVALS:]
+        if accuracy_collapsed(before, [a for _, a in fell]):
             at = ", ".join(f"step {s} {a:.3f}" for s, a in fell)
-            warn_collapse(env, f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 {before:.3f} at "
-                               f"{COLLAPSE_EVALS} evaluations in a row ({at})")  # fmt: skip
-    if progress.flat_groups is None and mostly_flat(progress.flat_window):
+            warn(env, progress, "accuracy_drop", f"held-out accuracy fell {COLLAPSE_DROP} or more below its step-0 "
+                 f"{before:.3f} at {COLLAPSE_EVALS} evaluations in a row ({at}): {COLLAPSE}",
+                 {"before": before, "evals": fell, "warned_at_step": step})  # fmt: skip
+    if mostly_flat(progress.flat_window):
         first, share = step - FLAT_WINDOW + 1, sum(progress.flat_window) / FLAT_WINDOW
-        progress.flat_groups = {"share": share, "from_step": first, "warned_at_step": step}
         what = ("groups of the last {} steps had all-equal rewards, the batch's lowest" if env.needs_group
                 else "last {} steps had no learning signal").format(FLAT_WINDOW)  # fmt: skip
-        warn_collapse(env, f"{share:.0%} of the {what} (steps {first}-{step})")
+        warn(env, progress, "flat_groups", f"{share:.0%} of the {what} (steps {first}-{step}): {COLLAPSE}",
+             {"share": share, "from_step": first, "warned_at_step": step})  # fmt: skip
 
 
-def warn_collapse(env: Setup, what: str):
-    """A collapse warning, one line on stderr (rank 0), with its likely causes; the run goes on."""
-    if env.rank == 0:
-        tqdm.write(
-            f"warning: {what}: the policy may be collapsing; likely causes: the learning rate (--lr), "
-            "stale minibatches without a clip (--minibatches or --epochs > 1 update off-policy, safe only "
-            "with the ratio clip), or the reward (the run goes on)",
-            file=sys.stderr,
-        )
+def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
+    """Whether the last `evals` held-out `accuracies` are each at least `drop` below `before` (the 1e-9 keeps a
+    drop of exactly `drop`, 0.3 to 0.2, a drop in floats)."""
+    recent = accuracies[-evals:]
+    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
+
+
+def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
+    """Whether the last `window` steps' shares of flat groups average more than `share` (exactly `share`, 45 of 50,
+    stays below, though float sums of shares such as 1/3 land a little above it: the 1e-9)."""
+    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
-    """OUT/checkpoint/ every --save-every steps, after the last step, and when a stop signal came, which
-    makes this step the last: returns whether one came. Under torchrun a signal on any rank counts on every
-    rank, and every rank takes part in the save (each keeps its own random streams; --fsdp gathers the weights)."""
-    stopping = on_any_rank(stop_requested())
-    if stopping or checkpoint_due(args, step):
+    """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
+    whether one came, which makes this step the last."""
+    stopping = on_any_rank(_stop["signum"] is not None)
+    if stopping or (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
         save_checkpoint(args.out, args.algo, args, model, tok, checkpointed(state, model), env.rank, env.world)
     return stopping
 
 
 def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, **also_save) -> dict:
-    """Write final/ (the policy, plus each `also_save` module's or state dict as final/NAME.pt; with LoRA the
-    adapters, and with --merge-lora also final/merged/, a standard checkpoint) and summary.json; returns the
-    last evaluation. A run stopped by a signal raises Interrupted (its checkpoint is written), so main() exits
-    with 128 + the signal's number."""
+    """Write final/ (the policy; each `also_save` module or state dict as final/NAME.pt; --merge-lora: final/merged)
+    and summary.json; return the last evaluation. A run a signal stopped raises Interrupted instead."""
     interrupted = progress.step < args.steps
     if not interrupted:
         writer.save_model(model, tok)
@@ -2152,61 +1883,29 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
             extra("lora", "--merge-lora").save_merged(model, tok, writer.out / "final" / "merged")
     before, after = progress.eval_before, progress.last_eval
     wall_time_s = time.perf_counter() - writer.t_start
-    measured = rounded(
-        {
-            "algo": args.algo,
-            "model": args.model,
-            "task": "jsonl" if args.data else "arith",
-            "seed": args.seed,
-            "steps": args.steps,
-            "step": progress.step,
-            "interrupted": interrupted,
-            "eval_accuracy_before": before.get("accuracy"),
-            "eval_accuracy_after": after.get("accuracy"),
-            "eval_format_rate_after": after.get("format_rate"),
-            "eval_reward_before": before.get("reward"),
-            "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
-            "eval_size": len(env.eval_set),
-            "eval_overlap": env.eval_overlap,  # evaluation prompts also in the training data
-            "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
-            "peak_mem_mb": peak_memory_mb(env.device),
-            f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
-            # the first NO_SIGNAL_STEPS steps in a row without a learning signal (null: none), and how many in all
-            "no_signal": progress.no_signal,
-            "no_signal_steps": progress.no_signal_steps,
-            # the collapse warnings (watch_collapse): where each was given (null: not given)
-            "accuracy_drop": progress.accuracy_drop,
-            "flat_groups": progress.flat_groups,
-        }
-    )
+    measured = rounded({
+        "algo": args.algo, "model": args.model, "task": "jsonl" if args.data else "arith",
+        "seed": args.seed, "steps": args.steps, "step": progress.step, "interrupted": interrupted,
+        "eval_accuracy_before": before.get("accuracy"), "eval_accuracy_after": after.get("accuracy"),
+        "eval_format_rate_after": after.get("format_rate"), "eval_reward_before": before.get("reward"),
+        "eval_after": after,  # every evaluation metric after training (pass@n with --eval-samples)
+        "eval_size": len(env.eval_set),
+        "eval_overlap": env.eval_overlap,  # evaluation prompts also in the training data
+        "wall_time_s": wall_time_s,  # since the script started: model loading and evaluations included
+        "peak_mem_mb": peak_memory_mb(env.device),
+        f"mean_{writer.clip_key}": sum(progress.clip_fracs) / max(1, len(progress.clip_fracs)),
+        # where each warning was given (null: not given), and how many steps had no learning signal
+        "no_signal": progress.warned.get("no_signal"), "no_signal_steps": progress.no_signal_steps,
+        "accuracy_drop": progress.warned.get("accuracy_drop"), "flat_groups": progress.warned.get("flat_groups"),
+    })  # fmt: skip
     writer.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
     writer.close()
     if interrupted:
-        raise Interrupted(progress.step, writer.out)
+        raise Interrupted(f"stopped after step {progress.step}; checkpoint in {writer.out / 'checkpoint'}; "
+                          f"continue with --resume {writer.out}")  # fmt: skip
     if writer.enabled:
         print(closing_line(args.algo, before, after, wall_time_s, writer.out), flush=True)
     return progress.last_eval
-
-
-NO_SIGNAL_STEPS = 20  # steps in a row without a learning signal before the run warns (once)
-NO_SIGNAL_ENTROPY = 0.01  # nats per token: below it, ppo.py counts a step as one without signal
-COLLAPSE_DROP, COLLAPSE_EVALS = 0.1, 2  # held-out accuracy this far below step 0's, at this many evaluations in a row
-FLAT_WINDOW, FLAT_SHARE = 50, 0.9  # more than this share of this many steps' groups all failed: the run warns (once)
-
-
-def accuracy_collapsed(before: float, accuracies: list, drop: float = COLLAPSE_DROP, evals: int = COLLAPSE_EVALS):
-    """Whether the last `evals` of the held-out `accuracies` (the evaluations after step 0, in order) are
-    each at least `drop` below `before`, step 0's. An accuracy is a count over the evaluation set: the
-    1e-9 keeps a drop of exactly `drop` (0.3 to 0.2, which floats make 0.0999...) a drop."""
-    recent = accuracies[-evals:]
-    return len(recent) == evals and all(before - a >= drop - 1e-9 for a in recent)
-
-
-def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE) -> bool:
-    """Whether more than `share` of the last `window` steps' groups were flat: `flat` holds each step's
-    share (steps have equally many groups); False until there are `window` steps. The 1e-9 keeps
-    exactly `share` (45 of 50) below, where float sums of shares such as 1/3 land a little above it."""
-    return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
 def all_equal(x: torch.Tensor) -> bool:
@@ -2216,8 +1915,7 @@ def all_equal(x: torch.Tensor) -> bool:
 
 
 def rounded(value, decimals: int = 6):
-    """`value` with each float in it (in dicts and lists too) rounded to `decimals` decimals, as metrics.jsonl
-    rounds: a number summary.json copies from an evaluation equals the logged one."""
+    """`value` with each float in it (in dicts and lists too) rounded as metrics.jsonl rounds."""
     if isinstance(value, float):
         return round(value, decimals)
     if isinstance(value, dict):
@@ -2230,11 +1928,7 @@ def rounded(value, decimals: int = 6):
 def duration(seconds: float) -> str:
     """'45 s', '2 min 17 s', '1 h 3 min'."""
     s = round(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60} s" if s < 3600 else f"{s // 3600} h {s % 3600 // 60} min"
 
 
 # What a run may write into --out, in the order the closing line names them
@@ -2242,9 +1936,8 @@ OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "fi
 
 
 def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
-    """The run's last line: "gspo: held-out accuracy 0.222 -> 0.640 in 2 min 17 s; wrote runs/gspo
-    (summary.json, metrics.jsonl, final/)" (the held-out reward where the task has no accuracy), naming
-    what the run left in `out` (an empty traces.jsonl left out)."""
+    """The run's last line: "gspo: held-out accuracy 0.222 -> 0.640 in 2 min 17 s; wrote runs/gspo (summary.json,
+    ...)" (the reward where the task has no accuracy; an empty traces.jsonl not named)."""
     key = "accuracy" if "accuracy" in after else "reward"
     paths = [out / name for name in OUTPUTS]
     written = [p.name + "/" * p.is_dir() for p in paths if p.is_dir() or (p.is_file() and p.stat().st_size)]
@@ -2267,14 +1960,11 @@ class Progress:
     last_eval: dict | None = None
     clip_fracs: list = field(default_factory=list)
     wall_time_s: float = 0.0
-    no_signal_streak: int = 0  # steps in a row without a learning signal (watch_signal)
+    no_signal_streak: int = 0  # steps in a row without a learning signal
     no_signal_steps: int = 0
-    no_signal: dict | None = None  # where the warning was given
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
-    accuracy_drop: dict | None = None  # where each collapse warning was given (watch_collapse)
-    flat_groups: dict | None = None
-    warned: list = field(default_factory=list)  # the warnings given once a run (warn_once)
+    warned: dict = field(default_factory=dict)  # each warning given (`warn`), and where
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -2285,51 +1975,42 @@ class Progress:
 
 
 class RunLogger:
-    """Writes metrics.jsonl (one object per step), samples.jsonl (a few completions per evaluation),
-    traces.jsonl (--trace-every: one record per traced group),
-    with --report-to tensorboard every metric also to TensorBoard event files in tensorboard/,
-    summary.json and final/ into `out`. metrics.jsonl is the record; TensorBoard a view of it.
-    Resuming from a checkpoint, metrics.jsonl, samples.jsonl and traces.jsonl start with the checkpoint's rows
-    and TensorBoard drops the events logged after the checkpoint's step (purge_step), so a crash
-    after the last checkpoint leaves no duplicated steps behind."""
+    """Writes OUT's metrics.jsonl (a row a step), samples.jsonl, traces.jsonl (--trace-every), summary.json, final/
+    and with --report-to tensorboard tensorboard/ (a view of metrics.jsonl); rank 0 alone. Resumed, each .jsonl
+    starts with the checkpoint's rows and TensorBoard purges the later steps: a crash leaves no step twice."""
 
     def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
         self.out, self.enabled, self.tensorboard = Path(out), enabled, None
         self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
-        if not enabled:  # torchrun ranks > 0: rank 0 alone writes the outputs
-            self.metrics_file, self.samples_file = open(os.devnull, "w"), open(os.devnull, "w")
-            self.traces_file = open(os.devnull, "w")
+        if enabled:
+            self.out.mkdir(parents=True, exist_ok=True)
+        names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
+        self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
+        if not enabled:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(self.out / "metrics.jsonl", "w")
-        self.samples_file = open(self.out / "samples.jsonl", "w")
-        self.traces_file = open(self.out / "traces.jsonl", "w")
         last_step = 0
         if resume_from is not None:
             last_step = json.loads((resume_from / "meta.json").read_text())["step"]
-            kept = ("metrics.jsonl", self.metrics_file), ("samples.jsonl", self.samples_file)
-            for name, file in (*kept, ("traces.jsonl", self.traces_file)):
+            for name, file in self.files.items():
                 saved = resume_from / name
                 for line in saved.read_text().splitlines() if saved.is_file() else []:
                     if line.strip() and json.loads(line)["step"] <= last_step:
                         file.write(line + "\n")
                 file.flush()
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            board = extra("tensorboard_log", "--report-to tensorboard")
+            self.tensorboard = board.Board(self.out, last_step + 1 if resume_from else None)
 
-            self.tensorboard = SummaryWriter(
-                str(self.out / "tensorboard"), purge_step=last_step + 1 if resume_from else None
-            )
+    def write(self, name: str, rows: list):
+        for row in rows:
+            self.files[name].write(json.dumps(row) + "\n")
+        self.files[name].flush()
 
     def log(self, metrics: dict):
         clean = rounded(metrics)
-        self.metrics_file.write(json.dumps(clean) + "\n")
-        self.metrics_file.flush()
-        if self.tensorboard is not None:  # the very values metrics.jsonl holds
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tensorboard.add_scalar(k, v, clean["step"])
-            self.tensorboard.flush()
+        self.write("metrics.jsonl", [clean])
+        if self.tensorboard is not None:
+            self.tensorboard.log(clean)
 
     def show(self, samples: list):
         """Print each evaluation sample on one line and append them to samples.jsonl (rank 0)."""
@@ -2343,13 +2024,10 @@ class RunLogger:
             tqdm.write(
                 f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
             )
-            self.samples_file.write(json.dumps(s) + "\n")
-        self.samples_file.flush()
+        self.write("samples.jsonl", samples)
 
     def log_traces(self, traces: list):
-        for t in traces:
-            self.traces_file.write(json.dumps(t) + "\n")
-        self.traces_file.flush()
+        self.write("traces.jsonl", traces)
 
     def summary(self, summary: dict):
         if self.enabled:
@@ -2357,15 +2035,14 @@ class RunLogger:
 
     def save_model(self, model, tok, name: str = "final"):
         """A standard checkpoint of `model` in OUT/name, written by rank 0 (--fsdp: gathered from every rank)."""
-        state_dict = pretrained_state(model)  # --fsdp: gathered from every rank
+        state_dict = pretrained_state(model)
         if self.enabled:
             model.save_pretrained(self.out / name, state_dict=state_dict)
             tok.save_pretrained(self.out / name)
 
     def close(self):
-        self.metrics_file.close()
-        self.samples_file.close()
-        self.traces_file.close()
+        for file in self.files.values():
+            file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
 
@@ -2399,22 +2076,15 @@ RESUME_MAY_CHANGE = (
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM stopped the run after a checkpoint was saved: exit status 128 + signal."""
-
-    def __init__(self, step: int, out: Path):
-        super().__init__(
-            f"stopped after step {step}; checkpoint in {Path(out) / 'checkpoint'}; continue with --resume {out}"
-        )
+    """A stop signal ended the run after its checkpoint: exit status 128 + the signal's number."""
 
 
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
 
 
 class Unbroken:
-    """stdout or stderr that nobody reading it can crash. `python gspo.py | tee log` stopped by Ctrl-C: the same
-    SIGINT stops tee, and the run's next line would raise BrokenPipeError (a closed terminal: EIO) before its
-    checkpoint is saved. Here the first failed write points the stream's file at /dev/null instead, so the step
-    finishes and the checkpoint and summary are written; only lines that no one could read are lost."""
+    """stdout or stderr whose first failed write (a closed pipe: `| tee` stopped by the same Ctrl-C; a closed
+    terminal) points its file at /dev/null, so that the step finishes and its checkpoint is still written."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -2433,11 +2103,8 @@ class Unbroken:
             self.to_devnull()
 
     def to_devnull(self):
-        """Point the stream's file descriptor at /dev/null (what it still buffers goes there too, at exit)."""
-        try:
+        with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's captured stream)
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):  # no file descriptor (a test's captured stream): nothing to point
-            pass
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
         return getattr(self.stream, name)
@@ -2447,21 +2114,8 @@ def _request_stop(signum, frame):
     if _stop["signum"] is not None:  # the second signal: stop at once, without a checkpoint
         raise KeyboardInterrupt
     _stop["signum"] = signum
-    print(
-        f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
-        "(send it again to stop at once)",
-        file=sys.stderr,
-    )
-
-
-def stop_requested() -> bool:
-    return _stop["signum"] is not None
-
-
-def checkpoint_due(args, step: int) -> bool:
-    """Every --save-every steps and after the last step (when on); a stop signal makes one too (decided on every
-    rank alike: save_checkpoint_if_due)."""
-    return args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
+    print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+          "(send it again to stop at once)", file=sys.stderr)  # fmt: skip
 
 
 def model_signature(config) -> dict:
@@ -2472,19 +2126,15 @@ def model_signature(config) -> dict:
 
 def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _state_of(obj):
-    """What a checkpoint keeps of one of a run's `state` objects (start_run): a generator's state, a state_dict(),
-    or the value of a list, dict or dataclass (a fork's carried batch, say: extras/resume.py's plain_value)."""
+    """What a checkpoint keeps of a `state` object: a generator's state, a state_dict(), or a plain value."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if hasattr(obj, "state_dict"):
@@ -2504,19 +2154,9 @@ def same_on_every_rank(obj) -> bool:
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
-    """Write out/checkpoint/ atomically: into checkpoint.tmp/ first, which then replaces the
-    previous checkpoint by rename, so a crash while writing leaves the previous one intact.
-      policy/        the policy in Hugging Face format (loads like final/)
-      trainer.pt     state_dict() of each object in `state` (optimizers, critic, data stream, the
-                     sampling generator, progress, ...) and the python / numpy / torch RNG states
-      rank<r>.pt     under torchrun, each rank's own: its RNG states and every `state` object that is not a
-                     module or an optimizer (its generators, the stream, a fork's carried batch), so that
-                     every rank resumes exactly
-      metrics.jsonl  the metrics rows up to this step (and samples.jsonl, the evaluations' samples,
-                     and traces.jsonl, --trace-every's records)
-      meta.json      algorithm, step, number of processes, model name and config essentials, args
-    Every rank calls it at the same point (--fsdp gathers the weights and optimizer state from every
-    rank; rank 0 writes them). It returns once the checkpoint is complete, on every rank."""
+    """Write OUT/checkpoint/ atomically (into checkpoint.tmp/, then a rename): policy/ (Hugging Face format),
+    trainer.pt (each `state` object's state and the RNG states; under torchrun rank<r>.pt, each rank's own),
+    metrics.jsonl, samples.jsonl, traces.jsonl so far, and meta.json. Every rank calls it at the same point."""
     out = Path(out)
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
     policy = pretrained_state(model)  # --fsdp: gathered from every rank
@@ -2524,28 +2164,19 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir(parents=True)
-    if world > 1:  # every rank's own streams, once rank 0 has made checkpoint.tmp/
-        barrier()
-        own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
-        torch.save({"rng": trainer["rng"], "state": own}, tmp / f"rank{rank}.pt")
-        barrier()
+    if world > 1:
+        extra("distributed", "torchrun").save_rank_state(tmp / f"rank{rank}.pt", trainer, state)
     if rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy)
         tok.save_pretrained(tmp / "policy")
         torch.save(trainer, tmp / "trainer.pt")
-        shutil.copyfile(out / "metrics.jsonl", tmp / "metrics.jsonl")
-        for name in ("samples.jsonl", "traces.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "traces.jsonl"):
             if (out / name).is_file():
                 shutil.copyfile(out / name, tmp / name)
-        meta = {
-            "algo": algo,
-            "step": state["progress"].step,
-            "world": world,
-            "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
-            "model": args.model,
-            "config": model_signature(model.config),
-            "args": dataclasses.asdict(args),
-        }
+        meta = {"algo": algo, "step": state["progress"].step, "world": world,
+                "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
+                "model": args.model, "config": model_signature(model.config),
+                "args": dataclasses.asdict(args)}  # fmt: skip
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
@@ -2556,31 +2187,26 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE
+# 11. Several processes (torchrun): nothing here does anything unless torchrun set WORLD_SIZE (extras/distributed.py)
 # ---------------------------------------------------------------------------------------------
 
 
+def _torchrun():
+    """extras/distributed.py when this process is one of torchrun's (its process group is up), else None."""
+    dist = torch.distributed
+    return extra("distributed", "torchrun") if dist.is_available() and dist.is_initialized() else None
+
+
 def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """(rank, world, local_rank): under torchrun the process group joined (extras/distributed.py);
-    without torchrun (0, 1, 0), no group."""
+    """(rank, world, local_rank): under torchrun the process group joined; without, (0, 1, 0)."""
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, 0
     return extra("distributed", "torchrun").init_distributed(device)
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
-    """Under torchrun, `module` made data parallel: wrapped in DistributedDataParallel, which averages the
-    gradients of what runs through its forward over the ranks, or with --fsdp (`args.fsdp`) sharded by
-    FSDP2 instead (extras/fsdp.py). Without torchrun, `module` itself."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return module
-    if args is not None and args.fsdp:
-        fsdp = extra("fsdp", "--fsdp")
-        return fsdp.shard(module, fsdp.gathered_dtype(device, args))
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    """Under torchrun `module` in DistributedDataParallel (--fsdp: sharded by FSDP2); without, `module` itself."""
+    return module if _torchrun() is None else _torchrun().data_parallel(module, device, args)
 
 
 # --fsdp's hooks: each does nothing (and imports nothing) unless --fsdp has loaded extras/fsdp.py
@@ -2593,15 +2219,13 @@ def sharded(module) -> bool:
 
 
 def gathered(model):
-    """Context: under --fsdp every weight of `model` whole on this rank inside it (for the sampler, which
-    calls the model's modules directly); a collective. Otherwise nothing."""
+    """Context: under --fsdp every weight of `model` whole on this rank inside it (a collective)."""
     fsdp = _loaded("fsdp")
     return fsdp.gathered(model) if fsdp is not None else contextlib.nullcontext()
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, whose total norm comes back as a plain tensor (under --fsdp torch
-    returns a DTensor, whose full value is the norm of all ranks' shards together)."""
+    """torch.nn.utils.clip_grad_norm_, its norm a plain tensor (under --fsdp torch returns a DTensor)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -2617,41 +2241,25 @@ def pretrained_state(model) -> dict | None:
 
 
 def checkpointed(state: dict, model) -> dict:
-    """A run's `state` (start_run) as a checkpoint saves it: under --fsdp each sharded module and optimizer gathers its
-    whole state when saved (extras/fsdp.py's GatheredState); otherwise `state` itself."""
+    """A run's `state` as a checkpoint saves it (--fsdp: sharded modules and optimizers gathered when saved)."""
     fsdp = _loaded("fsdp")
     return fsdp.checkpointed(state, model) if fsdp is not None else state
 
 
 def barrier():
-    """Wait for every rank (nothing without torchrun)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if _torchrun() is not None:
+        torch.distributed.barrier()
 
 
 def on_any_rank(flag: bool) -> bool:
-    """Whether `flag` is true on at least one rank (`flag` itself without torchrun)."""
+    """Whether `flag` is true on at least one rank."""
     return bool(all_reduce_sum(torch.tensor([float(flag)]), op="MAX")[0] > 0)
 
 
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
-    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks (a new tensor); `x`
-    itself without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    device = x.device
-    x = x.detach().to(collective_device(dist.get_backend()), copy=True)
-    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
-    return x.to(device)
-
-
-def collective_device(backend: str) -> str:
-    """Where a collective's tensor must be: NCCL reduces GPU tensors only (this process's GPU, set by
-    init_distributed), gloo CPU ones."""
-    return "cuda" if backend == "nccl" else "cpu"
+    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks, a new tensor; without torchrun
+    `x` itself."""
+    return x if _torchrun() is None else _torchrun().all_reduce(x, op)
 
 
 def global_mean(x: torch.Tensor) -> float:
@@ -2671,45 +2279,28 @@ def global_means(values: dict) -> dict:
 
 
 def rank_means(values: dict) -> dict:
-    """{name: number} averaged over the ranks (the largest for a *_max_dev), in one all-reduce; `values`
-    itself without torchrun. Every rank calls it with the same names (each rank's own statistics)."""
-    dist = torch.distributed
-    if not values or not (dist.is_available() and dist.is_initialized()):
-        return values
-    x = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
-    mean, largest = all_reduce_sum(x) / dist.get_world_size(), all_reduce_sum(x, op="MAX")
-    return {k: (largest if k.endswith("_max_dev") else mean)[i].item() for i, k in enumerate(values)}
+    """{name: number} averaged over the ranks (the largest for a *_max_dev); `values` itself without torchrun."""
+    return values if not values or _torchrun() is None else _torchrun().rank_means(values)
 
 
 def raise_on_every_rank(error: Exception | None):
-    """Raise `error` if there is one; under torchrun, every other rank raises too (a UsageError
-    naming the rank that failed), so that one rank's failure stops the job instead of leaving the
-    others waiting in their next all-reduce. Every rank must call it at the same point."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        failed = torch.zeros(dist.get_world_size())
-        failed[dist.get_rank()] = float(error is not None)
-        failed = all_reduce_sum(failed)
-        if error is None and failed.any():
-            raise UsageError(f"stopped because rank {int(failed.nonzero()[0])} failed (its error is above)")
+    """Raise `error` if there is one; under torchrun every rank raises when one does (every rank calls it)."""
+    if _torchrun() is not None:
+        _torchrun().raise_if_any_rank_failed(error)
     if error is not None:
         raise error
 
 
 def mean_denominator(local_count: torch.Tensor) -> torch.Tensor:
-    """The denominator for a rank's sum over its items (tokens, say) such that, once DDP averages
-    the gradients of the W ranks, the step equals one process dividing the whole batch's sum by
-    the whole batch's count: (sum of local_count over ranks) / W. Without torchrun: local_count."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """A rank's denominator such that, once DDP averages the W ranks' gradients, the step is one process's over
+    the whole batch: (sum of local_count over ranks) / W. Without torchrun: local_count."""
+    world = torch.distributed.get_world_size() if _torchrun() is not None else 1
     return (all_reduce_sum(local_count.float()) / world).clamp(min=1 / world)
 
 
 def reference_model(model, device: torch.device, args):
-    """The frozen initial policy (KL terms, kl_to_init). With LoRA, `model` itself seen with its
-    adapters disabled (extras/lora.py's AdaptersOff: no second copy of the weights); without, a frozen
-    copy of checkpoint --model, which --fsdp shards as it does the policy."""
+    """The frozen initial policy (KL terms, kl_to_init): with LoRA `model` with its adapters off (extras/lora.py),
+    else a frozen copy of --model (--fsdp: sharded as the policy is)."""
     lora = _loaded("lora")
     if lora is not None and lora.is_lora(model):
         return lora.AdaptersOff(model)

@@ -31,6 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from cli import ArgumentParser  # noqa: E402  (one-line errors, exit status 2)
+
 MODELS = {  # name -> (new tokens, EOS on)
     "tiny": (8, True),
     "tiny-64": (64, False),
@@ -89,7 +92,7 @@ def one(name: str, dtype: str, device: str, repeats: int) -> dict:
 
 
 def main():
-    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=1)

@@ -30,7 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from cli import ArgumentParser  # noqa: E402  (one-line errors, exit status 2)
 
 VOWEL_TASK = dict(seed=0, words=2000, min_len=3, max_len=8)
 COEFS = (0.0, 0.01, 0.05)
@@ -113,7 +115,7 @@ def report(out: Path, algo: str, steps: int, coefs, seeds) -> str:
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--algo", choices=["gspo", "grpo", "ppo"], default="gspo")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--coefs", type=float, nargs="+", default=list(COEFS))

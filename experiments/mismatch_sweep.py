@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from sums_task import task_flags, write_split  # noqa: E402
 
-import common  # noqa: E402
+sys.path.insert(0, str(ROOT / "tools"))
+from cli import ArgumentParser  # noqa: E402  (one-line errors, exit status 2)
 
 CONDITIONS = {
     "f32-rollout": ["--rollout-dtype", "float32", "--old-logp", "rollout"],
@@ -139,7 +140,7 @@ def plot(out: Path, results: dict, algos, tasks):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS))
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--conditions", nargs="+", choices=list(CONDITIONS), default=list(CONDITIONS))

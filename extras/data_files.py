@@ -1,7 +1,8 @@
 """extras/data_files.py: --data and --eval-data, JSONL files of {prompt, answer, ...} records or GSM8K's
 {question, answer: "... #### N"}, read with one-line errors naming the file and the line (docs/running.md).
 
-Imported by common.load_task only when a file is given: the built-in tasks (arith, sums) need none.
+Imported by common.load_task only when a file is given: the built-in arith task needs none; also the
+check that a tokenizer with an unknown token can represent every character of the files and --system-prompt.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import UsageError
+import numpy as np
+
+from common import ARITH_EVAL_SEED, TINY_MODELS, UsageError, _clip, arith_split
 
 
 def jsonl_objects(path: str, flag: str = "--data"):
@@ -79,3 +82,60 @@ def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
     if not records:
         raise UsageError(f"{flag} {path}: no records")
     return records
+
+
+def unknown_characters(tok, chars) -> set:
+    """The characters of `chars` that `tok` turns into its unknown token (none without one: Qwen's)."""
+    chars = sorted(set(chars))
+    if tok.unk_token_id is None or not chars:
+        return set()
+    return {c for c, ids in zip(chars, tok(chars, add_special_tokens=False)["input_ids"]) if tok.unk_token_id in ids}
+
+
+def check_characters(tok, model: str, where: str, records: list[dict]):
+    """A UsageError naming the first record whose prompt or answer has characters `tok` turns into its unknown
+    token (which decoding drops: a task written in them would train on text the model cannot see)."""
+    texts = ["".join([r["prompt"]] + [r["answer"]] * isinstance(r.get("answer"), str)) for r in records]
+    bad = unknown_characters(tok, "".join(texts))
+    if bad:
+        hits = [i for i, t in enumerate(texts) if bad & set(t)]
+        first = sorted(bad & set(texts[hits[0]]))
+        raise UsageError(
+            f"{where}: record {hits[0] + 1} (prompt {_clip(records[hits[0]]['prompt'])}) has characters "
+            f"{cannot_represent(tok, model, first)} ({len(hits)} of {len(records)} records have such characters)"
+        )
+
+
+def cannot_represent(tok, model: str, chars) -> str:
+    whose = "the tiny model's tokenizer (printable ASCII and newline only)" if model in TINY_MODELS else (
+        f"--model {model}'s tokenizer")  # fmt: skip
+    listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars)
+    return (f"{whose} cannot represent: {listed}; each would become {tok.unk_token}, which decoding drops "
+            "(use characters it knows, or another --model)")  # fmt: skip
+
+
+def check_system_prompt(tok, model: str, system_prompt: str):
+    bad = unknown_characters(tok, system_prompt)
+    if bad:
+        raise UsageError(f"--system-prompt has characters {cannot_represent(tok, model, sorted(bad))}")
+
+
+def load_task(data: str | None, eval_data: str | None, eval_fraction: float = 0.1, needs_answer=True, check=None):
+    """common.load_task given a file: (train, eval) records. With --eval-data the evaluation set is that file
+    (training uses all of --data, or the arith task's training split); otherwise a fixed `eval_fraction` of
+    --data is held out, which never overlaps training. `check(where, records)` sees each file's records."""
+    check = check or (lambda where, records: None)
+    held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
+    if held_out is not None:
+        check(f"--eval-data {eval_data}", held_out)
+    if not data:
+        return arith_split()[0], held_out
+    records = load_jsonl(data, "--data", needs_answer)
+    check(f"--data {data}", records)
+    if held_out is not None:
+        return records, held_out
+    if len(records) < 2:
+        raise UsageError(f"--data {data}: needs at least 2 records (a training and a held-out part)")
+    order = np.random.RandomState(ARITH_EVAL_SEED).permutation(len(records))
+    n_eval = max(1, int(len(records) * eval_fraction))
+    return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]

@@ -1,7 +1,7 @@
 """extras/distributed.py: torchrun's process group, joined at the start of a run and left at its end.
 
-Imported by common.py only under torchrun (WORLD_SIZE set). The all-reduce helpers that the scripts call
-every step stay in common.py: without a process group they return their input.
+Imported by common.py only under torchrun (WORLD_SIZE set), with what its all-reduce helpers, DDP wrapping and
+checkpoints do there; without a process group common.py's helpers return their input.
 """
 
 from __future__ import annotations
@@ -31,20 +31,11 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
 
 
 def leave_process_group(exiting: BaseException | None):
-    """main()'s last step under torchrun: destroy the process group. When the rank stops with an
-    exit status (`exiting` is the SystemExit of die() or of a stop by signal; its message is already
-    on stderr), two things first:
-    - the stopped run's frames are released. The exception that led to the exit (SystemExit's
-      __context__) holds train()'s frames in its traceback, and through them the DDP model, which
-      holds the process group: destroy_process_group() alone only unregisters it, and gloo's threads
-      and sockets then live on into interpreter shutdown, where they can abort the process (SIGABRT,
-      "terminate called without an active exception", seen once in 20 runs on a loaded machine);
-    - SIGTERM is ignored from here on: torchrun sends it to every rank still running as soon as one
-      has exited with a failure, and a rank that is already ending with its own status would be
-      reported as killed by SIGTERM instead. If this teardown ever hung, torchrun's SIGKILL follows.
-    Any other exception (a bug) keeps its traceback, for Python to print. Whatever the ending, --fsdp's
-    registry of roots (extras/fsdp.py) lets its sharded model go, and a collection frees what the run has let
-    go, so that no model holding the process group lives on into shutdown."""
+    """main()'s last step under torchrun: destroy the process group. A rank ending with an exit status (`exiting`,
+    its message already on stderr) first drops the tracebacks of the errors behind it, which hold train()'s frames
+    and through them the DDP model and the group (gloo's threads would live on into shutdown and can abort it), and
+    ignores SIGTERM, which torchrun sends once one rank failed (this rank would be reported killed). Then --fsdp's
+    roots (extras/fsdp.py) are let go and a collection frees what still holds the group."""
     if isinstance(exiting, SystemExit) and exiting.code not in (None, 0):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         error, seen = exiting.__context__, set()
@@ -57,3 +48,64 @@ def leave_process_group(exiting: BaseException | None):
         fsdp.forget_roots()
     gc.collect()  # whatever holds a process group in reference cycles (a finished run's FSDP model and its hooks)
     torch.distributed.destroy_process_group()
+
+
+def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
+    """`module` in DistributedDataParallel, which averages the gradients of what runs through its forward over
+    the ranks, or with --fsdp (`args.fsdp`) sharded by FSDP2 instead (extras/fsdp.py)."""
+    if args is not None and args.fsdp:
+        from extras import fsdp
+
+        return fsdp.shard(module, fsdp.gathered_dtype(device, args))
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def collective_device(backend: str) -> str:
+    """Where a collective's tensor must be: NCCL reduces GPU tensors only (this process's GPU, set by
+    init_distributed), gloo CPU ones."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def all_reduce(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
+    """common.all_reduce_sum under torchrun: `x` reduced over the ranks (op: SUM, MAX or MIN), a new tensor."""
+    dist = torch.distributed
+    device = x.device
+    x = x.detach().to(collective_device(dist.get_backend()), copy=True)
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+    return x.to(device)
+
+
+def rank_means(values: dict) -> dict:
+    """common.rank_means under torchrun: each number averaged over the ranks (the largest for a *_max_dev), in one
+    all-reduce. Every rank calls it with the same names."""
+    x = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    mean, largest = all_reduce(x) / torch.distributed.get_world_size(), all_reduce(x, op="MAX")
+    return {k: (largest if k.endswith("_max_dev") else mean)[i].item() for i, k in enumerate(values)}
+
+
+def raise_if_any_rank_failed(error: Exception | None):
+    """common.raise_on_every_rank under torchrun: when another rank failed (its error is on stderr) and this one
+    did not, a UsageError naming it, so that one rank's failure stops the job instead of leaving the others
+    waiting in their next all-reduce."""
+    from common import UsageError
+
+    dist = torch.distributed
+    failed = torch.zeros(dist.get_world_size())
+    failed[dist.get_rank()] = float(error is not None)
+    failed = all_reduce(failed)
+    if error is None and failed.any():
+        raise UsageError(f"stopped because rank {int(failed.nonzero()[0])} failed (its error is above)")
+
+
+def save_rank_state(path, trainer: dict, state: dict):
+    """common.save_checkpoint under torchrun: this rank's RNG states and each `state` object that is not the same on
+    every rank (its generators, the stream, a carried batch) into checkpoint.tmp/rank<r>.pt, once rank 0 has made
+    the directory; returns once every rank has written its own."""
+    from common import barrier, same_on_every_rank
+
+    barrier()
+    own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
+    torch.save({"rng": trainer["rng"], "state": own}, path)
+    barrier()

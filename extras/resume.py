@@ -1,6 +1,7 @@
 """extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume").
 
-Imported by common.py only for --resume. common.save_checkpoint writes the checkpoint (every --save-every
+Imported by common.py only for --resume, or for an --out that already holds files (`check_out`: what
+--overwrite replaces, or a one-line refusal). common.save_checkpoint writes the checkpoint (every --save-every
 steps, and on SIGINT / SIGTERM); this module finds and checks it before any model is loaded
 (`open_checkpoint`), takes its flags as the command line's defaults (`resumed_args`) and restores the weights,
 the optimizers, the streams and every random state (`load_checkpoint`), so that a resumed run equals an
@@ -206,3 +207,45 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
     except Exception as e:  # a damaged checkpoint: one line, exit 2
         raise UsageError(f"--resume {found}: cannot restore it ({_describe(e)})") from e
     set_rng_state(saved["rng"])
+
+
+RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
+
+
+def run_scripts(out: Path) -> set:
+    """The scripts that summary.json and the checkpoint in `out` name."""
+    found = set()
+    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
+        try:
+            algo = json.loads((out / name).read_text()).get("algo")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
+            continue
+        if isinstance(algo, str):
+            found.add(algo)
+    return found
+
+
+def check_out(args, resume_from: Path | None) -> str:
+    """common.check_out for a non-empty --out that --resume does not continue: the earlier run --overwrite
+    replaces, or a UsageError saying how to continue or replace it (a directory that holds no run: never deleted)."""
+    out = Path(args.out)
+    if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
+        raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
+    if not any((out / name).exists() for name in RUN_MARKS):
+        raise UsageError(
+            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
+            "so it is not replaced; choose another --out, or empty it"
+        )
+    scripts = run_scripts(out)
+    if not args.overwrite:
+        others = sorted(scripts - {args.algo})
+        if others:
+            held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
+        elif scripts:
+            held = (
+                f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger --steps)"
+            )
+        else:
+            held = "a run that no summary.json or checkpoint names (a crashed run?)"
+        raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
+    return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"

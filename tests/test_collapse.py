@@ -4,7 +4,7 @@ with no word, its all-equal steps scattered so that the no-signal streak never r
   - the rules, on hand-worked sequences: accuracy at least COLLAPSE_DROP below step 0's at two
     evaluations in a row (`accuracy_collapsed`), more than FLAT_SHARE of the last FLAT_WINDOW steps'
     groups all-equal (`mostly_flat`), each at its boundary;
-  - common.watch_collapse driven step by step: each warning once, where the rule says, recorded, and
+  - common.watch driven step by step: each warning once, where the rule says, recorded, and
     carried through Progress' state dict as a checkpoint saves it;
   - a fork of gspo.py without a clip, at --minibatches 2 and a high --lr, collapses on the tiny model and
     is warned, at the steps that its own metrics.jsonl says (in this process, about 20 s on one core)."""
@@ -121,21 +121,22 @@ def test_the_default_runs_flat_groups_are_at_the_top():
 
 
 # ---------------------------------------------------------------------------------------------
-# common.watch_collapse, step by step
+# common.watch, step by step
 # ---------------------------------------------------------------------------------------------
 
 
 def watcher(before=0.3, needs_group=True, progress=None):
-    """What common.watch_collapse reads (the run's Progress, its Setup), with the warnings collected."""
+    """What common.watch reads (the run's Progress, its Setup), with the collapse warnings collected."""
     progress = progress or common.Progress(eval_before={"accuracy": before})
     return SimpleNamespace(progress=progress, env=SimpleNamespace(rank=0, needs_group=needs_group), warned=[])
 
 
 def drive(run, steps, flat, evals):
     """Steps `steps` with each step's share of all-equal groups `flat(step)` and accuracy `evals.get(step)`."""
-    with mock.patch.object(common, "warn_collapse", lambda env, what: run.warned.append(what)):
+    said = lambda line, file: run.warned.append(line.removeprefix("warning: ").split(": the policy may")[0])  # noqa: E731
+    with mock.patch.object(common.tqdm, "write", said):
         for step in steps:
-            common.watch_collapse(run.env, run.progress, step, flat(step), evals.get(step))
+            common.watch(run.env, run.progress, step, False, flat(step), evals.get(step))
 
 
 def test_each_warning_comes_once_where_its_rule_holds():
@@ -144,15 +145,16 @@ def test_each_warning_comes_once_where_its_rule_holds():
     flat = lambda step: 1.0 if step % 10 else 0.0  # noqa: E731  (90% of every window of 50: never past it)
     drive(run, range(1, 71), flat, evals)
     assert len(run.warned) == 1 and "at 2 evaluations in a row (step 40 0.200, step 50 0.100)" in run.warned[0]
-    assert run.progress.accuracy_drop == {"before": 0.3, "evals": [[40, 0.2], [50, 0.1]], "warned_at_step": 50}
-    assert run.progress.flat_groups is None and len(run.progress.flat_window) == WINDOW
+    drop = {"before": 0.3, "evals": [[40, 0.2], [50, 0.1]], "warned_at_step": 50}
+    assert run.progress.warned["accuracy_drop"] == drop
+    assert run.progress.warned.get("flat_groups") is None and len(run.progress.flat_window) == WINDOW
     drive(run, range(71, 80), lambda step: 1.0, {})  # up to steps 30-79: zeros at 30, 40, 50, 60, 70, 45 of 50
-    assert run.progress.flat_groups is None
+    assert run.progress.warned.get("flat_groups") is None
     drive(run, range(80, 81), lambda step: 1.0, {})  # steps 31-80: 46 of 50
     assert len(run.warned) == 2
     assert "92% of the groups of the last 50 steps had all-equal rewards, the batch's lowest" in run.warned[1]
     assert "(steps 31-80)" in run.warned[1]
-    assert run.progress.flat_groups == {"share": 0.92, "from_step": 31, "warned_at_step": 80}
+    assert run.progress.warned.get("flat_groups") == {"share": 0.92, "from_step": 31, "warned_at_step": 80}
     drive(run, range(82, 200), lambda step: 1.0, {s: 0.0 for s in range(90, 200, 10)})
     assert len(run.warned) == 2  # once each per run
 
@@ -184,9 +186,10 @@ def test_the_watch_survives_a_checkpoint(tmp_path):
     resumed.progress.load_state_dict(torch.load(tmp_path / "trainer.pt", weights_only=True)["progress"])
     drive(resumed, range(26, 61), lambda step: 1.0, evals)
     assert resumed.warned == whole.warned and len(whole.warned) == 2
-    assert resumed.progress.accuracy_drop == whole.progress.accuracy_drop == {
+    assert resumed.progress.warned == whole.progress.warned
+    assert resumed.progress.warned["accuracy_drop"] == {
         "before": 0.3, "evals": [[20, 0.15], [30, 0.1]], "warned_at_step": 30}  # fmt: skip
-    assert resumed.progress.flat_groups == whole.progress.flat_groups == {
+    assert resumed.progress.warned["flat_groups"] == {
         "share": 1.0, "from_step": 1, "warned_at_step": 50}  # fmt: skip
 
 
@@ -194,7 +197,7 @@ def test_the_watch_survives_a_checkpoint(tmp_path):
 def test_the_warning_is_one_line_naming_the_causes_on_rank_0_only(monkeypatch, rank):
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    common.warn_collapse(SimpleNamespace(rank=rank), "something fell")
+    common.warn(SimpleNamespace(rank=rank), common.Progress(), "x", f"something fell: {common.COLLAPSE}")
     if rank:
         assert err.getvalue() == ""
         return

@@ -39,6 +39,7 @@ from transformers import (
 )
 
 import common
+from extras import data_files
 
 sys.path.insert(0, str(Path(common.__file__).parent / "tools"))  # conftest does too; be explicit
 import recipes  # noqa: E402  (tools/recipes.py: the embedded checkpoints' recipes)
@@ -861,7 +862,7 @@ def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
             json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
         ],
     )
-    recs = common.load_jsonl(path)
+    recs = data_files.load_jsonl(path)
     assert recs == [
         {"prompt": "2+2=", "answer": "4"},
         {"prompt": "3*3=", "answer": "9"},
@@ -878,7 +879,7 @@ def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
 def test_load_jsonl_malformed_json_names_file_and_line(tmp_path, bad_line):
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "a", "answer": "1"}), "", bad_line])
     with pytest.raises(common.UsageError) as err:
-        common.load_jsonl(path)
+        data_files.load_jsonl(path)
     assert f"{path}:3" in str(err.value)
 
 
@@ -895,19 +896,19 @@ def test_load_jsonl_malformed_json_names_file_and_line(tmp_path, bad_line):
 def test_load_jsonl_missing_field_names_field(tmp_path, record, field):
     path = write_lines(tmp_path / "m.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), json.dumps(record)])
     with pytest.raises(common.UsageError) as err:
-        common.load_jsonl(path)
+        data_files.load_jsonl(path)
     assert f"'{field}'" in str(err.value) and f"{path}:2" in str(err.value)
 
 
 def test_load_jsonl_other_errors(tmp_path):
     with pytest.raises(common.UsageError, match="not found"):
-        common.load_jsonl(str(tmp_path / "missing.jsonl"))
+        data_files.load_jsonl(str(tmp_path / "missing.jsonl"))
     with pytest.raises(common.UsageError, match="no records"):
-        common.load_jsonl(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
+        data_files.load_jsonl(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
     with pytest.raises(common.UsageError, match=":1: expected a JSON object"):
-        common.load_jsonl(write_lines(tmp_path / "list.jsonl", ["[1, 2]"]))
+        data_files.load_jsonl(write_lines(tmp_path / "list.jsonl", ["[1, 2]"]))
     with pytest.raises(common.UsageError, match="####"):
-        common.load_jsonl(write_lines(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "42"})]))
+        data_files.load_jsonl(write_lines(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "42"})]))
 
 
 def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
@@ -922,7 +923,7 @@ def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
         + "\n",
         encoding="utf-8",
     )
-    assert common.load_jsonl(str(path)) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    assert data_files.load_jsonl(str(path)) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
 # ---------------------------------------------------------------------------------------------

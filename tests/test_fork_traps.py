@@ -21,6 +21,7 @@ from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_i
 import common
 import grpo
 import gspo
+from extras import data_files
 
 sys.path.insert(0, str(ROOT / "tools"))  # conftest does too; be explicit
 import recipes  # noqa: E402  (tools/recipes.py: the tiny tokenizer's characters)
@@ -61,9 +62,9 @@ def test_the_tiny_tokenizer_drops_what_it_cannot_represent():
     a, b = tok("Reverse: ab")["input_ids"], tok("Reverse: äöb")["input_ids"]
     assert tok.unk_token_id in b and tok.unk_token_id not in a
     assert tok.decode(b, skip_special_tokens=True) == "Reverse: b"
-    assert common.unknown_characters(tok, "Reverse: äöb\n") == {"ä", "ö"}
-    assert common.unknown_characters(tok, "".join(recipes.TINY_CHARS)) == set()
-    assert common.unknown_characters(tok, "tab\there") == {"\t"}  # printable ASCII and newline only
+    assert data_files.unknown_characters(tok, "Reverse: äöb\n") == {"ä", "ö"}
+    assert data_files.unknown_characters(tok, "".join(recipes.TINY_CHARS)) == set()
+    assert data_files.unknown_characters(tok, "tab\there") == {"\t"}  # printable ASCII and newline only
 
 
 @pytest.mark.slow
@@ -90,8 +91,8 @@ def test_a_byte_level_tokenizer_has_nothing_to_report():
     class ByteLevel:  # Qwen's tokenizers: no unknown token, every character has bytes
         unk_token_id = None
 
-    assert common.unknown_characters(ByteLevel(), "äöü 漢字 🙂") == set()
-    common.check_characters(ByteLevel(), "Qwen/Qwen2.5-0.5B", "--data x", [{"prompt": "漢字", "answer": "ü"}])
+    assert data_files.unknown_characters(ByteLevel(), "äöü 漢字 🙂") == set()
+    data_files.check_characters(ByteLevel(), "Qwen/Qwen2.5-0.5B", "--data x", [{"prompt": "漢字", "answer": "ü"}])
 
 
 # ---------------------------------------------------------------------------------------------

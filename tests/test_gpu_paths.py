@@ -460,12 +460,12 @@ def test_device_flag_counts_visible_gpus(monkeypatch):
 
 
 def test_nccl_collectives_run_on_the_gpu_and_gloo_ones_on_the_cpu(monkeypatch):
-    assert common.collective_device("nccl") == "cuda" and common.collective_device("gloo") == "cpu"
+    assert [distributed_extra.collective_device(b) for b in ("nccl", "gloo")] == ["cuda", "cpu"]
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     asked, reduced = [], []
-    monkeypatch.setattr(common, "collective_device", lambda backend: asked.append(backend) or "cpu")
+    monkeypatch.setattr(distributed_extra, "collective_device", lambda backend: asked.append(backend) or "cpu")
     monkeypatch.setattr(dist, "all_reduce", lambda x, op: reduced.append(op) or x.mul_(2))
     assert common.all_reduce_sum(torch.tensor([1.0, 2.0])).tolist() == [2.0, 4.0]
     assert asked == ["nccl"] and reduced == [dist.ReduceOp.SUM]

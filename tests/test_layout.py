@@ -125,6 +125,8 @@ CAPABILITIES = {
     ("--resume", "a-run"): "resume",
     ("--eval-samples", "4"): "pass_at_k",
     ("--filter-groups",): "filter_groups",
+    ("--report-to", "tensorboard"): "tensorboard_log",
+    ("--model", "Qwen/Qwen2.5-0.5B"): "hub",
 }
 # extras that no flag of a single-process run on the shipped checkpoints switches on
 NOT_FLAG_SWITCHED = {

@@ -1,5 +1,5 @@
 """A hub id without a network (issue 59, item 4): huggingface_hub retries an unreachable hub for about 50 s
-before transformers' error; common.hub_model_path asks the hub once, for at most HUB_PROBE_S seconds.
+before transformers' error; hub_extra.hub_model_path asks the hub once, for at most HUB_PROBE_S seconds.
 
 The hub's answer is faked here by replacing huggingface_hub's HTTP session (what the probe asks through) with
 one whose HEAD hangs, fails, or answers; the cache is a directory in the hub's own layout
@@ -22,6 +22,7 @@ from helpers import main_in_process
 
 import common
 import gspo
+from extras import hub as hub_extra
 
 REPO = "rlref-test/tiny-cached"
 TINY_RUN = ["--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
@@ -53,10 +54,10 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.utils, "get_session", lambda: session)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    common.hub_model_path.cache_clear()
+    hub_extra.hub_model_path.cache_clear()
     yield session
     session.release.set()
-    common.hub_model_path.cache_clear()
+    hub_extra.hub_model_path.cache_clear()
 
 
 def cache_tiny(cache: Path, repo: str = REPO) -> Path:
@@ -72,14 +73,14 @@ def cache_tiny(cache: Path, repo: str = REPO) -> Path:
 def test_an_unreachable_hub_and_an_uncached_model_stop_in_seconds_with_one_line(hub, tmp_path, capsys):
     hub.mode = "refuse"  # first a failure without waiting, so that the time below is not this process's imports
     assert main_in_process(gspo, ["--model", REPO, *TINY_RUN, "--out", tmp_path / "run"], capsys)[0] == 2
-    common.hub_model_path.cache_clear()
+    hub_extra.hub_model_path.cache_clear()
     hub.mode, hub.asked = "hang", []
     start = time.perf_counter()
     status, _, err = main_in_process(gspo, ["--model", REPO, *TINY_RUN, "--out", tmp_path / "run"], capsys)
     elapsed = time.perf_counter() - start
     assert status == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: --model {REPO}: cannot reach the hub (https://")
-    assert f"no answer in {common.HUB_PROBE_S:g} s" in err
+    assert f"no answer in {hub_extra.HUB_PROBE_S:g} s" in err
     assert f"not in the cache {tmp_path / 'hub-cache'}" in err and "HF_HUB_OFFLINE=1" in err
     assert elapsed < 5, f"{elapsed:.1f} s"
     assert len(hub.asked) == 1 and hub.asked[0].endswith(f"/{REPO}/resolve/main/config.json")
@@ -95,7 +96,7 @@ def test_a_refused_connection_says_why(hub):
 def test_a_cached_model_trains_from_the_cache_without_the_hub(hub, tmp_path, capsys, monkeypatch):
     snapshot = cache_tiny(tmp_path / "hub-cache")
     hub.mode = "hang"
-    monkeypatch.setattr(common, "HUB_PROBE_S", 0.5)  # (the wait itself is the test above's)
+    monkeypatch.setattr(hub_extra, "HUB_PROBE_S", 0.5)  # (the wait itself is the test above's)
     assert common.model_path(REPO) == str(snapshot)
     start = time.perf_counter()
     status, _, err = main_in_process(gspo, ["--model", REPO, *TINY_RUN, "--out", tmp_path / "run"], capsys)

@@ -21,7 +21,7 @@ import torch
 from helpers import entropy_tol, forward_roundings, logit_scale, logprob_tol, probable_gamma
 
 import common
-from extras import qwen3_tokenizer
+from extras import data_files, qwen3_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643  # <|im_start|>, <|im_end|> (EOS), <|endoftext|> (pad, EOS too)
 ASSISTANT, NEWLINE = 77091, 198  # "assistant", "\n"
@@ -199,13 +199,13 @@ MULTI_BYTE = "3加5等于多少？ Combien font trois et cinq, s'il te plaît ? 
 
 
 def test_multi_byte_text_is_accepted_and_round_trips(tok, char_tok):
-    assert common.unknown_characters(tok, MULTI_BYTE) == set()
-    common.check_characters(tok, common.TINY_QWEN3, "--data", [{"prompt": MULTI_BYTE, "answer": "八"}])  # no error
+    assert data_files.unknown_characters(tok, MULTI_BYTE) == set()
+    data_files.check_characters(tok, common.TINY_QWEN3, "--data", [{"prompt": MULTI_BYTE, "answer": "八"}])  # no error
     assert tok.decode(ids(tok, MULTI_BYTE)) == MULTI_BYTE
     # the same records are refused by the tiny model's character tokenizer (the check is live)
-    assert {"加", "ï", "😀"} <= common.unknown_characters(char_tok, MULTI_BYTE)
+    assert {"加", "ï", "😀"} <= data_files.unknown_characters(char_tok, MULTI_BYTE)
     with pytest.raises(common.UsageError, match="cannot represent"):
-        common.check_characters(char_tok, "tiny", "--data", [{"prompt": MULTI_BYTE, "answer": "8"}])
+        data_files.check_characters(char_tok, "tiny", "--data", [{"prompt": MULTI_BYTE, "answer": "8"}])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_reward_model.py beside this file
 
 import recipes  # noqa: E402  (tools/recipes.py; read at build time: a test or a study may change a recipe)
+from cli import ArgumentParser  # noqa: E402
 from recipes import EOS, PAD, TINY_CHARS, TINY_SPECS, checkpoint_key  # noqa: E402
 from train_reward_model import arith_preference_pairs, train_reward_model  # noqa: E402
 
 from common import (  # noqa: E402
     TINY_MODELS,
     TINY_RM,
-    ArgumentParser,
     Rollout,
     arith_split,
     cache_root,

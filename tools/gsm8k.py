@@ -30,7 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
 
-from common import ArgumentParser, UsageError, _describe, die, normalize_number  # noqa: E402
+from cli import ArgumentParser  # noqa: E402
+
+from common import UsageError, _describe, die, normalize_number  # noqa: E402
 from extras.data_files import gsm8k_final_answer, jsonl_objects, text_objects  # noqa: E402
 
 SPLITS = ("train", "test")

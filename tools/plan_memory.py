@@ -20,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
 
-from common import ArgumentParser, UsageError, _describe, _number, die, logits_chunk_elements  # noqa: E402
+from cli import ArgumentParser, number  # noqa: E402
+
+from common import UsageError, _describe, die, logits_chunk_elements  # noqa: E402
 
 # Published configurations (the fields that set memory and the dry run's shapes), so that the planner
 # and benchmarks/real_size.py need no download. Qwen2 has q/k/v biases; Qwen3 has per-head q/k norms.
@@ -273,23 +275,23 @@ def plan_memory_cli(argv=None):
     p = ArgumentParser(prog="python tools/plan_memory.py", description=plan_memory_cli.__doc__.split(":")[0])
     p.add_argument("--model", nargs="+", default=["qwen2.5-0.5b"], help=f"{', '.join(QWEN_CONFIGS)} or a dir")
     p.add_argument("--algo", choices=["ppo", "grpo", "gspo"], default="grpo")
-    p.add_argument("--prompts-per-step", type=_number(int), default=32)
-    p.add_argument("--group-size", type=_number(int), default=8)
-    p.add_argument("--prompt-tokens", type=_number(int), default=128, help="longest prompt, in tokens")
-    p.add_argument("--max-new-tokens", type=_number(int), default=512)
-    p.add_argument("--minibatches", type=_number(int), default=4)
+    p.add_argument("--prompts-per-step", type=number(int), default=32)
+    p.add_argument("--group-size", type=number(int), default=8)
+    p.add_argument("--prompt-tokens", type=number(int), default=128, help="longest prompt, in tokens")
+    p.add_argument("--max-new-tokens", type=number(int), default=512)
+    p.add_argument("--minibatches", type=number(int), default=4)
     p.add_argument("--grad-checkpointing", action="store_true")
-    p.add_argument("--lora-rank", type=_number(int), default=0)
-    p.add_argument("--kl-coef", type=_number(float), default=0.0, help="GRPO: > 0 keeps a reference")
+    p.add_argument("--lora-rank", type=number(int), default=0)
+    p.add_argument("--kl-coef", type=number(float), default=0.0, help="GRPO: > 0 keeps a reference")
     p.add_argument("--reward-model", help="its config: a named config or a dir")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--gpu-memory", type=_number(float), default=GPU_MEMORY_GB, metavar="GB",
+    p.add_argument("--gpu-memory", type=number(float), default=GPU_MEMORY_GB, metavar="GB",
                    help="--device cuda: one GPU's memory, GB (2^30 bytes), which sizes the log-prob chunk")  # fmt: skip
     ranks = p.add_mutually_exclusive_group()
-    ranks.add_argument("--ddp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, DDP")
-    ranks.add_argument("--fsdp", type=_number(int), metavar="N", help="per GPU: torchrun, N ranks, FSDP2")
-    ranks.add_argument("--compare-gpus", type=_number(int), nargs="+", metavar="N",
+    ranks.add_argument("--ddp", type=number(int), metavar="N", help="per GPU: torchrun, N ranks, DDP")
+    ranks.add_argument("--fsdp", type=number(int), metavar="N", help="per GPU: torchrun, N ranks, FSDP2")
+    ranks.add_argument("--compare-gpus", type=number(int), nargs="+", metavar="N",
                        help="the peaks of one process, DDP and FSDP2 on each N GPUs: a markdown table")  # fmt: skip
     a = p.parse_args(argv)
     gpus = a.compare_gpus or [n for n in (a.ddp, a.fsdp) if n is not None]  # [] for one process

@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
-from common import ArgumentParser, die  # noqa: E402  (one-line errors, exit status 2)
+from cli import ArgumentParser  # noqa: E402  (one-line errors, exit status 2)
+
+from common import die  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium, chromium-driver
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, when run as a script
 
+from cli import ArgumentParser, number  # noqa: E402
+
 from common import (  # noqa: E402
     TINY_MODELS,
-    ArgumentParser,
     UsageError,
-    _number,
     check_model_name,
     die,
     eos_token_ids,
@@ -175,11 +175,11 @@ def main(argv=None):
     parser.add_argument("--data", required=True, help="JSONL preference pairs {prompt, chosen, rejected}")
     parser.add_argument("--model", default="tiny", help="causal-LM checkpoint to start from: tiny, a dir or a hub id")
     parser.add_argument("--out", required=True, help="where to save the sequence-classification checkpoint")
-    parser.add_argument("--steps", type=_number(int), default=400, help="AdamW steps (default: 400)")
-    parser.add_argument("--batch-size", type=_number(int), default=32, help="pairs per step (default: 32)")
-    parser.add_argument("--lr", type=_number(float), default=1e-3, help="learning rate (default: 1e-3; a 0.5B: 1e-5)")
-    parser.add_argument("--eval-frac", type=_number(float), default=0.1, help="prompts held out (default: 0.1)")
-    parser.add_argument("--seed", type=_number(int), default=0, help="held-out split, batches, head init")
+    parser.add_argument("--steps", type=number(int), default=400, help="AdamW steps (default: 400)")
+    parser.add_argument("--batch-size", type=number(int), default=32, help="pairs per step (default: 32)")
+    parser.add_argument("--lr", type=number(float), default=1e-3, help="learning rate (default: 1e-3; a 0.5B: 1e-5)")
+    parser.add_argument("--eval-frac", type=number(float), default=0.1, help="prompts held out (default: 0.1)")
+    parser.add_argument("--seed", type=number(int), default=0, help="held-out split, batches, head init")
     a = parser.parse_args(argv)
     try:
         if a.steps < 1 or a.batch_size < 1 or not 0 < a.eval_frac < 1:
