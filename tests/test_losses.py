@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from helpers import LIGHT, batches, t64
+from helpers import LIGHT, batches, is_clipped, t64, unit_roundoff
 from helpers import gamma as gamma_n
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import grpo
@@ -36,9 +36,10 @@ FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0, -50.0])
 
 
 def loss_of(name, logp, old, adv, mask, ref=None, **kw):
-    """(loss, info) of the named loss; `adv` [B], given to PPO per token as ppo.py does; `ref` to GRPO's KL term."""
+    """(loss, info) of the named loss; `adv` [B] (given to PPO per token, as ppo.py does) or [B, T]; `ref` to GRPO's
+    KL term."""
     fn, own, _ = LOSSES[name]
-    if name.startswith("ppo"):
+    if name.startswith("ppo") and adv.dim() == 1:
         adv = adv[:, None].expand_as(logp)
     if name.startswith("grpo") and ref is not None:
         kw = dict(kw, ref_logp=ref, kl_coef=0.1)
@@ -142,3 +143,29 @@ def test_extreme_log_ratios_are_finite(name, dtype):
         assert torch.isfinite(g).all(), (adv, g)
         assert all(math.isfinite(v) for v in scalars(info).values()), info
         assert torch.isfinite(info["ratio"]).all()
+
+
+@pytest.mark.parametrize("name", ["grpo-token-mean", "ppo", "ppo-no-dual-clip"])
+@LIGHT
+@given(b=batches(), eps=st.sampled_from([(0.2, 0.2), (0.2, 0.28)]), data=st.data())
+def test_info_holds_each_tokens_ratio_and_clip_decision(name, b, eps, data):
+    """What a trace keeps of a per-token loss: info["ratio"] [B, T], each real token's exp(logp - old), and
+    info["clipped"] [B, T], the clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low;
+    PPO's dual clip is counted apart), False on padding, both detached; clip_frac counts those decisions."""
+    adv = [[data.draw(st.floats(-2.0, 2.0, allow_nan=False)) for _ in range(b["T"])] for _ in range(b["B"])]
+    real = [(i, t) for i, row in enumerate(b["mask"]) for t, m in enumerate(row) if m]
+    ratios = {(i, t): math.exp(b["logp"][i][t] - b["old"][i][t]) for i, t in real}
+    assume(all(abs(r - 1 - eps[1]) > 1e-9 and abs(r - 1 + eps[0]) > 1e-9 for r in ratios.values()))  # no tie
+    _, _, info = loss_and_grad(
+        name, t64(b["logp"]), t64(b["old"]), t64(adv), t64(b["mask"]), eps_low=eps[0], eps_high=eps[1]
+    )
+    ratio, clipped = info["ratio"], info["clipped"]
+    assert ratio.shape == clipped.shape == (b["B"], b["T"])
+    assert not ratio.requires_grad and clipped.dtype == torch.bool
+    rule = {(i, t): is_clipped(adv[i][t], r, *eps) for (i, t), r in ratios.items()}
+    assert {tuple(ij) for ij in clipped.nonzero().tolist()} == {k for k, c in rule.items() if c}
+    for (i, t), r in ratios.items():
+        assert ratio[i, t].item() == pytest.approx(r, rel=2 * gamma_n(3))  # one subtraction, one exp (2u)
+    # a float32 mean of 0/1 flags: the count exact, one division; the expected one more
+    frac_tol = unit_roundoff(torch.float32) + unit_roundoff(torch.float64)
+    assert info["clip_frac"] == pytest.approx(sum(rule.values()) / len(real), abs=frac_tol)

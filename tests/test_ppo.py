@@ -402,38 +402,6 @@ def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high
     close(grad, want_grad, atol=2 * gamma_n(12) * scale)  # a gradient element: its term's chain and 1 / n
 
 
-@SETTINGS
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    B=st.integers(1, 4),
-    T=st.integers(1, 6),
-    data=st.data(),
-    eps_low=st.floats(0.05, 0.5),
-    eps_high=st.floats(0.05, 0.5),
-    dual_clip=st.one_of(st.none(), st.floats(1.5, 5.0)),
-)
-def test_policy_loss_info_holds_each_tokens_ratio_and_clip_decision(seed, B, T, data, eps_low, eps_high, dual_clip):
-    # what a trace keeps: info["ratio"] [B, T], each real token's exp(logp - old), and info["clipped"] [B, T], the
-    # clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low; the dual clip is counted
-    # apart), False on padding; both detached
-    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    old, logp, adv = random_policy_case(seed, B, T)
-    _, _, info = run_policy_loss(
-        logp, old, adv, as_mask(lengths, T), eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
-    )
-    assert info["ratio"].shape == info["clipped"].shape == (B, T)
-    assert not info["ratio"].requires_grad and info["clipped"].dtype == torch.bool
-    for i, n in enumerate(lengths):
-        for t in range(T):
-            if t >= n:
-                assert not info["clipped"][i, t]
-                continue
-            r, a = math.exp(logp[i][t] - old[i][t]), adv[i][t]
-            assert info["ratio"][i, t].item() == pytest.approx(r, rel=2 * gamma_n(3))  # subtraction, exp (2u)
-            if abs(r - 1 - eps_high) > 1e-9 and abs(r - 1 + eps_low) > 1e-9:
-                assert info["clipped"][i, t].item() == ((a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low))
-
-
 # --------------------------------------------------------------------------------------------
 # value_loss
 # --------------------------------------------------------------------------------------------
