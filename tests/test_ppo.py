@@ -640,13 +640,6 @@ def test_critic_value_t_depends_only_on_prefix(critic):
 # --------------------------------------------------------------------------------------------
 
 
-def test_dual_clip_none_parses():
-    # `--dual-clip none` must turn the dual clip off (the Args field has to be annotated Optional:
-    # common.parse_args only accepts "none" for fields whose annotation mentions None).
-    assert common.parse_args(ppo.Args, ["--dual-clip", "none"]).dual_clip is None
-    assert common.parse_args(ppo.Args, ["--dual-clip", "2.5"]).dual_clip == 2.5
-
-
 def test_kl_coef_0_loads_and_runs_no_reference(tmp_path, monkeypatch):
     # --kl-coef 0 (as in grpo.py): no frozen reference is built or run and no kl_to_ref is logged;
     # at the default 0.1 the reference is built once, and at step 1 (no update yet) the KL is 0.
