@@ -159,12 +159,7 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     assert common.tiny_checkpoint() == tiny_path  # second call: the same path, no rebuild
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_path)
-    assert type(model).__name__ == "Qwen3ForCausalLM"
-    assert isinstance(model, Qwen3ForCausalLM)
-    for text in ["12+34=46", "0+0=0", "99+99=198", "#### 1,234\n"]:
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert len(ids) == len(text)  # character level
-        assert tok.decode(ids) == text
+    assert isinstance(model, Qwen3ForCausalLM)  # its tokenizer: test_shipped_tokenizers_are_the_builders
     assert tok.eos_token_id is not None and tok.pad_token_id is not None
     assert tok.eos_token_id != tok.pad_token_id
     assert tok.eos_token_id in common.eos_token_ids(model, tok)
@@ -353,22 +348,8 @@ def test_eos_token_ids_collects_every_id(char_tok):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2-3. greedy sampling: equals HF generate, and is invariant to batching / left padding
+# 2-3. greedy sampling: each row the argmax of its own unpadded forward, whatever the batch and its padding
 # ---------------------------------------------------------------------------------------------
-
-
-def test_greedy_completion_independent_of_batch_and_padding(rand_model, prompts, char_tok):
-    pad, T = char_tok.pad_token_id, 10
-    eos = [char_tok.eos_token_id, 40]
-    batch = common.sample(rand_model, prompts, T, eos, pad, greedy=True)
-    reversed_batch = common.sample(rand_model, prompts[::-1], T, eos, pad, greedy=True)
-    for i, p in enumerate(prompts):
-        alone = common.sample(rand_model, [p], T, eos, pad, greedy=True)
-        n = int(alone.completion_mask.sum())
-        assert int(batch.completion_mask[i].sum()) == n
-        assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0, :n].tolist()
-        j = len(prompts) - 1 - i
-        assert reversed_batch.completion_ids[j, :n].tolist() == alone.completion_ids[0, :n].tolist()
 
 
 @pytest.mark.numeric
@@ -740,13 +721,6 @@ integers = st.integers(min_value=-(10**12), max_value=10**12)
 words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20).filter(lambda w: w.strip())
 
 
-@given(integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_final_answer_plain_integer(n):
-    assert common.score(str(n), str(n)) == (1.0, 1.0)
-    assert common.score(f"  {n}\n", str(n)) == (1.0, 1.0)
-
-
 @given(st.text(max_size=60), integers)
 @example("Let me think: 12+34 = 46, so", 46)
 @example("#### 5 then", 46)
@@ -756,24 +730,25 @@ def test_final_answer_after_marker(text, n):
     assume(not text.endswith("#"))
     for completion in (f"{text}#### {n}", f"{text}\n####{n}\n", f"{text} #### {n:,}"):
         assert common.score(completion, str(n)) == (1.0, 1.0)
-        assert common.score(completion, str(n)) == (1.0, 1.0)
 
 
-def test_final_answer_marker_inside_hash_run():
-    """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'."""
+def test_score_hand_worked():
+    """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'. A number that
+    contains the gold one is an answer, and a wrong one."""
     assert common.score("##### 46", "46") == (1.0, 1.0)
     assert common.score("work ##### 46", "46")[0] == 1.0
+    assert common.score("146", "46") == (0.0, 1.0)
 
 
 @given(integers)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
 def test_commas_and_trailing_zero_decimals_normalise(n):
+    assert common.score(f"  {n}\n", str(n)) == (1.0, 1.0)
     assert common.score(f"{n:,}", str(n)) == (1.0, 1.0)
     assert common.score(f"{n}.0", str(n)) == (1.0, 1.0)
     assert common.score(f"{n:,}.00", str(n)) == (1.0, 1.0)
     assert common.score(f"#### {n:,}", str(n)) == (1.0, 1.0)
     assert common.score(str(n), f"{n:,}")[0] == 1.0
-    assert common.score(f"{n}.0", str(n))[0] == 1.0
 
 
 def test_normalize_number_hand_worked():
@@ -822,16 +797,6 @@ def test_number_among_words_scores_zero(w, n):
     assert common.score(f"{w} {n}", str(n)) == (0.0, 0.0)
     assert common.score(f"{n} {w}", str(n)) == (0.0, 0.0)
     assert common.score(f"the answer is {n} or {n + 1}", str(n)) == (0.0, 0.0)
-
-
-def test_substring_cases_hand_worked():
-    assert common.score("the answer is 46 or 47", "46") == (0.0, 0.0)
-    assert common.score("46 47", "46") == (0.0, 0.0)
-    assert common.score("I think 46", "46") == (0.0, 0.0)
-    assert common.score("146", "46") == (0.0, 1.0)
-    assert common.score("46", "46") == (1.0, 1.0)
-    assert common.score("#### 46", "46") == (1.0, 1.0)
-    assert common.score("", "46") == (0.0, 0.0)
 
 
 def test_non_numeric_gold_is_exact_string_match():

@@ -13,7 +13,6 @@ from helpers import (
     F64,
     LIGHT,
     batches,
-    is_clipped,
     loop_grpo,
     t64,
     unit_roundoff,
@@ -156,26 +155,6 @@ def test_per_token_advantages(b, agg):
     torch.testing.assert_close(g, t64(exp_grad), rtol=0, atol=grad_tol(2.0 * 3.5))
 
 
-@LIGHT
-@given(batches(), st.sampled_from(AGGS))
-def test_on_policy_gradient_equals_reinforce(b, agg):
-    mask, adv = t64(b["mask"]), t64(b["adv"])
-    logp = t64(b["logp"]).requires_grad_(True)
-    loss, stats = grpo.grpo_loss(logp, logp.detach(), adv, mask, agg=agg)
-    g = _grad(loss, logp)
-    assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
-    x = logp.detach().clone().requires_grad_(True)
-    B, T = mask.shape
-    if agg == "seq-mean-token-mean":  # -mean_i mean_t A_i logp_it
-        pg = -sum(adv[i] * (x[i] * mask[i]).sum() / mask[i].sum() for i in range(B)) / B
-    elif agg == "token-mean":  # -sum m A logp / sum m
-        pg = -(mask * adv[:, None] * x).sum() / mask.sum()
-    else:  # -sum m A logp / (B * max_len), max_len defaulting to T
-        pg = -(mask * adv[:, None] * x).sum() / (B * T)
-    # on-policy the gradient is -A w per token: both chains round <= 6 times, |A| w <= 2
-    torch.testing.assert_close(g, _grad(pg, x), rtol=0, atol=2 * gamma_n(6) * 2.0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Clipping
 # ----------------------------------------------------------------------------------------------
@@ -239,31 +218,6 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
     assert stats["clip_frac"] == pytest.approx((n_low + n_high) / n, abs=FRAC_TOL)
 
 
-@LIGHT
-@given(batches(), st.sampled_from(EPS_PAIRS), st.booleans())
-def test_info_holds_each_tokens_ratio_and_clip_decision(b, eps, per_token_adv):
-    """What a trace keeps: info["ratio"] [B, T], each real token's exp(logp - old), and info["clipped"] [B, T],
-    the loop's clip rule for that token (False on padding), both detached; clip_frac counts those decisions."""
-    assume(_away_from_clip_edges(b, *eps))
-    adv = [[a * (-1) ** t for t in range(b["T"])] for a in b["adv"]] if per_token_adv else b["adv"]
-    _, _, info = _run(b, "token-mean", eps, adv=adv)
-    ratio, clipped = info["ratio"], info["clipped"]
-    assert ratio.shape == clipped.shape == (b["B"], b["T"])
-    assert not ratio.requires_grad and clipped.dtype == torch.bool
-    n_clipped = 0
-    for i, row in enumerate(b["mask"]):
-        for t, m in enumerate(row):
-            if not m:
-                assert not clipped[i, t]
-                continue
-            a = adv[i][t] if per_token_adv else adv[i]
-            r = math.exp(b["logp"][i][t] - b["old"][i][t])
-            assert ratio[i, t].item() == pytest.approx(r, rel=2 * gamma_n(3))  # one subtraction, one exp (2u)
-            assert clipped[i, t].item() == is_clipped(a, r, *eps), (i, t)
-            n_clipped += is_clipped(a, r, *eps)
-    assert info["clip_frac"] == pytest.approx(n_clipped / sum(map(sum, b["mask"])), abs=FRAC_TOL)
-
-
 def test_clip_fractions_hand_counted_with_padding():
     """Two rows, 3 + 2 real tokens (5 in all), a padded column with a huge ratio that must not
     count. Row 0 (A = +1): r = [1.5, 1.0, 0.5] -> one high clip. Row 1 (A = -1): r = [0.5, 0.7]
@@ -299,38 +253,6 @@ def test_aggregation_anchors():
     assert grpo.aggregate(per_token, mask, "seq-mean-token-sum-norm", max_len=40).item() == -0.25
     with pytest.raises(ValueError):
         grpo.aggregate(per_token, mask, "sum")
-
-
-GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, 0.0])
-
-
-@LIGHT
-@given(batches(), st.integers(1, 3), st.sampled_from(AGGS), st.booleans(), st.data())
-def test_grpo_loss_ignores_padding_columns(b, k, agg, with_ref, data):
-    """Garbage (even inf / nan) in padded logp, old_logp and ref_logp changes neither loss, stats
-    nor the real gradient (sum-norm with a fixed max_len); padding gets exactly zero gradient. (Through
-    grpo_loss, each aggregation's padding: aggregate's own.)"""
-    T, L = b["T"], b["T"] + 3
-    g = lambda: data.draw(GARBAGE)  # noqa: E731
-    ref = [[l + 0.3 for l in row] for row in b["logp"]] if with_ref else None
-    pb = dict(
-        b,
-        T=T + k,
-        logp=[r + [g() for _ in range(k)] for r in b["logp"]],
-        old=[r + [g() for _ in range(k)] for r in b["old"]],
-        mask=[r + [0] * k for r in b["mask"]],
-    )
-    pref = [r + [g() for _ in range(k)] for r in ref] if with_ref else None
-    l0, g0, s0 = _run(b, agg, ref=ref, kl_coef=0.1, max_len=L)
-    l1, g1, s1 = _run(pb, agg, ref=pref, kl_coef=0.1, max_len=L)
-    assert torch.isfinite(l1) and torch.isfinite(g1).all()
-    torch.testing.assert_close(l1, l0, rtol=0, atol=loss_tol())
-    torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=grad_tol())
-    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_max_dev"):  # exact counts; one max
-        assert s1[key] == s0[key], key
-    for key in ("ratio_mean", "kl"):  # means of <= 36 terms of size <= e^2, summed in another order
-        assert s1[key] == pytest.approx(s0[key], abs=2 * gamma_n(40) * math.exp(2)), key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,20 +346,6 @@ def test_zero_advantage_rows_carry_the_kl_gradient():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_kl_k3_reference_value(dtype):
-    """Worked by hand: logp - ref = 0.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307."""
-    logp = torch.tensor([[0.5, -1.0]], dtype=dtype)
-    ref = torch.tensor([[0.0, -1.5]], dtype=dtype)
-    k = grpo.kl_k3(logp, ref)
-    exact = math.expm1(-0.5) + 0.5
-    # x = -0.5 exactly; expm1 within 1 ulp (2u) of |e^x - 1| = 0.39, the subtraction u of k3: in `dtype`
-    tol = gamma_n(3, dtype) * (abs(math.expm1(-0.5)) + exact) + gamma_n(2)
-    assert k[0, 0].item() == pytest.approx(exact, abs=tol)
-    assert k[0, 1].item() == pytest.approx(exact, abs=tol)
-    assert exact == pytest.approx(0.1065307, abs=5e-8)  # the hand-worked figure, rounded to 7 decimals
-
-
 @pytest.mark.numeric
 @LIGHT
 @given(  # log-probs of a real size, or huge (whose float32 spacing swallows a small diff)
@@ -502,62 +410,3 @@ def test_kl_term_added_per_token():
     # no reference: no KL, whatever kl_coef says
     loss, stats = grpo.grpo_loss(logp, logp, torch.zeros(2, dtype=torch.float64), mask, kl_coef=0.3)
     assert loss.item() == 0.0 and stats["kl"] == 0.0
-
-
-# ----------------------------------------------------------------------------------------------
-# Numerics
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_extreme_log_ratios_are_finite(agg, dtype):
-    old = torch.zeros(3, 4, dtype=dtype)
-    logp = torch.tensor([[50.0, -50.0, 50.0, -50.0], [-50.0] * 4, [50.0, 0.0, -50.0, 0.0]], dtype=dtype)
-    ref = torch.tensor([[-50.0, 50.0, 0.0, 50.0], [50.0] * 4, [-50.0, 50.0, 50.0, 0.0]], dtype=dtype)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=dtype)
-    for adv in ([1.0, -1.0, 0.5], [-1.0, 1.0, -0.5]):
-        x = logp.clone().requires_grad_(True)
-        loss, stats = grpo.grpo_loss(
-            x,
-            old,
-            torch.tensor(adv, dtype=dtype),
-            mask,
-            eps_low=0.2,
-            eps_high=0.28,
-            ref_logp=ref,
-            kl_coef=0.05,
-            agg=agg,
-            max_len=4,
-        )
-        g = _grad(loss, x)
-        assert torch.isfinite(loss), (adv, loss)
-        assert torch.isfinite(g).all(), (adv, g)
-        assert all(math.isfinite(v) for v in scalars(stats).values()), stats
-        assert torch.isfinite(stats["ratio"]).all()
-
-
-@pytest.mark.parametrize("agg", AGGS)
-def test_all_masked_row_gives_no_nan_and_counts_zero(agg):
-    b = dict(
-        B=2,
-        T=3,
-        logp=[[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]],
-        old=[[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]],
-        mask=[[1, 1, 0], [0, 0, 0]],
-        adv=[0.7, -1.2],
-    )
-    ref = [[-1.0, -1.5, 0.0], [0.0, 0.0, 0.0]]
-    loss, g, stats = _run(b, agg, ref=ref, kl_coef=0.1, max_len=3)
-    assert torch.isfinite(loss) and torch.isfinite(g).all()
-    assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
-    assert all(math.isfinite(v) for v in scalars(stats).values())
-    exp_loss, exp_grad = loop_grpo(b, 0.2, 0.2, agg, 3, ref, 0.1)
-    assert loss.item() == pytest.approx(exp_loss, abs=loss_tol())
-    torch.testing.assert_close(g, t64(exp_grad), rtol=0, atol=grad_tol())
-    # a batch of nothing but empty rows: loss 0, no NaN anywhere
-    empty = dict(b, mask=[[0, 0, 0], [0, 0, 0]])
-    loss, g, stats = _run(empty, agg, ref=ref, kl_coef=0.1, max_len=3)
-    assert loss.item() == 0.0 and torch.equal(g, torch.zeros_like(g))
-    assert all(math.isfinite(v) for v in scalars(stats).values())
-    assert not stats["clipped"].any()  # no token, no clip decision

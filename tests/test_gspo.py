@@ -67,6 +67,12 @@ def _away_from_clip_edges(s_list, eps_low, eps_high, tol=1e-9):
     return all(abs(s - (1 + eps_high)) > tol and abs(s - (1 - eps_low)) > tol for s in s_list)
 
 
+def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
+    logp = t64(logp_rows).requires_grad_(True)
+    loss, stats = gspo.gspo_loss(logp, t64(old_rows), adv, t64(mask_rows), variant=variant, **kw)
+    return loss, _grad(loss, logp), stats
+
+
 # ----------------------------------------------------------------------------------------------
 # The sequence ratio
 # ----------------------------------------------------------------------------------------------
@@ -88,77 +94,6 @@ def test_seq_ratio_is_geometric_mean_of_token_ratios(b):
     _, stats = gspo.gspo_loss(logp, old, t64(b["adv"]), mask)
     assert math.isclose(stats["ratio_mean"], sum(exp_mean) / len(exp_mean), abs_tol=(S_REL + gamma_n(10)) * SCALE)
     assert math.isclose(stats["ratio_max_dev"], max(abs(x - 1) for x in exp_mean), abs_tol=(S_REL + gamma_n(2)) * SCALE)
-
-
-@LIGHT
-@given(batches(), st.sampled_from(VARIANTS))
-def test_identical_policies_give_ratio_one(b, variant):
-    old = t64(b["old"])
-    logp = old.clone().requires_grad_(True)
-    log_s = gspo.seq_log_ratio(logp, old, t64(b["mask"]))
-    assert torch.equal(log_s, torch.zeros_like(log_s))
-    _, stats = gspo.gspo_loss(logp, old, t64(b["adv"]), t64(b["mask"]), variant=variant)
-    assert stats["ratio_mean"] == 1.0 and stats["ratio_max_dev"] == 0.0 and clip_frac(stats, variant) == 0.0
-
-
-GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, -7.5, 0.0])
-FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0, -50.0])
-
-
-def _pad(b, k, draw_garbage):
-    logp = [r + [draw_garbage() for _ in range(k)] for r in b["logp"]]
-    old = [r + [draw_garbage() for _ in range(k)] for r in b["old"]]
-    mask = [r + [0] * k for r in b["mask"]]
-    return logp, old, mask
-
-
-def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
-    logp = t64(logp_rows).requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, t64(old_rows), adv, t64(mask_rows), variant=variant, **kw)
-    return loss, _grad(loss, logp), stats
-
-
-@LIGHT
-@given(batches(), st.integers(1, 3), st.sampled_from(VARIANTS), st.data())
-def test_padding_columns_change_nothing(b, k, variant, data):
-    """Appended padding, with any garbage in logp and old_logp (the sequence variant: even inf / nan; GSPO-token,
-    whose per-token ratio carries the padding's column, finite garbage), changes neither the sequence ratio, the
-    loss, the clip decisions nor the real tokens' gradient; padding gets exactly 0."""
-    garbage = lambda: data.draw(GARBAGE if variant == "sequence" else FINITE_GARBAGE)  # noqa: E731
-    plogp, pold, pmask = _pad(b, k, garbage)
-    T = b["T"]
-    adv = t64(b["adv"])
-    s0 = gspo.seq_log_ratio(t64(b["logp"]), t64(b["old"]), t64(b["mask"]))
-    s1 = gspo.seq_log_ratio(t64(plogp), t64(pold), t64(pmask))
-    torch.testing.assert_close(s1, s0, rtol=0, atol=2 * gamma_n(10) * 2.0)  # the mean of S_REL's derivation
-    l0, g0, st0 = _loss_and_grad(b["logp"], b["old"], adv, b["mask"], variant)
-    l1, g1, st1 = _loss_and_grad(plogp, pold, adv, pmask, variant)
-    assert torch.isfinite(l1) and torch.isfinite(g1).all()
-    torch.testing.assert_close(l1, l0, rtol=0, atol=LOSS_TOL)
-    torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=GRAD_TOL)
-    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
-    assert clip_frac(st1, variant) == clip_frac(st0, variant)  # the same count over the same rows or tokens
-    assert torch.equal(st1["clipped"][..., :T] if variant == "token" else st1["clipped"], st0["clipped"])
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("bad", [float("-inf"), float("inf")])
-def test_inf_in_padded_logp_gives_finite_loss(variant, bad):
-    """Padding positions may hold anything (inf * 0 must not poison the loss).
-    Token log-ratios [0.01, -0.02, 0.04] then a padded column holding +-inf."""
-    logp = t64([[0.01, -0.02, 0.04, bad]]).requires_grad_(True)
-    old = torch.zeros(1, 4, dtype=torch.float64)
-    mask = t64([[1, 1, 1, 0]])
-    loss, _ = gspo.gspo_loss(logp, old, t64([-1.0]), mask, variant=variant)
-    g = _grad(loss, logp)
-    s = math.exp((0.01 - 0.02 + 0.04) / 3)
-    assert torch.isfinite(loss), f"variant={variant}: loss {loss.item()} with {bad} in a padded logp"
-    # -A s with A = -1, unclipped: the mean of 3 exact differences (3 roundings), exp (2), the loss's (2); and
-    # the expected's sum, division and exp: 4
-    assert loss.item() == pytest.approx(s, rel=gamma_n(11))
-    assert torch.isfinite(g).all() and g[0, 3].item() == 0.0
-    # each token's gradient s / 3: 4 more roundings each side
-    torch.testing.assert_close(g[0, :3], torch.full((3,), s / 3, dtype=torch.float64), rtol=gamma_n(19), atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,73 +319,8 @@ def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_l
 
 
 # ----------------------------------------------------------------------------------------------
-# On-policy: GSPO's gradient is REINFORCE's (seq-mean-token-mean)
+# Numerics (and tests/test_losses.py, each script's loss)
 # ----------------------------------------------------------------------------------------------
-
-
-@LIGHT
-@given(batches(), st.sampled_from(VARIANTS))
-def test_on_policy_gradient_equals_reinforce(b, variant):
-    mask = t64(b["mask"])
-    adv = t64(b["adv"])
-    logp = t64(b["logp"]).requires_grad_(True)
-    loss, stats = gspo.gspo_loss(logp, logp.detach(), adv, mask, variant=variant)
-    g = _grad(loss, logp)
-    assert clip_frac(stats, variant) == 0.0
-    # -mean_i A_i * mean_t logp_it over real tokens, written independently
-    x = logp.detach().clone().requires_grad_(True)
-    per_seq = torch.stack([(x[i] * mask[i]).sum() / mask[i].sum() for i in range(b["B"])])
-    reinforce = -(adv * per_seq).mean()
-    # on-policy each gradient is -A / (|y| B): <= 6 roundings each side, |A| <= 2
-    torch.testing.assert_close(g, _grad(reinforce, x), rtol=0, atol=2 * gamma_n(6) * 2.0)
-    # s = 1 exactly (logp - logp = 0): a sum of <= 4 advantages of size <= 2 and a division, each side
-    assert loss.item() == pytest.approx(-sum(b["adv"]) / b["B"], abs=2 * gamma_n(6) * 2.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Numerics
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_extreme_log_ratios_are_finite(variant, dtype):
-    """Mean log-ratios of +-100, beyond float32's exp overflow (exp(x) = inf from x ~ 88.72): without the
-    log-ratio clamps the float32 loss or gradient is inf or nan (an advantage 0 times inf: nan)."""
-    old = torch.zeros(4, 3, dtype=dtype)
-    logp = torch.tensor([[100.0] * 3, [-100.0] * 3, [100.0, -100.0, 100.0], [-100.0, 100.0, 0.0]], dtype=dtype)
-    assert dtype != torch.float32 or torch.isinf(logp.exp()).any()  # (beyond the overflow, where it applies)
-    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=dtype)
-    for adv in ([1.0, 1.0, -1.0, -1.0], [-1.0, -1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]):
-        x = logp.clone().requires_grad_(True)
-        loss, stats = gspo.gspo_loss(x, old, torch.tensor(adv, dtype=dtype), mask, variant=variant)
-        g = _grad(loss, x)
-        assert torch.isfinite(loss), (adv, loss)
-        assert torch.isfinite(g).all(), (adv, g)
-        assert all(math.isfinite(v) for v in scalars(stats).values())
-        assert torch.isfinite(stats["ratio"]).all()
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_all_masked_row_gives_no_nan_and_contributes_zero(variant):
-    """An all-masked row gives 0: no NaN anywhere, no gradient, and the loss is row 0's term over B = 2 whatever
-    row 1's advantage is (as GSPO-token and GRPO's aggregation do)."""
-    old = t64([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
-    logp = t64([[-1.1, -1.9, -3.0], [-0.5, -7.0, -2.0]]).requires_grad_(True)
-    mask = t64([[1, 1, 0], [0, 0, 0]])
-    loss, stats = gspo.gspo_loss(logp, old, t64([0.7, -1.2]), mask, variant=variant)
-    g = _grad(loss, logp)
-    assert torch.isfinite(loss) and torch.isfinite(g).all()
-    assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
-    assert all(math.isfinite(v) for v in scalars(stats).values())
-    assert torch.isfinite(stats["ratio"]).all()
-    s0 = math.exp((-0.1 + 0.1) / 2)
-    expected = clipped_objective(0.7, s0, EPS_LOW, EPS_HIGH) / 2
-    # s = exp of the mean of two differences that round (<= 2u each, of size <= 2), of size ~1; -A s / 2: 9
-    # roundings or so, of size 0.35, against one on the expected side
-    assert loss.item() == pytest.approx(expected, abs=2 * gamma_n(12) * 0.35), (
-        f"variant={variant}: loss {loss.item()}, expected {expected} (empty row contributed {loss.item() - expected})"
-    )
 
 
 def test_ratio_statistics_leave_empty_rows_out():

@@ -1,0 +1,171 @@
+"""Properties every script's clipped loss must have, one test each over all of them: grpo.py's `grpo_loss` (each
+aggregation, with a k3 KL term), gspo.py's `gspo_loss` (both variants) and ppo.py's `ppo_policy_loss` (with and
+without its dual clip). On-policy the gradient is REINFORCE's under the loss's own aggregation; padding, whatever
+it holds, changes nothing; a row with no token counts only where the aggregation divides by B; log-ratios past
+float32's exp overflow stay finite. Each script's own formulas are checked against a plain loop in its own file.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import LIGHT, batches, is_clipped, t64, unit_roundoff
+from helpers import gamma as gamma_n
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import grpo
+import gspo
+import ppo
+
+# name -> (the loss, its keywords, how it averages its per-token terms: "seq" = mean over rows of each row's
+# token mean, "token" = mean over all tokens, "sum-norm" = sum over B * max_len)
+LOSSES = {
+    "grpo-seq-mean-token-mean": (grpo.grpo_loss, dict(agg="seq-mean-token-mean"), "seq"),
+    "grpo-token-mean": (grpo.grpo_loss, dict(agg="token-mean"), "token"),
+    "grpo-seq-mean-token-sum-norm": (grpo.grpo_loss, dict(agg="seq-mean-token-sum-norm"), "sum-norm"),
+    "gspo-sequence": (gspo.gspo_loss, dict(variant="sequence"), "seq"),
+    "gspo-token": (gspo.gspo_loss, dict(variant="token"), "seq"),
+    "ppo": (ppo.ppo_policy_loss, dict(dual_clip=3.0), "token"),
+    "ppo-no-dual-clip": (ppo.ppo_policy_loss, dict(dual_clip=None), "token"),
+}
+NAMES = list(LOSSES)
+GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, -7.5, 0.0])
+# GSPO-token's ratio is s_i on every column, padding's included: its gradient path is the column's own logp
+FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0, -50.0])
+
+
+def loss_of(name, logp, old, adv, mask, ref=None, **kw):
+    """(loss, info) of the named loss; `adv` [B] (given to PPO per token, as ppo.py does) or [B, T]; `ref` to GRPO's
+    KL term."""
+    fn, own, _ = LOSSES[name]
+    if name.startswith("ppo") and adv.dim() == 1:
+        adv = adv[:, None].expand_as(logp)
+    if name.startswith("grpo") and ref is not None:
+        kw = dict(kw, ref_logp=ref, kl_coef=0.1)
+    return fn(logp, old, adv, mask, **own, **kw)
+
+
+def loss_and_grad(name, logp, old, adv, mask, **kw):
+    x = logp.clone().requires_grad_(True)
+    loss, info = loss_of(name, x, old, adv, mask, **kw)
+    (g,) = torch.autograd.grad(loss, x)
+    return loss, g, info
+
+
+def scalars(info):
+    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
+    return {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@LIGHT
+@given(b=batches(), mask_dtype=st.sampled_from([torch.float64, torch.long, torch.bool]))
+def test_on_policy_gradient_equals_reinforce(name, b, mask_dtype):
+    """With old = logp every ratio is 1: nothing clips, and the gradient is REINFORCE's, -A_i w_it per token, w the
+    aggregation's weight, written out here (1 / (|y_i| B), 1 / sum m or 1 / (B T)); the loss is -sum w A."""
+    mask, adv, logp = t64(b["mask"]), t64(b["adv"]), t64(b["logp"])
+    B, T = mask.shape
+    loss, g, info = loss_and_grad(name, logp, logp, adv, mask.to(mask_dtype))
+    w = {"seq": mask / (mask.sum(1, keepdim=True) * B), "token": mask / mask.sum(), "sum-norm": mask / (B * T)}
+    want_grad = -adv[:, None] * w[LOSSES[name][2]]
+    # each gradient element: <= 6 roundings each side, |A| <= 2; the loss a sum of <= 24 of them
+    torch.testing.assert_close(g, want_grad, rtol=0, atol=2 * gamma_n(6) * 2.0)
+    assert loss.item() == pytest.approx(want_grad.sum().item(), abs=2 * gamma_n(30) * 2.0)
+    assert info["ratio_mean"] == 1.0 and info.get("ratio_max_dev", 0.0) == 0.0 and info.get("approx_kl", 0.0) == 0.0
+    assert all(v == 0.0 for k, v in info.items() if "clip_frac" in k), info
+    assert not info["clipped"].any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@LIGHT
+@given(b=batches(), k=st.integers(1, 3), with_ref=st.booleans(), data=st.data())
+def test_padding_columns_change_nothing(name, b, k, with_ref, data):
+    """Garbage (even inf / nan) in padded logp, old_logp and ref_logp changes neither the loss, the statistics, the
+    clip decisions nor the real tokens' gradient (sum-norm with a fixed max_len); padding gets exactly 0."""
+    T, L = b["T"], b["T"] + 3
+    draw = lambda: data.draw(FINITE_GARBAGE if name == "gspo-token" else GARBAGE)  # noqa: E731
+    pad = lambda rows: t64([r + [draw() for _ in range(k)] for r in rows])  # noqa: E731
+    ref = [[x + 0.3 for x in row] for row in b["logp"]] if with_ref else None
+    kw = dict(max_len=L) if name.startswith("grpo") else {}
+    adv = t64(b["adv"])
+    l0, g0, s0 = loss_and_grad(name, t64(b["logp"]), t64(b["old"]), adv, t64(b["mask"]), ref=ref and t64(ref), **kw)
+    pmask = t64([r + [0] * k for r in b["mask"]])
+    l1, g1, s1 = loss_and_grad(name, pad(b["logp"]), pad(b["old"]), adv, pmask, ref=ref and pad(ref), **kw)
+    assert torch.isfinite(l1) and torch.isfinite(g1).all()
+    # the largest of the three losses' derivations (grpo.py's: a token's term rounds <= 16 times, a loss sums <= 54
+    # terms, of size <= |A| e^2 + the KL's 0.1 (e^1.5 - 1)); a gradient element its term's chain, <= 22
+    size = 2.0 * math.exp(2.0) + 0.1 * (math.exp(1.5) - 1)
+    torch.testing.assert_close(l1, l0, rtol=0, atol=2 * gamma_n(70) * size)
+    torch.testing.assert_close(g1[:, :T], g0, rtol=0, atol=2 * gamma_n(22) * size)
+    assert torch.equal(g1[:, T:], torch.zeros_like(g1[:, T:]))
+    assert torch.equal(s1["clipped"][..., :T] if s1["clipped"].dim() == 2 else s1["clipped"], s0["clipped"])
+    for key, v in scalars(s0).items():  # counts exactly; means of <= 24 terms of size <= e^2 summed in another order
+        assert s1[key] == (v if "clip_frac" in key else pytest.approx(v, abs=2 * gamma_n(40) * math.exp(2))), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_empty_row_adds_nothing_but_its_place_in_b(name):
+    """Row 1 has no token, and -inf log-probs with huge advantages there: its gradient is 0, nothing is NaN, and the
+    loss is row 0's alone, halved where the aggregation divides by B = 2 (a row's mean, or sum-norm's B max_len),
+    whole where it divides by the number of tokens. A batch of nothing but empty rows: loss 0, no clip decision."""
+    logp, old = t64([[-1.1, -1.9, -3.0], [-math.inf] * 3]), t64([[-1.0, -2.0, -3.0], [-math.inf] * 3])
+    mask, adv, ref = t64([[1, 1, 0], [0, 0, 0]]), t64([0.7, -1e6]), t64([[-1.0, -1.5, 0.0], [0.0] * 3])
+    kw = dict(max_len=3) if name.startswith("grpo") else {}
+    loss, g, info = loss_and_grad(name, logp, old, adv, mask, ref=ref, **kw)
+    alone, g_alone, _ = loss_and_grad(name, logp[:1], old[:1], adv[:1], mask[:1], ref=ref[:1], **kw)
+    share = 1.0 if LOSSES[name][2] == "token" else 0.5
+    assert torch.isfinite(loss) and torch.isfinite(g).all() and torch.isfinite(info["ratio"]).all()
+    assert all(math.isfinite(v) for v in scalars(info).values()), info
+    assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))
+    # halving is exact in binary; the two sums add the same terms, one of them 0
+    assert loss.item() == share * alone.item() and torch.equal(g[0], share * g_alone[0])
+    empty = torch.zeros_like(mask)
+    loss, g, info = loss_and_grad(name, logp, old, adv, empty, ref=ref, **kw)
+    assert loss.item() == 0.0 and torch.equal(g, torch.zeros_like(g))
+    assert all(math.isfinite(v) for v in scalars(info).values()), info
+    assert not info["clipped"].any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_extreme_log_ratios_are_finite(name, dtype):
+    """Log-ratios of +-100, and rows whose mean log-ratio is +-100 (GSPO's), beyond float32's exp overflow (exp(x)
+    = inf from x ~ 88.72): without the log-ratio clamps the float32 loss or gradient is inf or nan (an advantage 0
+    times inf: nan). GRPO's KL term meets reference log-ratios of +-200."""
+    old = torch.zeros(4, 3, dtype=dtype)
+    logp = torch.tensor([[100.0] * 3, [-100.0] * 3, [100.0, -100.0, 100.0], [-100.0, 100.0, 0.0]], dtype=dtype)
+    assert dtype != torch.float32 or torch.isinf(logp.exp()).any()  # (beyond the overflow, where it applies)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=dtype)
+    for adv in ([1.0, 1.0, -1.0, -1.0], [-1.0, -1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]):
+        loss, g, info = loss_and_grad(name, logp, old, torch.tensor(adv, dtype=dtype), mask, ref=-logp)
+        assert torch.isfinite(loss), (adv, loss)
+        assert torch.isfinite(g).all(), (adv, g)
+        assert all(math.isfinite(v) for v in scalars(info).values()), info
+        assert torch.isfinite(info["ratio"]).all()
+
+
+@pytest.mark.parametrize("name", ["grpo-token-mean", "ppo", "ppo-no-dual-clip"])
+@LIGHT
+@given(b=batches(), eps=st.sampled_from([(0.2, 0.2), (0.2, 0.28)]), data=st.data())
+def test_info_holds_each_tokens_ratio_and_clip_decision(name, b, eps, data):
+    """What a trace keeps of a per-token loss: info["ratio"] [B, T], each real token's exp(logp - old), and
+    info["clipped"] [B, T], the clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low;
+    PPO's dual clip is counted apart), False on padding, both detached; clip_frac counts those decisions."""
+    adv = [[data.draw(st.floats(-2.0, 2.0, allow_nan=False)) for _ in range(b["T"])] for _ in range(b["B"])]
+    real = [(i, t) for i, row in enumerate(b["mask"]) for t, m in enumerate(row) if m]
+    ratios = {(i, t): math.exp(b["logp"][i][t] - b["old"][i][t]) for i, t in real}
+    assume(all(abs(r - 1 - eps[1]) > 1e-9 and abs(r - 1 + eps[0]) > 1e-9 for r in ratios.values()))  # no tie
+    _, _, info = loss_and_grad(
+        name, t64(b["logp"]), t64(b["old"]), t64(adv), t64(b["mask"]), eps_low=eps[0], eps_high=eps[1]
+    )
+    ratio, clipped = info["ratio"], info["clipped"]
+    assert ratio.shape == clipped.shape == (b["B"], b["T"])
+    assert not ratio.requires_grad and clipped.dtype == torch.bool
+    rule = {(i, t): is_clipped(adv[i][t], r, *eps) for (i, t), r in ratios.items()}
+    assert {tuple(ij) for ij in clipped.nonzero().tolist()} == {k for k, c in rule.items() if c}
+    for (i, t), r in ratios.items():
+        assert ratio[i, t].item() == pytest.approx(r, rel=2 * gamma_n(3))  # one subtraction, one exp (2u)
+    # a float32 mean of 0/1 flags: the count exact, one division; the expected one more
+    frac_tol = unit_roundoff(torch.float32) + unit_roundoff(torch.float64)
+    assert info["clip_frac"] == pytest.approx(sum(rule.values()) / len(real), abs=frac_tol)
