@@ -1789,7 +1789,7 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
     row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
     writer.log(row)
     if trace is not None:
-        writer.log_traces(trace.records())
+        writer.write("traces.jsonl", trace.records())
     writer.show(samples)
     last = progress.last_eval  # the bar: this step's training reward, the last evaluation's held-out number
     held_out = {"eval_acc": last["accuracy"]} if "accuracy" in last else {"eval_reward": last["reward"]}
@@ -1873,8 +1873,11 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
     """Write final/ (the policy; each `also_save` module or state dict as final/NAME.pt; --merge-lora: final/merged)
     and summary.json; return the last evaluation. A run a signal stopped raises Interrupted instead."""
     interrupted = progress.step < args.steps
-    if not interrupted:
-        writer.save_model(model, tok)
+    if not interrupted:  # a standard checkpoint of the policy (--fsdp: gathered from every rank)
+        state_dict = pretrained_state(model)
+        if writer.enabled:
+            model.save_pretrained(writer.out / "final", state_dict=state_dict)
+            tok.save_pretrained(writer.out / "final")
         for name, obj in also_save.items():  # a module's state dict (under --fsdp gathered on every rank)
             state_dict = full_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj
             if writer.enabled:
@@ -1898,7 +1901,9 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
         "no_signal": progress.warned.get("no_signal"), "no_signal_steps": progress.no_signal_steps,
         "accuracy_drop": progress.warned.get("accuracy_drop"), "flat_groups": progress.warned.get("flat_groups"),
     })  # fmt: skip
-    writer.summary({**measured, "args": dataclasses.asdict(args)})  # the flags as given, unrounded
+    summary = {**measured, "args": dataclasses.asdict(args)}  # the flags as given, unrounded
+    if writer.enabled:
+        (writer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     writer.close()
     if interrupted:
         raise Interrupted(f"stopped after step {progress.step}; checkpoint in {writer.out / 'checkpoint'}; "
@@ -1986,20 +1991,9 @@ class RunLogger:
             self.out.mkdir(parents=True, exist_ok=True)
         names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
         self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
-        if not enabled:
-            return
-        last_step = 0
-        if resume_from is not None:
-            last_step = json.loads((resume_from / "meta.json").read_text())["step"]
-            for name, file in self.files.items():
-                saved = resume_from / name
-                for line in saved.read_text().splitlines() if saved.is_file() else []:
-                    if line.strip() and json.loads(line)["step"] <= last_step:
-                        file.write(line + "\n")
-                file.flush()
-        if tensorboard:
-            board = extra("tensorboard_log", "--report-to tensorboard")
-            self.tensorboard = board.Board(self.out, last_step + 1 if resume_from else None)
+        resumed = extra("resume", "--resume").copy_rows(resume_from, self.files) if enabled and resume_from else None
+        if enabled and tensorboard:  # resumed: its events after the checkpoint's step purged
+            self.tensorboard = extra("tensorboard_log", "--report-to tensorboard").Board(self.out, resumed)
 
     def write(self, name: str, rows: list):
         for row in rows:
@@ -2025,20 +2019,6 @@ class RunLogger:
                 f"  {_clip(s['prompt'])} -> {_clip(s['completion'], 60)}  reward {s['reward']:g} ({parts}){answer}{cut}"
             )
         self.write("samples.jsonl", samples)
-
-    def log_traces(self, traces: list):
-        self.write("traces.jsonl", traces)
-
-    def summary(self, summary: dict):
-        if self.enabled:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-    def save_model(self, model, tok, name: str = "final"):
-        """A standard checkpoint of `model` in OUT/name, written by rank 0 (--fsdp: gathered from every rank)."""
-        state_dict = pretrained_state(model)
-        if self.enabled:
-            model.save_pretrained(self.out / name, state_dict=state_dict)
-            tok.save_pretrained(self.out / name)
 
     def close(self):
         for file in self.files.values():
@@ -2146,11 +2126,6 @@ def checkpointable(obj) -> bool:
     """A generator, an object with load_state_dict(), or a list, dict or dataclass (restored in place)."""
     dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
     return isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict") or dataclass_instance
-
-
-def same_on_every_rank(obj) -> bool:
-    """Modules and optimizers (the same on every rank; --fsdp gathers them): rank 0 saves them, each rank the rest."""
-    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or getattr(obj, "same_on_every_rank", False)
 
 
 def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
@@ -2270,8 +2245,6 @@ def global_mean(x: torch.Tensor) -> float:
 
 def global_means(values: dict) -> dict:
     """{name: mean over all ranks' elements} of tensors that all have one length, in one all-reduce."""
-    if not values:
-        return {}
     x = torch.stack([v.float().sum() for v in values.values()])
     count = torch.tensor(float(next(iter(values.values())).numel()))
     total = all_reduce_sum(torch.cat([x.cpu(), count[None]]))

@@ -15,10 +15,8 @@ import torch
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """(rank, world, local_rank). Under torchrun: joins the process group (NCCL on CUDA, gloo on
-    CPU) and makes cuda:local_rank this process's GPU. Without torchrun: (0, 1, 0), no group."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1, 0
+    """common.init_distributed under torchrun: (rank, world, local_rank), the process group joined (NCCL on CUDA,
+    gloo on CPU) and cuda:local_rank made this process's GPU."""
     import torch.distributed as dist
 
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -103,9 +101,11 @@ def save_rank_state(path, trainer: dict, state: dict):
     """common.save_checkpoint under torchrun: this rank's RNG states and each `state` object that is not the same on
     every rank (its generators, the stream, a carried batch) into checkpoint.tmp/rank<r>.pt, once rank 0 has made
     the directory; returns once every rank has written its own."""
-    from common import barrier, same_on_every_rank
+    from common import barrier
 
     barrier()
-    own = {name: trainer["state"][name] for name, obj in state.items() if not same_on_every_rank(obj)}
+    # modules and optimizers are the same on every rank (--fsdp gathers them): rank 0's trainer.pt holds them
+    mine = [n for n, obj in state.items() if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
+    own = {n: trainer["state"][n] for n in mine if not getattr(state[n], "same_on_every_rank", False)}
     torch.save({"rng": trainer["rng"], "state": own}, path)
     barrier()

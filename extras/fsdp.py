@@ -100,19 +100,15 @@ def gathered(model):
 
 
 def full_state_dict(module) -> dict:
-    """`module.state_dict()` with whole tensors: under --fsdp gathered to rank 0, on CPU (a collective); others: {}."""
-    if not sharded(module):
-        return module.state_dict()
+    """A sharded `module`'s state_dict() with whole tensors, gathered to rank 0 on CPU (a collective; others: {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def pretrained_state(model) -> dict | None:
-    """What save_pretrained writes of `model`: None (its own state dict) or, under --fsdp, the gathered one (a
-    collective), a tied output embedding left out as save_pretrained leaves it out."""
-    if not sharded(model):
-        return None
+    """What save_pretrained writes of a sharded `model`: its state dict gathered (a collective), a tied output
+    embedding left out as save_pretrained leaves it out."""
     state = full_state_dict(model)
     output = model.get_output_embeddings()
     if output is not None and output.weight is model.get_input_embeddings().weight:
@@ -125,7 +121,7 @@ class GatheredState:
     collective), load_state_dict() takes the whole state dict (every rank reads it) and keeps this rank's shards. An
     optimizer's is keyed by parameter name (torch.distributed.checkpoint's format), not by position."""
 
-    same_on_every_rank = True  # (common.save_checkpoint: rank 0 saves it once)
+    same_on_every_rank = True  # (extras/distributed.save_rank_state: rank 0's trainer.pt holds it)
 
     def __init__(self, module, optimizer=None):
         self.module, self.optimizer = module, optimizer

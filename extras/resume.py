@@ -209,6 +209,19 @@ def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int =
     set_rng_state(saved["rng"])
 
 
+def copy_rows(found: Path, files: dict) -> int:
+    """common.RunLogger on --resume: the rows of the checkpoint's metrics.jsonl, samples.jsonl and traces.jsonl up
+    to its step, written into the run's new `files` (so that a crash leaves no step twice); returns that step."""
+    step = json.loads((found / "meta.json").read_text())["step"]
+    for name, file in files.items():
+        saved = found / name
+        for line in saved.read_text().splitlines() if saved.is_file() else []:
+            if line.strip() and json.loads(line)["step"] <= step:
+                file.write(line + "\n")
+        file.flush()
+    return step
+
+
 RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
 
 

@@ -11,10 +11,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class Board:
-    """OUT/tensorboard's event files; resumed (`purge_step`), the events after the checkpoint's step dropped."""
+    """OUT/tensorboard's event files; resumed from a checkpoint at step `resumed`, the events after it dropped."""
 
-    def __init__(self, out: Path, purge_step: int | None):
-        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
+    def __init__(self, out: Path, resumed: int | None):
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=None if resumed is None else resumed + 1)
 
     def log(self, row: dict):
         """The very values metrics.jsonl holds (its rounded row), each number at the row's step."""
