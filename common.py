@@ -1471,12 +1471,13 @@ class NonFiniteError(Exception):
     """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
 
 
+@dataclass
 class NonFiniteGuard:
     """Lets an update step the optimizer only if its loss and gradient norms are finite (a skipped update leaves the
     weights and AdamW's state exactly as they were); `limit` skips in a row stop the run (NonFiniteError: exit 3)."""
 
-    def __init__(self, limit: int = 3):
-        self.limit, self.in_a_row = limit, 0
+    limit: int = 3
+    in_a_row: int = 0  # (a checkpoint keeps it, as it keeps any dataclass of the run's state)
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
         finite = all(torch.isfinite(v).all() for v in values)
@@ -1486,12 +1487,6 @@ class NonFiniteGuard:
                                  f"{step}); stopping with the weights of the last finite update: lower --lr or check "
                                  "the data")  # fmt: skip
         return finite
-
-    def state_dict(self):
-        return {"in_a_row": self.in_a_row}
-
-    def load_state_dict(self, state):
-        self.in_a_row = state["in_a_row"]
 
 
 RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRPO's usual clip), for all three alike
@@ -1860,15 +1855,6 @@ def mostly_flat(flat: list, window: int = FLAT_WINDOW, share: float = FLAT_SHARE
     return len(flat) >= window and sum(flat[-window:]) / window > share + 1e-9
 
 
-def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
-    """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
-    whether one came, which makes this step the last."""
-    stopping = on_any_rank(_stop["signum"] is not None)
-    if stopping or (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
-        save_checkpoint(args.out, args.algo, args, model, tok, checkpointed(state, model), env.rank, env.world)
-    return stopping
-
-
 def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, **also_save) -> dict:
     """Write final/ (the policy; each `also_save` module or state dict as final/NAME.pt; --merge-lora: final/merged)
     and summary.json; return the last evaluation. A run a signal stopped raises Interrupted instead."""
@@ -2128,27 +2114,31 @@ def checkpointable(obj) -> bool:
     return isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict") or dataclass_instance
 
 
-def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0, world: int = 1):
-    """Write OUT/checkpoint/ atomically (into checkpoint.tmp/, then a rename): policy/ (Hugging Face format),
-    trainer.pt (each `state` object's state and the RNG states; under torchrun rank<r>.pt, each rank's own),
-    metrics.jsonl, samples.jsonl, traces.jsonl so far, and meta.json. Every rank calls it at the same point."""
-    out = Path(out)
+def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
+    """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
+    whether one came, which makes this step the last. Written atomically (into checkpoint.tmp/, then a rename):
+    policy/ (Hugging Face format), trainer.pt (each `state` object's state and the RNG states; under torchrun
+    rank<r>.pt, each rank's own), metrics.jsonl, samples.jsonl, traces.jsonl so far, and meta.json."""
+    stopping = on_any_rank(_stop["signum"] is not None)
+    if not stopping and not (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
+        return False
+    out, state = Path(args.out), checkpointed(state, model)  # --fsdp: sharded state gathered as it is saved
     final, tmp, old = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.old"
     policy = pretrained_state(model)  # --fsdp: gathered from every rank
     trainer = {"state": {name: _state_of(obj) for name, obj in state.items()}, "rng": rng_state()}
-    if rank == 0:
+    if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir(parents=True)
-    if world > 1:
-        extra("distributed", "torchrun").save_rank_state(tmp / f"rank{rank}.pt", trainer, state)
-    if rank == 0:
+    if env.world > 1:
+        extra("distributed", "torchrun").save_rank_state(tmp / f"rank{env.rank}.pt", trainer, state)
+    if env.rank == 0:
         model.save_pretrained(tmp / "policy", state_dict=policy)
         tok.save_pretrained(tmp / "policy")
         torch.save(trainer, tmp / "trainer.pt")
         for name in ("metrics.jsonl", "samples.jsonl", "traces.jsonl"):
             if (out / name).is_file():
                 shutil.copyfile(out / name, tmp / name)
-        meta = {"algo": algo, "step": state["progress"].step, "world": world,
+        meta = {"algo": args.algo, "step": state["progress"].step, "world": env.world,
                 "device": next(model.parameters()).device.type,  # a resumed run's must be the same type
                 "model": args.model, "config": model_signature(model.config),
                 "args": dataclasses.asdict(args)}  # fmt: skip
@@ -2159,6 +2149,7 @@ def save_checkpoint(out, algo: str, args, model, tok, state: dict, rank: int = 0
         os.rename(tmp, final)  # only now does --resume see the new checkpoint
         shutil.rmtree(old, ignore_errors=True)
     barrier()
+    return stopping
 
 
 # ---------------------------------------------------------------------------------------------

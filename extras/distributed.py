@@ -98,9 +98,9 @@ def raise_if_any_rank_failed(error: Exception | None):
 
 
 def save_rank_state(path, trainer: dict, state: dict):
-    """common.save_checkpoint under torchrun: this rank's RNG states and each `state` object that is not the same on
-    every rank (its generators, the stream, a carried batch) into checkpoint.tmp/rank<r>.pt, once rank 0 has made
-    the directory; returns once every rank has written its own."""
+    """common.save_checkpoint_if_due under torchrun: this rank's RNG states and each `state` object that is not the
+    same on every rank (its generators, the stream, a carried batch) into checkpoint.tmp/rank<r>.pt, once rank 0 has
+    made the directory; returns once every rank has written its own."""
     from common import barrier
 
     barrier()

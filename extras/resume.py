@@ -1,11 +1,11 @@
 """extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume").
 
-Imported by common.py only for --resume, or for an --out that already holds files (`check_out`: what
---overwrite replaces, or a one-line refusal). common.save_checkpoint writes the checkpoint (every --save-every
-steps, and on SIGINT / SIGTERM); this module finds and checks it before any model is loaded
-(`open_checkpoint`), takes its flags as the command line's defaults (`resumed_args`) and restores the weights,
-the optimizers, the streams and every random state (`load_checkpoint`), so that a resumed run equals an
-uninterrupted one bit for bit.
+Imported by common.py for --resume, for an --out that already holds files (`check_out`: what --overwrite replaces,
+or a one-line refusal), and by checkpoints of a state that holds a list, dict or dataclass (`plain_value`).
+common.save_checkpoint_if_due writes the checkpoint (every --save-every steps, and on SIGINT / SIGTERM); this module
+finds and checks it before any model is loaded (`open_checkpoint`), takes its flags as the command line's defaults
+(`resumed_args`) and restores the weights, the optimizers, the streams and every random state (`load_checkpoint`),
+so that a resumed run equals an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from common import (
     RESUME_MAY_CHANGE,
+    NonFiniteGuard,
     Rollout,
     UsageError,
     _describe,
@@ -55,11 +56,13 @@ def _restore(obj, state, device):
         obj.clear()
         obj.update(_value(state, device))
     else:  # a dataclass
+        value = _value(state, device)
         for f in dataclasses.fields(obj):
-            setattr(obj, f.name, getattr(_value(state, device), f.name))
+            setattr(obj, f.name, getattr(value, f.name))
 
 
-STATE_DATACLASSES = {"Rollout": Rollout}  # the dataclasses a checkpoint can hold, by name (loaded weights_only)
+# the dataclasses a checkpoint can hold, by name (trainer.pt is loaded weights_only)
+STATE_DATACLASSES = {"Rollout": Rollout, "NonFiniteGuard": NonFiniteGuard}
 
 
 def plain_value(x):
@@ -91,17 +94,13 @@ def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
     """(checkpoint directory, its meta.json) for --resume PATH: a checkpoint or a run's --out."""
     p = Path(path)
     if not p.is_dir():
-        raise UsageError(
-            f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; "
-            f"expected a run's --out directory or its checkpoint/"
-        )
-    # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint's renames
+        raise UsageError(f"--resume {path}: {'not a directory' if p.exists() else 'no such directory'}; expected a "
+                         "run's --out directory or its checkpoint/")  # fmt: skip
+    # checkpoint.old is the previous checkpoint if a crash came between save_checkpoint_if_due's renames
     found = next((d for d in (p, p / "checkpoint", p / "checkpoint.old") if (d / "meta.json").is_file()), None)
     if found is None:
-        raise UsageError(
-            f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); "
-            f"runs write one with --save-every N or when stopped by SIGINT/SIGTERM"
-        )
+        raise UsageError(f"--resume {path}: no checkpoint (no meta.json there or in {p / 'checkpoint'}); runs write "
+                         "one with --save-every N or when stopped by SIGINT/SIGTERM")  # fmt: skip
     try:
         meta = json.loads((found / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -126,10 +125,9 @@ def resumed_args(args_cls, path: str, parse):
     args = parse(args_cls(**saved))
     for name, value in saved.items():
         if name not in RESUME_MAY_CHANGE and getattr(args, name) != value:
-            raise UsageError(
-                f"{_flag(name)} {getattr(args, name)} differs from the checkpoint's {value}: a resumed run keeps its "
-                f"settings (only {', '.join(_flag(n) for n in RESUME_MAY_CHANGE if n != 'resume')} may change)"
-            )
+            may_change = ", ".join(_flag(n) for n in RESUME_MAY_CHANGE if n != "resume")
+            raise UsageError(f"{_flag(name)} {getattr(args, name)} differs from the checkpoint's {value}: a resumed "
+                             f"run keeps its settings (only {may_change} may change)")  # fmt: skip
     return args
 
 
@@ -144,45 +142,35 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     saved_world = meta.get("world", 1)
     if saved_world != world:
         ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
-        how = (
-            f"torchrun --nproc_per_node {saved_world}"
-            if saved_world > 1
-            else "one (python, or torchrun --nproc_per_node 1)"
-        )
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
-            f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}"
-        )
+        one = "one (python, or torchrun --nproc_per_node 1)"
+        how = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else one
+        raise UsageError(f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
+                         f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}")  # fmt: skip
     saved_device, device = meta.get("device"), resolve_device(args.device).type
     if saved_device is not None and saved_device != device:  # its generators' states are the device type's own
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint was trained on {saved_device}, this run is on {device}; "
-            f"resume it on {saved_device} (--device {saved_device}): its sampling generator is {saved_device}'s"
-        )
+        raise UsageError(f"--resume {args.resume}: the checkpoint was trained on {saved_device}, this run is on "
+                         f"{device}; resume it on {saved_device} (--device {saved_device}): its sampling generator "
+                         f"is {saved_device}'s")  # fmt: skip
     if meta["model"] != args.model:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not {args.model}"
-        )
+        raise UsageError(f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not "
+                         f"{args.model}")  # fmt: skip
     try:
         config = AutoConfig.from_pretrained(model_path(args.model))
     except Exception as e:
         raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
-    diff = [
-        f"{k} {meta['config'].get(k)} vs {v}" for k, v in model_signature(config).items() if meta["config"].get(k) != v
-    ]
+    saved = meta["config"]
+    diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model_signature(config).items() if saved.get(k) != v]
     if diff:
         raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
     if meta["step"] >= args.steps:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
-            f"{args.steps} does not exceed; pass a larger --steps to train further"
-        )
+        raise UsageError(f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
+                         f"{args.steps} does not exceed; pass a larger --steps to train further")  # fmt: skip
     return found
 
 
 def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1, device="cpu"):
     """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
-    that open_checkpoint accepted (the inverse of save_checkpoint; every rank calls it). Under
+    that open_checkpoint accepted (the inverse of save_checkpoint_if_due; every rank calls it). Under
     --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
     tensors are read as they are needed) and keeps its shards of the optimizer state; under torchrun each rank
     then loads its own objects (rank<r>.pt). Tensors in a list, dict or dataclass go to `device`."""
@@ -245,19 +233,16 @@ def check_out(args, resume_from: Path | None) -> str:
     if resume_from is not None and resume_from.resolve().is_relative_to(out.resolve()):
         raise UsageError(f"--out {args.out} holds the checkpoint --resume reads ({resume_from}); choose another --out")
     if not any((out / name).exists() for name in RUN_MARKS):
-        raise UsageError(
-            f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or checkpoint/), "
-            "so it is not replaced; choose another --out, or empty it"
-        )
+        raise UsageError(f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or "
+                         "checkpoint/), so it is not replaced; choose another --out, or empty it")  # fmt: skip
     scripts = run_scripts(out)
     if not args.overwrite:
         others = sorted(scripts - {args.algo})
         if others:
             held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
         elif scripts:
-            held = (
-                f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger --steps)"
-            )
+            held = (f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger "
+                    "--steps)")  # fmt: skip
         else:
             held = "a run that no summary.json or checkpoint names (a crashed run?)"
         raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
