@@ -1471,13 +1471,12 @@ class NonFiniteError(Exception):
     """Too many updates in a row had a non-finite loss or gradient norm: exit status 3."""
 
 
-@dataclass
 class NonFiniteGuard:
     """Lets an update step the optimizer only if its loss and gradient norms are finite (a skipped update leaves the
     weights and AdamW's state exactly as they were); `limit` skips in a row stop the run (NonFiniteError: exit 3)."""
 
-    limit: int = 3
-    in_a_row: int = 0  # (a checkpoint keeps it, as it keeps any dataclass of the run's state)
+    def __init__(self, limit: int = 3):
+        self.limit, self.in_a_row = limit, 0
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
         finite = all(torch.isfinite(v).all() for v in values)
@@ -1487,6 +1486,12 @@ class NonFiniteGuard:
                                  f"{step}); stopping with the weights of the last finite update: lower --lr or check "
                                  "the data")  # fmt: skip
         return finite
+
+    def state_dict(self):  # (its own, so that a checkpoint of a default run needs nothing from extras/)
+        return {"in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state):
+        self.in_a_row = state["in_a_row"]
 
 
 RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRPO's usual clip), for all three alike

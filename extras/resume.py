@@ -1,7 +1,7 @@
 """extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume").
 
 Imported by common.py for --resume, for an --out that already holds files (`check_out`: what --overwrite replaces,
-or a one-line refusal), and by checkpoints of a state that holds a list, dict or dataclass (`plain_value`).
+or a one-line refusal), and by checkpoints of a state that holds a list, dict or dataclass (`plain_value`: a fork's).
 common.save_checkpoint_if_due writes the checkpoint (every --save-every steps, and on SIGINT / SIGTERM); this module
 finds and checks it before any model is loaded (`open_checkpoint`), takes its flags as the command line's defaults
 (`resumed_args`) and restores the weights, the optimizers, the streams and every random state (`load_checkpoint`),
@@ -20,7 +20,6 @@ import torch
 
 from common import (
     RESUME_MAY_CHANGE,
-    NonFiniteGuard,
     Rollout,
     UsageError,
     _describe,
@@ -62,7 +61,7 @@ def _restore(obj, state, device):
 
 
 # the dataclasses a checkpoint can hold, by name (trainer.pt is loaded weights_only)
-STATE_DATACLASSES = {"Rollout": Rollout, "NonFiniteGuard": NonFiniteGuard}
+STATE_DATACLASSES = {"Rollout": Rollout}
 
 
 def plain_value(x):
