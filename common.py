@@ -1703,12 +1703,11 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
     """Before the first step: the reward tried on the run's shapes (`check_rewards`), then --resume's checkpoint
     loaded into `model`, each `state` object and the RNG states (extras/resume.py), or else step 0 evaluated; only
     then the run in --out replaced (--overwrite) and OUT opened. Resume is exact only if `state` holds all that moves
-    during the run (a generator, a scheduler, a carried batch: tests/test_reliability.py); under torchrun each rank
-    saves its own, but for modules and optimizers."""
+    during the run (a generator, a scheduler, a carried batch: tests/test_reliability.py)."""
     for name, obj in state.items():
         if not checkpointable(obj):
-            what = "a generator, an object with state_dict() / load_state_dict(), or a list, dict or dataclass"
-            raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass {what}")
+            raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass a "
+                             "generator, an object with load_state_dict(), or a list, dict or dataclass")  # fmt: skip
     progress, samples = state["progress"], []
     check_rewards(args, env, model, tok)
     if env.resume_from:
@@ -2235,8 +2234,7 @@ def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
 
 def global_mean(x: torch.Tensor) -> float:
     """Mean of `x` over every element on every rank (ranks may hold different numbers of elements)."""
-    total = all_reduce_sum(torch.stack([x.float().sum(), torch.tensor(float(x.numel()), device=x.device)]))
-    return (total[0] / total[1].clamp(min=1)).item()
+    return global_means({"x": x})["x"]
 
 
 def global_means(values: dict) -> dict:
