@@ -1,9 +1,5 @@
-"""The memory planner (tools/plan_memory.py) against independent counts: parameter counts against
-Hugging Face's own models (built on the meta device, no memory), saved activations against the
-bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
-against its buffers, a hand-worked plan, the per-GPU DDP and FSDP2 plans against parameter counts
-worked out from the configs, and the command line's errors. Its figures against the
-measured peaks of real-size runs: benchmarks/real_size.py (minutes, ~20 GB: a benchmark)."""
+"""The memory planner (tools/plan_memory.py) against independent counts: HF's parameter counts, the bytes
+autograd saves, the sampler's buffers, hand-worked plans. Against measured peaks: benchmarks/real_size.py."""
 
 import subprocess
 import sys
@@ -269,9 +265,7 @@ def test_fsdp_shards_the_state_and_gathers_the_root_two_layers_and_the_policy(na
 
 
 def test_fsdp_on_one_gpu_shards_nothing_and_still_gathers():
-    """With one rank FSDP2's shard is the whole state, as in one process (less autocast's weight copy: uncached
-    under gradient checkpointing), but the root and two layers are still gathered (copies) for the update and the
-    whole policy for sampling; DDP on one rank adds its buckets."""
+    """One rank: FSDP2's shard is the whole state, yet the root, two layers and the policy are still gathered."""
     k = qwen2_counts("qwen2.5-0.5b")
     n = k["total"]
     c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]

@@ -1,6 +1,4 @@
-"""The MoE experiment's pieces: the embedded tiny Qwen3-MoE checkpoint, Routing Replay (record the
-experts of one forward pass, reuse them in a later one) and routing drift (GSPO paper, arXiv
-2507.18071, section 5.3), and smoke runs of GRPO, GRPO with --routing-replay and GSPO on it."""
+"""The tiny Qwen3-MoE checkpoint, Routing Replay and routing drift (arXiv 2507.18071, 5.3), and smoke runs on it."""
 
 from __future__ import annotations
 

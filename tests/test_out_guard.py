@@ -1,10 +1,5 @@
-"""--out: a directory holding a run (another script's, or this script's finished or stopped one) is refused
-before anything is written, with one line saying how to continue or replace it; --overwrite replaces it whole
-and says so in one line; a non-empty directory that holds no run is never deleted.
-
-The runs are in this process (common.main, as tests/test_fork_traps.py does) and tiny: 4 prompts x 2
-samples, 4 new tokens, 8 evaluation prompts, 1 step; check_out's decisions are also tested directly,
-on hand-made directories, without a run."""
+"""--out: a directory holding a run is refused before anything is written (one line), --overwrite replaces it
+whole, a directory holding no run is never deleted. Runs in this process, tiny; check_out also directly."""
 
 from __future__ import annotations
 

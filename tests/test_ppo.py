@@ -1,10 +1,4 @@
-"""Tests for ppo.py: the pure tensor functions (token_rewards, gae, whiten, ppo_policy_loss,
-value_loss, explained_variance), the Critic, and end-to-end smoke runs of the script.
-
-Every value is checked against an independent computation: plain Python loops over floats
-(double precision), numpy, or numbers worked by hand in the comments. Gradients are checked
-against derivatives written out by hand, never against the code's own output.
-"""
+"""ppo.py's pure functions and Critic against plain float64 loops, numpy and hand-worked cases."""
 
 import json
 import math

@@ -1,10 +1,5 @@
-"""Qwen3's real tokenizer (vendored in checkpoints/qwen3-tokenizer/) and --model tiny-qwen3 (extras/qwen3_tokenizer.py).
-
-What only the real tokenizer has, each tested on a few hand-made prompts: the chat template's exact
-generation prompt, two EOS ids one of which is the pad id, special tokens that decoding must drop,
-byte-level text with no unknown token; and what only its vocabulary costs: the chunked log-probs, in
-one script step. Everything is built from the vendored files; nothing is downloaded.
-"""
+"""Qwen3's vendored tokenizer and --model tiny-qwen3: the template's generation prompt, two EOS ids (one the pad
+id), special tokens dropped on decode, byte-level text, and the real vocabulary's chunked log-probs."""
 
 from __future__ import annotations
 
@@ -116,9 +111,7 @@ def test_thinking_reaches_only_templates_that_take_it(tok, char_tok):
 
 
 def test_reward_model_text_follows_the_completions_thinking(tok):
-    """What --reward-model reads, in Qwen3's template: the assistant turn always carries a think block,
-    empty under --thinking off (the text the policy's prompt ended with), the completion's own
-    reasoning under --thinking on."""
+    """The reward model's assistant turn: an empty think block under --thinking off, the completion's own under on."""
     from extras.reward_model import reward_model_text
 
     turn = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
@@ -243,9 +236,7 @@ REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3
 @pytest.mark.slow
 @pytest.mark.parametrize("thinking", ["off"])  # (--thinking on, one step of each script: test_flags_reach_update)
 def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
-    """gspo.py, one step at 151,936 words: 16 completions of 16 tokens, a reward that
-    differs between them (so most rows carry an advantage and are forwarded: more tokens than one
-    log-prob chunk holds)."""
+    """gspo.py, one step at 151,936 words, with more forwarded tokens than one log-prob chunk holds."""
     (tmp_path / "reward.py").write_text(REWARD)
     out, rows, tokens = tmp_path / "run", 16, 16
     assert rows * tokens > 2 * (common.LOGITS_CHUNK_ELEMENTS // 151_936), "the step must span several chunks"

@@ -1,6 +1,4 @@
-"""Real-checkpoint plumbing on CPU, no download: a tiny random Qwen2ForCausalLM whose tokenizer has a
-chat template and whose generation config lists two EOS ids, trained for 2 steps by each script on
-a GSM8K-format file."""
+"""A tiny random Qwen2 with a chat template and two EOS ids, trained 2 steps by each script on a GSM8K file."""
 
 from __future__ import annotations
 

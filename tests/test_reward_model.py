@@ -1,7 +1,5 @@
-"""--reward-model (common.py) and the Bradley-Terry trainer (tools/train_reward_model.py): the loss against
-a hand case and float64, scores independent of batch and padding, re-tokenisation across tokenizers, the saved
-checkpoint through AutoModelForSequenceClassification, the bad-checkpoint messages, tiny-rm's build
-(a few-step recipe) and a short run of each script. Every model is tiny and built here."""
+"""--reward-model and tools/train_reward_model.py: the Bradley-Terry loss, batch-independent scores,
+re-tokenisation, the saved checkpoint, bad checkpoints, tiny-rm's build and a short run of each script."""
 
 import json
 import math
@@ -169,9 +167,7 @@ def other_tokenizer():
 
 
 def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
-    """A rollout in the policy's tokenizer, scored through Rewards by a reward model with another
-    tokenizer: the reward model reads exactly its chat template around the decoded prompt and
-    completion, in its own ids; the reward is its score."""
+    """A reward model with another tokenizer reads its own template around the decoded text; the reward is its score."""
     rm_tok = other_tokenizer()
     rm = object.__new__(reward_model_extra.RewardModel)
     rm.model, rm.tok, rm.batch_size, rm.thinking = SpyScorer(), rm_tok, 64, "off"
@@ -310,9 +306,7 @@ def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, 
 
 
 def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
-    """kl_to_init against a plain float64 loop over each row alone (no padding anywhere): the policy
-    and a perturbed initial model differ at every position, padding included, so a sum that let
-    the padding positions in (their log-probs are finite) would give another figure."""
+    """kl_to_init against a float64 loop over each row alone; a sum letting padding in would differ."""
     policy = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     init = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)

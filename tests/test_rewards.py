@@ -1,17 +1,5 @@
-"""The reward API of common.py (`Rewards`, `--reward`, `--reward-weights`) against hand-worked cases.
-
-  - built-ins: exact, boxed and format on hand-made completions; weights; accuracy and format_rate
-    follow the answer parser in use (boxed's when --reward boxed is given);
-  - your own functions, from a file (file.py:function) or a module (module:function), called by
-    keyword with every other field of the records as one list per column; None counts as 0;
-  - every failure mode is one line naming the function and the problem (and the row): at start-up
-    (not importable: exit 2, no output directory: test_reliability.py's bad input) and mid-run (exit 2,
-    the last checkpoint and the metrics rows before it intact);
-  - `extract_boxed` properties (hypothesis: nested braces, several boxes, none).
-
-Completions are built token by token with the embedded character tokenizer, so what each reward
-sees is known exactly; no test depends on what a model happens to sample.
-"""
+"""The reward API (`Rewards`, `--reward`, `--reward-weights`) on hand-made completions of the character tokenizer:
+built-ins, custom functions by keyword, one-line failures at start-up and mid-run, and extract_boxed."""
 
 from __future__ import annotations
 

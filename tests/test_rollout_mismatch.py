@@ -1,7 +1,5 @@
-"""bf16 rollouts and the training-inference mismatch: the recorded behaviour log-probs mu against
-independent recomputations, the top-p identity log(pi_old / mu) = log(kept mass), the correction's
-weights on hand-worked cases, corrections that change nothing when there is no mismatch,
---old-logp rollout's ratio of 1, and --resume under bf16."""
+"""bf16 rollouts: mu against independent recomputations, log(pi_old / mu) = log(kept mass) under top-p, the
+correction's weights by hand, no change without mismatch, --old-logp rollout's ratio 1, --resume under bf16."""
 
 from __future__ import annotations
 
@@ -85,9 +83,7 @@ def kept_mass_f64(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @pytest.mark.numeric
 def test_top_p_log_ratio_is_the_log_of_the_kept_mass(tiny):
-    """TRL #6789: at --top-p 0.8 the sampled distribution is the nucleus renormalised, so against
-    the whole distribution pi_old, log(pi_old / mu) = log(kept mass) on every token (to float32's
-    rounding in the forwards: helpers.logprob_tol)."""
+    """TRL #6789: at --top-p 0.8, log(pi_old / mu) = log(kept mass) on every token (helpers.logprob_tol)."""
     model, tok = tiny
     top_p = 0.8
     roll = draw(model, tok, arith_prompts(tok, 4, 2), top_p=top_p)
@@ -114,20 +110,11 @@ def test_top_p_log_ratio_is_the_log_of_the_kept_mass(tiny):
 
 @pytest.mark.numeric
 def test_bf16_mu_equals_a_float64_recomputation_of_the_bf16_sampler(tiny):
-    """The bf16 copy's distribution, recomputed by a plain forward of each row through the bf16
-    weights, the logits taken to float64 for the softmax: mu matches to bf16 tolerance, and is
-    measurably not float32's pi_old.
+    """mu against a plain bf16 forward taken to float64, and not float32's pi_old.
 
-    The tolerance follows from bf16's unit roundoff u = 2^-8, not from one CPU's kernels: the two
-    computations (the sampler's KV-cached decoder, transformers' full forward) round in different
-    places. Each rounds every logit z_j to bf16 at the end (|error| <= u |z_j|), so two of them differ
-    by <= 2u max|z|, and a log-prob z_y - logsumexp(z) moves by at most twice the largest logit error:
-    4u max|z| from the last rounding alone; doubled for the roundings of the residual stream in the
-    layers before it, 8u max|z| per token. For the RMS, rounding errors are spread (uniform: a std of
-    u|z| / sqrt(3) each), so two computations' log-probs differ by about 1.2u |z| in RMS from the
-    last rounding; 2u RMS(max|z|) leaves the layers before it the same share. Measured on a 2-core
-    Intel Xeon (where the old fixed RMS bound of 0.02 failed at 0.0227): 3.6u max|z| at most, 0.63u
-    in RMS, with ATEN_CPU_CAPABILITY=default the same."""
+    Bound from bf16's u = 2^-8: each computation rounds every logit (<= u |z|), a log-prob moves by twice the
+    largest logit error, doubled for the layers before: 8u max|z| per token; in RMS the errors spread (u|z| / sqrt(3)
+    each): 2u RMS. Measured on a 2-core Xeon: 3.6u max|z|, 0.63u RMS."""
     model, tok = tiny
     sampler = common.Sampler(model, tok, args_for(rollout_dtype="bfloat16"))  # 8 new tokens, temperature 1, top-p 1
     assert sampler.records and sampler.copy is not None

@@ -1,9 +1,4 @@
-"""Tests for the sampler's own decoder in common.py (static KV cache, dropped rows) against Hugging Face, for each
-architecture it takes. (Chunked log-probs against float64, at a small and at Qwen's vocabulary: test_common.py.)
-
-The benchmarks themselves are scripts, not tests: benchmarks/sampler.py, benchmarks/memory.py,
-benchmarks/speed.py, benchmarks/gpu.sh.
-"""
+"""The sampler's own decoder (static KV cache, dropped rows) against Hugging Face, for each architecture it takes."""
 
 import copy
 
@@ -106,9 +101,7 @@ def test_unsupported_models_use_the_hf_forward(char_tok):
 @pytest.mark.parametrize("greedy, top_p", [(True, 1.0), (False, 1.0), (False, 0.8)])
 @pytest.mark.parametrize("grow", [None, 2])
 def test_dropping_finished_rows_changes_nothing(char_tok, monkeypatch, greedy, top_p, grow):
-    """The fast decoder drops rows once half the batch has finished; the HF-forward path never
-    does. Same seed: same tokens, row by row (the sampling noise is drawn for the whole batch).
-    GROW = 2: the cache also grows every other step, before and after rows are dropped."""
+    """Dropping finished rows (and growing the cache, GROW = 2) changes no token: same seed, same tokens."""
     if grow:
         monkeypatch.setattr(common._StaticKVDecoder, "GROW", grow)
     model = random_model("qwen3", char_tok, seed=1)

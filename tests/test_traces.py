@@ -1,11 +1,5 @@
-"""--trace-every and tools/show_traces.py: the trace's numbers against a recomputation from the saved
-rollout (pi_old from the weights at that step, the reference, the ratio and clip rule of each loss);
-GSPO's one ratio per completion; a traced run's weights and metrics equal an untraced run's; traces
-after --resume equal an uninterrupted run's; which groups a trace keeps (those with signal first, by a
-seeded draw that moves no training stream), and that a default 20-step run of GRPO and GSPO traces some;
-the page in a real browser (selenium, Debian's chromium), offline, with one span per completion token,
-a hovered or tapped token's numbers inside the window, the colour key in ratio values with the clip
-bounds, at a desktop's and a phone's width without sideways scrolling."""
+"""--trace-every and tools/show_traces.py: the trace against a recomputation from the saved rollout, traced runs
+train as untraced ones, resume, which groups are traced, and the page in a real browser (chromium)."""
 
 from __future__ import annotations
 
@@ -529,9 +523,7 @@ def ratio_scale(records_of_runs) -> float:
 
 @pytest.mark.parametrize("width, height, phone", [(1400, 1000, False), (400, 900, True)])
 def test_the_page_at_a_desktops_and_a_phones_width(default_runs, tmp_path, width, height, phone):
-    """No sideways scrolling, no console error; each run's key names the ratio at both ends of the shared
-    scale (exp(-+ the largest |log ratio| of all runs and steps), recomputed from the traces) and its clip
-    bounds, with a mark on the bar for each; on-policy rows are labelled; below 800 px the columns stack."""
+    """No sideways scroll; the key's ends, clip bounds and marks, on-policy labels; columns stack below 800 px."""
     from selenium.webdriver.common.by import By
 
     html = tmp_path / "page.html"
