@@ -163,27 +163,16 @@ def test_report_only_builds_table_json_and_plot(fabricated):
             for s in SEEDS
         ]
 
-        # the table cells, parsed back: "m +- s" numbers, before -> after, within display rounding
+        # the table's cells parsed back: steps, before -> after, then each "m +- s", within display rounding
         cells = [c.strip() for c in table_rows[algo].strip().strip("|").split("|")]
-        assert cells.pop(1) == str(STEPS)  # the steps column
-        before_after = re.fullmatch(r"(\S+) \+- (\S+) -> (\S+) \+- (\S+)", cells[1])
-        assert before_after, cells[1]
-        shown = [float(x) for x in before_after.groups()]
-        want = [*expected["eval_accuracy_before"], *expected["eval_accuracy_after"]]
-        assert all(abs(x - y) <= 5e-4 + 1e-9 for x, y in zip(shown, want)), (cells[1], want)
         unit = f" ({CLIP_UNIT[algo]})"  # every clip fraction carries its unit: tokens, or GSPO's seqs
-        assert cells[6].endswith(unit) and got["clip_frac_unit"] == CLIP_UNIT[algo], (cells[6], got)
-        cells[6] = cells[6].removesuffix(unit)
-        for cell, key, tol in (
-            (cells[2], "final_reward", 5e-4),
-            (cells[3], "wall_time_s", 0.5),
-            (cells[4], "tokens_per_s", 0.5),
-            (cells[5], "peak_mem_mb", 0.5),
-            (cells[6], "mean_clip_frac", 5e-4),
-            (cells[7], "final_entropy", 5e-4),
-        ):
-            m, sd = (float(x) for x in re.fullmatch(r"(\S+) \+- (\S+)", cell).groups())
-            assert abs(m - expected[key][0]) <= tol + 1e-9 and abs(sd - expected[key][1]) <= tol + 1e-9, (key, cell)
+        assert cells[1] == str(STEPS) and cells[7].endswith(unit) and got["clip_frac_unit"] == CLIP_UNIT[algo]
+        shown = [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", " ".join(cells[2:]))]
+        tol = {"wall_time_s": 0.5, "tokens_per_s": 0.5, "peak_mem_mb": 0.5}  # shown as whole numbers
+        order = ["eval_accuracy_before", "eval_accuracy_after", "final_reward", "wall_time_s", "tokens_per_s",
+                 "peak_mem_mb", "mean_clip_frac", "final_entropy"]  # fmt: skip
+        want = [(v, tol.get(key, 5e-4)) for key in order for v in expected[key]]
+        assert len(shown) == len(want) and all(abs(x - w) <= t + 1e-9 for x, (w, t) in zip(shown, want)), cells
         assert table_rows[algo] in res.stdout  # the same table is printed
 
     png = (out / "curves.png").read_bytes()
@@ -465,9 +454,7 @@ def test_plot_curves_draws_each_config_against_its_own_steps_and_clock(tmp_path)
 
 
 @pytest.mark.slow  # bash run_all.sh in a subprocess
-def test_help_and_bad_flag():
-    res = run_all("--help")
-    assert res.returncode == 0 and "--report-only" in res.stdout and "GSPO_ARGS" in res.stdout
+def test_a_bad_flag_exits_2():
     res = run_all("--bogus")
     assert res.returncode == 2 and "--bogus" in res.stderr
 
