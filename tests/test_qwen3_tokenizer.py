@@ -46,7 +46,6 @@ def test_vendored_files_decompress_to_the_packaged_ones(tok):
     folder = qwen3_tokenizer.tokenizer_dir()
     for name, sha in qwen3_tokenizer.FILES.items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha, name
-    assert (folder / "tokenizer.json").stat().st_size == 11_422_654
     assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == 151_669
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id) == (
         "<|im_end|>", IM_END, "<|endoftext|>", ENDOFTEXT)  # fmt: skip
@@ -82,16 +81,10 @@ AFTER = {"on": [], "off": EMPTY_THINK}  # --thinking off: the template closes an
 
 
 @pytest.mark.parametrize("thinking", ["on", "off"])
-def test_generation_prompt_ids_without_a_system_prompt(tok, thinking):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system_prompt="", thinking=thinking)
-    assert prompt == USER_TURN + GENERATION_PROMPT + AFTER[thinking]
-
-
-@pytest.mark.parametrize("thinking", ["on", "off"])
-def test_generation_prompt_ids_with_a_system_prompt(tok, thinking):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], "Be brief.", thinking)
-    assert prompt == SYSTEM_TURN + USER_TURN + GENERATION_PROMPT + AFTER[thinking]
-    assert tok.decode(prompt[:3]) == "<|im_start|>system\n"
+@pytest.mark.parametrize("system", ["", "Be brief."])
+def test_generation_prompt_ids(tok, thinking, system):
+    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system, thinking)
+    assert prompt == (SYSTEM_TURN if system else []) + USER_TURN + GENERATION_PROMPT + AFTER[thinking]
 
 
 def test_thinking_reaches_only_templates_that_take_it(tok, char_tok):
