@@ -323,11 +323,14 @@ def test_the_page_in_a_real_browser(page):
 # ---------------------------------------------------------------------------------------------
 
 
-def show_traces_cli(*argv):
-    """(exit status, stdout, stderr) of `python tools/show_traces.py ARGV`, as a user runs it."""
-    proc = subprocess.run([sys.executable, "tools/show_traces.py", *map(str, argv)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    return proc.returncode, proc.stdout, proc.stderr
+def show_traces_cli(capsys, *argv):
+    """(exit status, stdout, stderr) of tools/show_traces.py's main in this process (run_all.sh runs the command)."""
+    try:
+        show_traces.main([str(a) for a in argv])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, *capsys.readouterr()
 
 
 def page_data(html: Path) -> dict:
@@ -348,29 +351,28 @@ def page_data(html: Path) -> dict:
         (["--stp", "1"], r"error: unrecognized argument --stp \(did you mean --step\?\)"),
     ],
 )
-def test_show_traces_bad_input_is_one_line_exit_2(runs, tmp_path, argv, expected):
+def test_show_traces_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, argv, expected):
     html = tmp_path / "page.html"
-    status, out, err = show_traces_cli(runs["gspo"]["full"], *argv, "--out", html)
+    status, out, err = show_traces_cli(capsys, runs["gspo"]["full"], *argv, "--out", html)
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert re.fullmatch(expected, err.strip()), err
     assert not html.exists()  # nothing written
 
 
-def test_show_traces_without_traces_is_one_line_exit_2(tmp_path):
-    status, _, err = show_traces_cli(tmp_path)
+def test_show_traces_without_traces_is_one_line_exit_2(tmp_path, capsys):
+    status, _, err = show_traces_cli(capsys, tmp_path)
     assert status == 2 and err.strip() == f"error: {tmp_path / 'traces.jsonl'} does not exist (run the script " \
         "with --trace-every, or its default)"  # fmt: skip
 
 
-def test_show_traces_opens_on_the_ratio_at_the_chosen_step(runs, tmp_path):
-    """By default the page opens on the ratio (docs/traces.md's picture) at its first step; --step and
-    --quantity choose others; the page's script selects DATA.quantity once its options exist."""
+def test_show_traces_opens_on_the_ratio_at_the_chosen_step(runs, tmp_path, capsys):
+    """By default the page opens on the ratio at its first step; --step and --quantity choose others."""
     html = tmp_path / "page.html"
-    assert show_traces_cli(runs["gspo"]["full"], "--out", html)[0] == 0
+    assert show_traces_cli(capsys, runs["gspo"]["full"], "--out", html)[0] == 0
     data = page_data(html)
     assert (data["quantity"], data["step"]) == ("ratio", None)
     assert [r["step"] for r in data["runs"][0]["records"]] == [r["step"] for r in traces(runs["gspo"]["full"])]
-    assert show_traces_cli(runs["gspo"]["full"], "--out", html, "--step", 2, "--quantity", "entropy")[0] == 0
+    assert show_traces_cli(capsys, runs["gspo"]["full"], "--out", html, "--step", 2, "--quantity", "entropy")[0] == 0
     assert (page_data(html)["quantity"], page_data(html)["step"]) == ("entropy", 2)
 
 
