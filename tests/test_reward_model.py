@@ -10,37 +10,20 @@ import sys
 import types
 
 import build_checkpoints  # tools/, on sys.path through conftest.py
+import helpers
 import numpy as np
 import pytest
 import recipes
 import torch
 import train_reward_model  # tools/
 import transformers
-from helpers import (
-    LOGGED_TOL,
-    ROOT,
-    SCRIPTS,
-    assert_within,
-    gamma,
-    logit_scale,
-    logit_tol,
-    logprob_tol,
-    main_in_process,
-    unit_roundoff,
-)
+from helpers import LOGGED_TOL, ROOT, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 
 import common
 from extras import reward_model as reward_model_extra
 
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, max_position_embeddings=128)  # fmt: skip
 
 
 def small_config(tok, **kw):
@@ -410,7 +393,7 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
     assert rows[0]["kl_to_init"] == 0.0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", helpers.SCRIPTS)
 def test_help_prints(script, capsys):  # a "%" in a help text once broke --help
-    status, out, _ = main_in_process(importlib.import_module(script), ["--help"], capsys)
+    status, out, _ = helpers.main_in_process(importlib.import_module(script), ["--help"], capsys)
     assert status == 0 and "--reward-model " in out
