@@ -70,10 +70,6 @@ def test_boxed_sets_the_answer_parser_of_accuracy_and_format(char_tok):
     assert rewards.tolist() == [0, 0, 2, 0, 1]
 
 
-def test_system_prompt_follows_the_answer_parser():
-    assert "####" in common.SYSTEM_PROMPTS["exact"] and "\\boxed{}" in common.SYSTEM_PROMPTS["boxed"]
-
-
 def test_records_without_answers_log_no_accuracy(char_tok, tmp_path):
     path = reward_file(tmp_path, "def short(prompts, completions, **kw):\n    return [-len(c) for c in completions]\n")
     recs = [{"prompt": "a"}, {"prompt": "b", "answer": "1"}]  # one record lacks an answer: no accuracy at all
@@ -246,15 +242,9 @@ def flaky(prompts, completions, **kwargs):
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "mode, expected",
-    [
-        ("raise", "raised RuntimeError: lookup table missing on row 0 (prompt"),
-    ],
-)  # (each bad value's message: test_bad_return_values_and_exceptions; what a run does with any of them: here)
-def test_mid_run_failure_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys, mode, expected):
-    path = reward_file(tmp_path, MID_RUN, f"flaky_{mode}.py")
+@pytest.mark.slow  # (each bad value's message: test_bad_return_values_and_exceptions; what a run does: here)
+def test_mid_run_failure_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    path = reward_file(tmp_path, MID_RUN, "flaky.py")
     out = tmp_path / "run"
     argv = ["--reward", f"{path}:flaky", "--steps", "3", "--save-every", "1", "--eval-every", "0", "--out", str(out),
             "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8"]  # fmt: skip
@@ -262,7 +252,7 @@ def test_mid_run_failure_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys,
         common.main(gspo.train, gspo.Args, argv)
     assert stop.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith(f"error: --reward flaky {expected}"), lines[-1]
+    assert lines[-1].startswith("error: --reward flaky raised RuntimeError: lookup table missing on row 0 (prompt")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]  # step 1 logged, step 2 never finished
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 1

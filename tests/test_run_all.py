@@ -63,32 +63,14 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
             row["eval_accuracy"] = round(0.3 + 0.005 * step + 0.01 * a + 0.004 * k, 6)
             row["eval_format_rate"] = 0.99
         rows.append(row)
-    summary = {
-        "algo": algo,
-        "model": "tiny",
-        "task": "arith",
-        "seed": seed,
-        "steps": steps,
-        "step": steps,
-        "interrupted": False,
-        "eval_accuracy_before": round(0.30 + 0.002 * a + 0.01 * k, 6),
-        "eval_accuracy_after": rows[-1]["eval_accuracy"],
-        "eval_format_rate_after": 0.99,
-        "wall_time_s": round(100.0 + 40 * a + 3.5 * k, 6),
-        "peak_mem_mb": round(900.0 + 300 * (algo == "ppo") + 11 * k, 6),
-        clip_key: round(statistics.mean(r[clip_key.removeprefix("mean_")] for r in rows), 6),
-        "args": {
-            "model": "tiny",
-            "steps": steps,
-            "prompts_per_step": 16,
-            "group_size": 8,
-            "max_new_tokens": 8,
-            "seed": seed,
-            "eval_every": eval_every,
-            "lr": 3e-4,
-            **(settings or {}),
-        },
-    }
+    summary = {"algo": algo, "model": "tiny", "task": "arith", "seed": seed, "steps": steps, "step": steps,
+               "interrupted": False, "eval_accuracy_before": round(0.30 + 0.002 * a + 0.01 * k, 6),
+               "eval_accuracy_after": rows[-1]["eval_accuracy"], "eval_format_rate_after": 0.99,
+               "wall_time_s": round(100.0 + 40 * a + 3.5 * k, 6),
+               "peak_mem_mb": round(900.0 + 300 * (algo == "ppo") + 11 * k, 6),
+               clip_key: round(statistics.mean(r[clip_key.removeprefix("mean_")] for r in rows), 6),
+               "args": {"model": "tiny", "steps": steps, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8,
+                        "seed": seed, "eval_every": eval_every, "lr": 3e-4, **(settings or {})}}  # fmt: skip
     d = out / f"{algo}-seed{seed}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -98,15 +80,8 @@ def fabricate(out: Path, algo: str, seed: int, steps: int = STEPS, eval_every: i
 
 def run_all(*flags, env=None, timeout=60, unset=()):
     """bash run_all.sh FLAGS with this file's SEEDS, STEPS and EVAL_EVERY (less those named in unset)."""
-    full_env = {
-        **os.environ,
-        "SEEDS": " ".join(map(str, SEEDS)),
-        "STEPS": str(STEPS),
-        "EVAL_EVERY": str(EVAL_EVERY),
-        "PYTHON": sys.executable,
-        "MPLBACKEND": "Agg",
-        **(env or {}),
-    }
+    full_env = {**os.environ, "SEEDS": " ".join(map(str, SEEDS)), "STEPS": str(STEPS), "EVAL_EVERY": str(EVAL_EVERY),
+                "PYTHON": sys.executable, "MPLBACKEND": "Agg", **(env or {})}  # fmt: skip
     full_env = {k: v for k, v in full_env.items() if k not in unset}
     return subprocess.run(
         ["bash", str(SCRIPT), *flags], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
@@ -276,17 +251,8 @@ def test_full_run_passes_identical_settings_and_builds_report(tmp_path, fake_pyt
     out = tmp_path / "compare"
     (out / "gspo-seed1").mkdir(parents=True)
     (out / "gspo-seed1" / "stale.txt").write_text("old")
-    res = run_all(
-        env={
-            **env,
-            "OUT": str(out),
-            "PROMPTS_PER_STEP": "16",
-            "GROUP_SIZE": "4",
-            "MAX_NEW_TOKENS": "6",
-            "EXTRA_ARGS": "--eval-size 50",
-            "GSPO_ARGS": "--variant token",
-        }
-    )
+    sizes = {"PROMPTS_PER_STEP": "16", "GROUP_SIZE": "4", "MAX_NEW_TOKENS": "6"}
+    res = run_all(env={**env, "OUT": str(out), **sizes, "EXTRA_ARGS": "--eval-size 50", "GSPO_ARGS": "--variant token"})
     assert res.returncode == 0, res.stdout + res.stderr
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [(c[0], c[c.index("--seed") + 1]) for c in recorded] == [
