@@ -39,9 +39,7 @@ def replacing_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "replacing the earlier" in line]
 
 
-# ---------------------------------------------------------------------------------------------
-# check_out's decisions, on hand-made directories
-# ---------------------------------------------------------------------------------------------
+# --- check_out's decisions, on hand-made directories ---
 
 
 def args_for(out: Path, **kw) -> gspo.Args:
@@ -125,9 +123,7 @@ def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
     assert (args.overwrite, args.lr, args.out) == (False, 0.1, str(out))
 
 
-# ---------------------------------------------------------------------------------------------
-# whole runs
-# ---------------------------------------------------------------------------------------------
+# --- whole runs ---
 
 
 def test_a_finished_run_is_refused_untouched_and_overwrite_replaces_it_whole(tmp_path, capsys):

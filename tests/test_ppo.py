@@ -34,9 +34,7 @@ GAE_TOL = 2 * gamma_n(6 * 7 + 1) * (7 * 15 + 5)
 HAND_TOL = gamma_n(8) * 5.0
 
 
-# --------------------------------------------------------------------------------------------
-# Helpers (plain Python, independent of ppo.py)
-# --------------------------------------------------------------------------------------------
+# --- Helpers (plain Python, independent of ppo.py) ---
 
 
 def mask_rows(lengths, T):
@@ -88,9 +86,7 @@ MASK_DTYPES = st.sampled_from([torch.float32, torch.long, torch.bool])
 UNIT = st.floats(0.0, 1.0, allow_nan=False)
 
 
-# --------------------------------------------------------------------------------------------
-# GAE
-# --------------------------------------------------------------------------------------------
+# --- GAE ---
 
 
 @pytest.mark.numeric
@@ -146,9 +142,7 @@ def test_gae_ignores_garbage_in_padding(batch, gamma, lam, garbage):
         assert torch.equal(c, d)
 
 
-# --------------------------------------------------------------------------------------------
-# token_rewards
-# --------------------------------------------------------------------------------------------
+# --- token_rewards ---
 
 
 @SETTINGS
@@ -190,9 +184,7 @@ def test_token_rewards_without_reference_is_the_score_alone():
         ppo.token_rewards(torch.tensor([1.0, -0.5]), old, None, as_mask([2, 3], 3), 0.01)
 
 
-# --------------------------------------------------------------------------------------------
-# whiten
-# --------------------------------------------------------------------------------------------
+# --- whiten ---
 
 
 def whiten_tol(real, dtype=F64, eps=1e-8):
@@ -253,9 +245,7 @@ def test_whiten_padding_values_do_not_matter(garbage):
     assert (out[m == 0] == 0).all()
 
 
-# --------------------------------------------------------------------------------------------
-# ppo_policy_loss
-# --------------------------------------------------------------------------------------------
+# --- ppo_policy_loss ---
 
 
 def scalars(stats):
@@ -377,9 +367,7 @@ def test_policy_loss_and_gradient_match_loop(seed, B, T, data, eps_low, eps_high
     close(grad, want_grad, atol=2 * gamma_n(12) * scale)  # a gradient element: its term's chain and 1 / n
 
 
-# --------------------------------------------------------------------------------------------
-# value_loss
-# --------------------------------------------------------------------------------------------
+# --- value_loss ---
 
 
 def run_value_loss(values, old, returns, mask, clip):
@@ -463,9 +451,7 @@ def test_value_loss_all_masked():
     assert math.isfinite(stats["vf_clip_frac"])
 
 
-# --------------------------------------------------------------------------------------------
-# explained_variance
-# --------------------------------------------------------------------------------------------
+# --- explained_variance ---
 
 
 def ev_numpy(values, returns, mask):
@@ -501,9 +487,7 @@ def test_explained_variance_matches_numpy(seed, B, T, data):
     assert ppo.explained_variance(values, returns, m) == pytest.approx(want, abs=4 * gamma_n(29) * abs(1 - want))
 
 
-# --------------------------------------------------------------------------------------------
-# Critic (the cached tiny checkpoint)
-# --------------------------------------------------------------------------------------------
+# --- Critic (the cached tiny checkpoint) ---
 
 
 @pytest.fixture(scope="module")
@@ -600,9 +584,7 @@ def test_critic_value_t_depends_only_on_prefix(critic):
     assert (a[:, 3:] - b[:, 3:]).abs().min() > 1e-6
 
 
-# --------------------------------------------------------------------------------------------
-# The script's own flags (its smoke run from the command line: test_smoke.py)
-# --------------------------------------------------------------------------------------------
+# --- The script's own flags (its smoke run from the command line: test_smoke.py) ---
 
 
 def test_kl_coef_0_loads_and_runs_no_reference(tmp_path, monkeypatch):

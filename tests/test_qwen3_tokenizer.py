@@ -37,9 +37,7 @@ def ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-# ---------------------------------------------------------------------------------------------
-# The vendored files and the tiny model
-# ---------------------------------------------------------------------------------------------
+# --- The vendored files and the tiny model ---
 
 
 def test_vendored_files_decompress_to_the_packaged_ones(tok):
@@ -66,9 +64,7 @@ def test_tiny_qwen3_has_qwen3s_vocabulary_and_stop_ids(model, tok):
     torch.testing.assert_close(first, again, atol=0, rtol=0)
 
 
-# ---------------------------------------------------------------------------------------------
-# The chat template's generation prompt
-# ---------------------------------------------------------------------------------------------
+# --- The chat template's generation prompt ---
 
 # <|im_start|>user\nWhat is 2+3?<|im_end|>\n
 USER_TURN = [IM_START, 872, NEWLINE, 3838, 374, 220, 17, 10, 18, 30, IM_END, NEWLINE]
@@ -115,9 +111,7 @@ def test_reward_model_text_follows_the_completions_thinking(tok):
     assert reward_model_text(tok, "What is 2+3?", "5", "off").startswith(tok.decode(prompt))
 
 
-# ---------------------------------------------------------------------------------------------
-# EOS [151645, 151643] with pad 151643
-# ---------------------------------------------------------------------------------------------
+# --- EOS [151645, 151643] with pad 151643 ---
 
 
 def test_completion_ends_respects_the_mask():
@@ -158,9 +152,7 @@ def test_sampling_stops_at_either_eos_id(model, tok, stop):
         assert common.completion_ends(roll, eos).all()
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoded completions carry no template tokens
-# ---------------------------------------------------------------------------------------------
+# --- Decoded completions carry no template tokens ---
 
 
 def test_decoded_completions_carry_no_template_tokens(tok):
@@ -177,9 +169,7 @@ def test_decoded_completions_carry_no_template_tokens(tok):
     assert [s["truncated"] for s in shown] == [False, False, False]
 
 
-# ---------------------------------------------------------------------------------------------
-# Multi-byte text: a byte-level tokenizer has no unknown token
-# ---------------------------------------------------------------------------------------------
+# --- Multi-byte text: a byte-level tokenizer has no unknown token ---
 
 MULTI_BYTE = "3加5等于多少？ Combien font trois et cinq, s'il te plaît ? Ελληνικά, naïve café, 😀"
 
@@ -194,9 +184,7 @@ def test_multi_byte_text_is_accepted_and_round_trips(tok, char_tok):
         data_files.check_characters(char_tok, "tiny", "--data", [{"prompt": MULTI_BYTE, "answer": "8"}])
 
 
-# ---------------------------------------------------------------------------------------------
-# The real vocabulary's cost: chunked log-probs
-# ---------------------------------------------------------------------------------------------
+# --- The real vocabulary's cost: chunked log-probs ---
 
 
 @pytest.mark.slow  # 151,936-word logits (~8 s)

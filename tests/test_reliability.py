@@ -64,9 +64,7 @@ def assert_same_weights(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad input: exit 2, one line naming the flag or file, nothing written
-# ---------------------------------------------------------------------------------------------
+# --- Bad input: exit 2, one line naming the flag or file, nothing written ---
 
 
 def write(path, text):
@@ -132,9 +130,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
-# ---------------------------------------------------------------------------------------------
-# Runs shared by the resume, refusal, interrupt and determinism tests (each made once)
-# ---------------------------------------------------------------------------------------------
+# --- Runs shared by the resume, refusal, interrupt and determinism tests (each made once) ---
 
 
 @pytest.fixture(scope="module")
@@ -232,9 +228,7 @@ def test_resume_refuses_another_runs_checkpoint_in_one_line(runs, tmp_path, tiny
     assert all((d / "metrics.jsonl").read_text() == before for d in (part, wider, on_cuda))
 
 
-# ---------------------------------------------------------------------------------------------
-# SIGINT / SIGTERM
-# ---------------------------------------------------------------------------------------------
+# --- SIGINT / SIGTERM ---
 
 
 def start_and_signal(out, signum, steps=40):
@@ -322,9 +316,7 @@ def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp
     assert_same_weights(weights(out / "final"), weights(whole / "final"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN)
-# ---------------------------------------------------------------------------------------------
+# --- Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN) ---
 
 # The script's policy loss: `<script>_loss` (a fork named rloo.py: rloo_loss), except where named here
 LOSS_FN = {"ppo": "ppo_policy_loss"}

@@ -50,9 +50,7 @@ PROMPTS = ["3+4=", "12+30=", "99+99=", "0+0=", "7+15="]
 COMPLETIONS = ["7", "42 or 43", "", "0000000000", "22"]
 
 
-# ----------------------------------------------------------------------------------------------
-# The Bradley-Terry loss
-# ----------------------------------------------------------------------------------------------
+# --- The Bradley-Terry loss ---
 
 
 def test_bradley_terry_loss_hand_case():
@@ -103,9 +101,7 @@ def test_pair_accuracy_hand_case():
     assert reward_model_extra.pair_accuracy(scores, torch.ones(4)).tolist() == [0.5] * 4  # no wrong row: no pair
 
 
-# ----------------------------------------------------------------------------------------------
-# Scoring
-# ----------------------------------------------------------------------------------------------
+# --- Scoring ---
 
 
 @pytest.fixture
@@ -197,9 +193,7 @@ def test_reward_model_is_one_weighted_component(char_tok):
     torch.testing.assert_close(rewards, expected.float(), atol=0, rtol=2 * unit_roundoff(torch.float32))
 
 
-# ----------------------------------------------------------------------------------------------
-# Training and checkpoints
-# ----------------------------------------------------------------------------------------------
+# --- Training and checkpoints ---
 
 
 def write_pairs(path, n=24):

@@ -41,9 +41,7 @@ def reward_file(tmp_path, source, name="my_rewards.py"):
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-ins, weights, accuracy
-# ---------------------------------------------------------------------------------------------
+# --- Built-ins, weights, accuracy ---
 
 TEXTS = ["#### 4", "4 or 5", "so \\boxed{4}", "5", "\\boxed{4.0} then \\boxed{5}"]
 ANSWERS = ["4"] * 5
@@ -77,9 +75,7 @@ def test_records_without_answers_log_no_accuracy(char_tok, tmp_path):
     assert rewards.tolist() == [-3, 0] and set(parts) == {"reward/short"}
 
 
-# ---------------------------------------------------------------------------------------------
-# Your own functions: keyword call, one list per column, None, module form
-# ---------------------------------------------------------------------------------------------
+# --- Your own functions: keyword call, one list per column, None, module form ---
 
 CUSTOM = """
 calls = []
@@ -131,9 +127,7 @@ def test_same_function_name_from_two_files_is_told_apart(tmp_path):
     assert fn.names == [f"{a}:length", f"{b}:length"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Failure modes: one line naming the function, the problem and the row
-# ---------------------------------------------------------------------------------------------
+# --- Failure modes: one line naming the function, the problem and the row ---
 
 BAD = """
 import math
@@ -260,9 +254,7 @@ def test_mid_run_failure_exits_2_and_keeps_the_last_checkpoint(tmp_path, capsys)
     assert rows[0]["reward/flaky"] == 0.5  # rows alternate 0, 1
 
 
-# ---------------------------------------------------------------------------------------------
-# extract_boxed
-# ---------------------------------------------------------------------------------------------
+# --- extract_boxed ---
 
 # text without braces or backslashes, and brace-balanced text built from it
 plain = st.text(st.characters(blacklist_characters="{}\\", blacklist_categories=["Cs"]), max_size=8)

@@ -171,9 +171,7 @@ def test_the_bf16_copy_follows_the_policy_and_is_freed_after_sampling(tiny, monk
     assert all(p.numel() == 0 for p in sampler.copy.module.parameters())  # freed between rollouts
 
 
-# ---------------------------------------------------------------------------------------------
-# the correction's weights, hand-worked
-# ---------------------------------------------------------------------------------------------
+# --- the correction's weights, hand-worked ---
 
 
 # The error of hand_case's float32 log(pi_old / mu): d rounded to float32, old = mu + d and old - mu each round
@@ -243,9 +241,7 @@ def test_mismatch_stats_hand_worked():
     assert_within(stats["mismatch_geo_ratio_max_dev"], 3.42 ** (1 / 3) - 1, geo_err + f64, "geo ratio max dev")
 
 
-# ---------------------------------------------------------------------------------------------
-# no mismatch: the corrections change nothing
-# ---------------------------------------------------------------------------------------------
+# --- no mismatch: the corrections change nothing ---
 
 
 def losses(case, logp, old, adv, mask, weights):

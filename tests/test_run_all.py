@@ -272,9 +272,7 @@ def test_full_run_passes_identical_settings_and_builds_report(tmp_path, fake_pyt
     assert "--eval-size 50" in (out / "results.md").read_text()  # the command is recorded
 
 
-# ------------------------------------------------------------------------------------------------
-# --defaults: each script at its own settings, runs of different lengths in one report
-# ------------------------------------------------------------------------------------------------
+# --- --defaults: each script at its own settings, runs of different lengths in one report ---
 BUDGET = ("STEPS", "PROMPTS_PER_STEP", "GROUP_SIZE", "MAX_NEW_TOKENS", "EVAL_EVERY", "MINIBATCHES")
 OWN_STEPS = {algo: FAKE_DEFAULTS[algo]["steps"] for algo in ALGOS}  # ppo 20, grpo 30, gspo 30
 
@@ -425,9 +423,7 @@ def test_a_bad_flag_exits_2():
     assert res.returncode == 2 and "--bogus" in res.stderr
 
 
-# ------------------------------------------------------------------------------------------------
-# experiments/compare_report.py's functions, called directly
-# ------------------------------------------------------------------------------------------------
+# --- experiments/compare_report.py's functions, called directly ---
 
 
 def test_mean_std_is_the_sample_std_of_the_finite_values():
@@ -518,9 +514,7 @@ def test_moe_layout_and_table_hand_worked(tmp_path):
     assert line == "| gspo | 0.200 | 0.400 | 0.333 | 0.0200 | 0.1000 | nan | 100 |"
 
 
-# ------------------------------------------------------------------------------------------------
-# --staleness (experiments/staleness_sweep.py): its flags, its grid, and the resume that skips finished runs
-# ------------------------------------------------------------------------------------------------
+# --- --staleness (experiments/staleness_sweep.py): its flags, its grid, and the resume that skips finished runs ---
 @pytest.mark.slow  # bash run_all.sh in a subprocess
 def test_staleness_sweep_resumes_skipping_finished_runs(tmp_path, fake_python):
     env, calls = fake_python

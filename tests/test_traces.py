@@ -203,9 +203,7 @@ def test_bad_trace_flags_are_one_line_errors(tmp_path, capsys, flag, value):
     assert not (tmp_path / "x").exists()
 
 
-# ---------------------------------------------------------------------------------------------
-# The page
-# ---------------------------------------------------------------------------------------------
+# --- The page ---
 
 MAYBE_REWARD = '''
 def maybe(prompts, completions, **fields):
@@ -318,9 +316,7 @@ def test_the_page_in_a_real_browser(page):
         driver.quit()
 
 
-# ---------------------------------------------------------------------------------------------
-# show_traces.py's command line
-# ---------------------------------------------------------------------------------------------
+# --- show_traces.py's command line ---
 
 
 def show_traces_cli(capsys, *argv):
@@ -388,9 +384,7 @@ def test_run_all_writes_the_page_beside_its_report(runs, tmp_path):
     assert all(f"{name}  ({name}-seed0)" in text for name in SCRIPTS)  # the three runs' labels
 
 
-# ---------------------------------------------------------------------------------------------
-# Which groups a trace keeps: those with signal first
-# ---------------------------------------------------------------------------------------------
+# --- Which groups a trace keeps: those with signal first ---
 
 
 def test_groups_with_signal_against_a_loop():
