@@ -231,15 +231,22 @@ def test_resume_refuses_another_runs_checkpoint_in_one_line(runs, tmp_path, tiny
 # --- SIGINT / SIGTERM ---
 
 
-def start_and_signal(out, signum, steps=40):
-    """Start gspo for `steps` steps, send `signum` once metrics.jsonl has a row, wait for the exit."""
-    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", str(steps), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(out, *flags, **env_vars):
+    """Start gspo in a subprocess; return it once metrics.jsonl has a row."""
+    cmd = [sys.executable, "gspo.py", *SMALL, *map(str, flags), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **env_vars}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline, "no metrics row within 240 s"
         time.sleep(0.02)
+    return proc
+
+
+def start_and_signal(out, signum, steps=40):
+    """Start gspo for `steps` steps, send `signum` once metrics.jsonl has a row, wait for the exit."""
+    proc = start(out, "--steps", steps)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=240)
     return proc.returncode, stderr
@@ -287,19 +294,12 @@ def test_sigterm_and_sighup_exit_128_plus_the_signal_with_a_checkpoint(tmp_path,
 def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp_path):
     """`python gspo.py | tee log` stopped by Ctrl-C: writes go to a closed pipe, yet the checkpoint is saved and
     --resume ends where an unstopped run ends."""
-    flags = [*SMALL, "--eval-every", "1", "--steps", "8"]
+    flags = ["--eval-every", "1", "--steps", "8"]
     whole = tmp_path / "whole"
-    ok(run("gspo", *flags, "--out", whole))
+    ok(run("gspo", *SMALL, *flags, "--out", whole))
     out = tmp_path / "piped"
-    cmd = [sys.executable, "gspo.py", *flags, "--out", str(out)]
-    piped_env = dict(env(), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=piped_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(out, *flags, PYTHONUNBUFFERED="1")
     assert proc.stdout.readline().startswith("step 0:")  # the run is writing to the pipe
-    deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no metrics row within 240 s"
-        time.sleep(0.02)
     proc.stdout.close()  # tee is gone: the pipe has no reader
     proc.send_signal(signal.SIGINT)
     stderr = proc.stderr.read()
