@@ -20,6 +20,7 @@ import transformers
 from helpers import LOGGED_TOL, ROOT, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 
 import common
+import grpo
 from extras import reward_model as reward_model_extra
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -258,7 +259,7 @@ def test_train_reward_model_command_line(tmp_path, char_tok):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "causal-lm", "two-labels", "not-a-checkpoint"])
-def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
+def test_bad_reward_model_exits_2_with_one_line(tmp_path, capsys, char_tok, kind):
     path = {
         "missing": lambda: str(tmp_path / "nowhere"),
         "causal-lm": lambda: save_causal_lm(tmp_path / "lm", char_tok),
@@ -270,13 +271,11 @@ def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
     expected = {"missing": "no such", "causal-lm": "Qwen3ForCausalLM, not a sequence classifier",
                 "two-labels": "has 2 labels", "not-a-checkpoint": "no such"}[kind]  # fmt: skip
     assert expected in str(e.value)
-    if kind != "not-a-checkpoint":  # and through a script: exit 2, one line, nothing written
+    if kind != "not-a-checkpoint":  # and through a script (in this process): exit 2, one line, nothing written
         out = tmp_path / "out"
-        proc = subprocess.run([sys.executable, "grpo.py", "--reward-model", path, "--steps", "1", "--out", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.startswith("error: --reward-model") and proc.stderr.count("\n") == 1
-        assert expected in proc.stderr and not out.exists()
+        status, _, err = helpers.main_in_process(grpo, ["--reward-model", path, "--steps", 1, "--out", out], capsys)
+        assert status == 2 and err.startswith("error: --reward-model") and err.count("\n") == 1, err[-2000:]
+        assert expected in err and not out.exists()
 
 
 def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without_it(tmp_path, char_tok):
@@ -365,15 +364,14 @@ def test_preference_pairs_cover_the_failure_shapes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
-def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
+@pytest.mark.parametrize("script", ["ppo", "grpo", "gspo"])
+def test_each_script_trains_on_a_reward_model(tmp_path, capsys, char_tok, script):
     rm = save_classifier(tmp_path / "rm", char_tok)
     out = tmp_path / "run"
-    cmd = [sys.executable, script, "--reward-model", rm, "--steps", "2", "--prompts-per-step", "4", "--group-size",
-           "2", "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**__import__("os").environ, "RLREF_THREADS": "1"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--reward-model", rm, "--steps", 2, "--prompts-per-step", 4, "--group-size", 2, "--minibatches", 2,
+            "--eval-size", 8, "--eval-every", 1, "--out", out]  # fmt: skip
+    status, _, err = helpers.main_in_process(importlib.import_module(script), argv, capsys)  # in this process
+    assert status == 0, err[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         assert r["reward"] == pytest.approx(r["reward/reward_model"], abs=LOGGED_TOL)  # alone: weight 1
