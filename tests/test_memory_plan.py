@@ -1,18 +1,10 @@
-"""The memory planner (tools/plan_memory.py) against independent counts: parameter counts against
-Hugging Face's own models (built on the meta device, no memory), saved activations against the
-bytes autograd really saves (a saved-tensors hook over a real forward), the sampler's KV cache
-against its buffers, a hand-worked plan, the per-GPU DDP and FSDP2 plans against parameter counts
-worked out from the configs, and the command line's errors. Its figures against the
-measured peaks of real-size runs: benchmarks/real_size.py (minutes, ~20 GB: a benchmark)."""
-
-import subprocess
-import sys
+"""The memory planner (tools/plan_memory.py) against independent counts: HF's parameter counts, the bytes
+autograd saves, the sampler's buffers, hand-worked plans. Against measured peaks: benchmarks/real_size.py."""
 
 import plan_memory  # tools/, on sys.path through conftest.py
 import pytest
 import torch
 import transformers
-from helpers import ROOT
 
 import common
 
@@ -156,22 +148,6 @@ def test_lora_trains_only_the_adapters():
     assert plan["critic"] == 4 * 494_032_768 + 16 * (lora + 896 + 1)  # frozen trunk; adapters + head trained
 
 
-@pytest.mark.slow
-def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
-    cmd = [sys.executable, "tools/plan_memory.py"]
-    ok = subprocess.run(cmd + ["--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
-    assert "peak" in ok.stdout and "qwen3-0.6b" in ok.stdout and "critic" in ok.stdout
-    (tmp_path / "config.json").write_text("{}")
-    h200 = subprocess.run(cmd + ["--gpu-memory", "139"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    chunk = [line.split()[-1] for line in h200.stdout.splitlines() if line.startswith("largest log-prob chunk")]
-    assert h200.returncode == 0 and "cuda (139 GB)" in h200.stdout and chunk == ["4.00"], h200.stdout  # 2**28 x 16 B
-    for bad in (["--model", "qwen9-1b"], ["--model", str(tmp_path)], ["--lora-rank", "-1"], ["--gpu-memory", "0"]):
-        proc = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr
-
-
 def test_bf16_rollouts_halve_the_kv_cache_and_add_a_bf16_copy_while_sampling():
     """--rollout-dtype bfloat16: the cache of a bf16 copy's decoder is what the plan says, and the
     copy (2 bytes a parameter) counts in the sampling phase only."""
@@ -269,9 +245,7 @@ def test_fsdp_shards_the_state_and_gathers_the_root_two_layers_and_the_policy(na
 
 
 def test_fsdp_on_one_gpu_shards_nothing_and_still_gathers():
-    """With one rank FSDP2's shard is the whole state, as in one process (less autocast's weight copy: uncached
-    under gradient checkpointing), but the root and two layers are still gathered (copies) for the update and the
-    whole policy for sampling; DDP on one rank adds its buckets."""
+    """One rank: FSDP2's shard is the whole state, yet the root, two layers and the policy are still gathered."""
     k = qwen2_counts("qwen2.5-0.5b")
     n = k["total"]
     c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
@@ -295,18 +269,30 @@ def test_parallel_plans_reject_what_torchrun_would_not_run():
             plan_memory.plan_memory(c, "grpo", 8, 6, 32, **bad)
 
 
-@pytest.mark.slow
-def test_cli_per_gpu_plans_and_the_comparison_table():
-    cmd = [sys.executable, "tools/plan_memory.py", "--model", "qwen2.5-0.5b", "qwen2.5-7b", "--grad-checkpointing"]
-    run = lambda *args: subprocess.run(cmd + list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)  # noqa: E731
-    fsdp = run("--fsdp", "4")
-    assert fsdp.returncode == 0 and "per GPU" in fsdp.stdout and "FSDP2 gathered policy" in fsdp.stdout, fsdp.stderr
-    table = run("--algo", "ppo", "--compare-gpus", "1", "8")
-    assert table.returncode == 0, table.stderr
-    lines = table.stdout.splitlines()
-    assert lines[1] == "| model | one process | DDP x1 | FSDP2 x1 | DDP x8 | FSDP2 x8 |" and len(lines) == 5
+def test_cli_prints_the_plans_and_the_comparison_table_and_rejects_bad_input(tmp_path, capsys):
+    def cli(*argv):  # in this process: (exit status, stdout, stderr)
+        try:
+            plan_memory.plan_memory_cli([str(a) for a in argv])
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        return status, *capsys.readouterr()
+
+    status, out, err = cli("--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo")
+    assert status == 0 and "peak" in out and "qwen3-0.6b" in out and "critic" in out, err
+    status, out, _ = cli("--gpu-memory", 139)
+    chunk = [line.split()[-1] for line in out.splitlines() if line.startswith("largest log-prob chunk")]
+    assert status == 0 and "cuda (139 GB)" in out and chunk == ["4.00"], out  # 2**28 x 16 B
+    two = ["--model", "qwen2.5-0.5b", "qwen2.5-7b", "--grad-checkpointing"]
+    status, out, err = cli(*two, "--fsdp", 4)
+    assert status == 0 and "per GPU" in out and "FSDP2 gathered policy" in out, err
+    status, out, err = cli(*two, "--algo", "ppo", "--compare-gpus", 1, 8)
+    lines = out.splitlines()
+    assert status == 0 and lines[1] == "| model | one process | DDP x1 | FSDP2 x1 | DDP x8 | FSDP2 x8 |", err
     one_7b = plan_memory.plan_memory(plan_memory.QWEN_CONFIGS["qwen2.5-7b"], "ppo", **GSM8K_SHAPE)
-    assert lines[4].startswith(f"| qwen2.5-7b | {one_7b['peak'] / 2**30:.1f} |")
-    for bad in (["--fsdp", "0"], ["--fsdp", "3"], ["--ddp", "2", "--fsdp", "2"], ["--fsdp", "2", "--lora-rank", "8"]):
-        proc = run(*bad)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr
+    assert len(lines) == 5 and lines[4].startswith(f"| qwen2.5-7b | {one_7b['peak'] / 2**30:.1f} |")
+    (tmp_path / "config.json").write_text("{}")
+    for bad in (["--model", "qwen9-1b"], ["--model", tmp_path], ["--lora-rank", -1], ["--gpu-memory", 0],
+                ["--fsdp", 0], ["--fsdp", 3], ["--ddp", 2, "--fsdp", 2], ["--fsdp", 2, "--lora-rank", 8]):  # fmt: skip
+        status, _, err = cli(*bad)
+        assert status == 2 and err.count("\n") == 1 and err.startswith("error:"), (bad, err)

@@ -1,8 +1,5 @@
-"""How common.pool adds up the updates' statistics (UPDATE_STAT_UNITS, docs/metrics.md): over every token (sequence)
-of every update that stepped, on every rank, as one process holding all of them would count them; not the mean
-over ranks of each rank's mean over its updates (TRL #6380's class: two ranks with unequal token counts logged a
-figure no single process would). Each test is a hand-worked case or a float64 loop over all the tokens at once;
-a second rank is simulated by an all_reduce_sum that adds that rank's own sums."""
+"""common.pool over every token of every update on every rank, as one process counts them, not a mean of
+means (TRL #6380): hand-worked cases and float64 loops; a second rank simulated by its all_reduce_sum."""
 
 import math
 import types

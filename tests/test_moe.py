@@ -1,24 +1,17 @@
-"""The MoE experiment's pieces: the embedded tiny Qwen3-MoE checkpoint, Routing Replay (record the
-experts of one forward pass, reuse them in a later one) and routing drift (GSPO paper, arXiv
-2507.18071, section 5.3), and smoke runs of GRPO, GRPO with --routing-replay and GSPO on it."""
+"""The tiny Qwen3-MoE checkpoint, Routing Replay and routing drift (arXiv 2507.18071, 5.3), and smoke runs on it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import logit_scale, logprob_tol, unit_roundoff
+from helpers import logit_scale, logprob_tol, main_in_process, unit_roundoff
 
 import common
 from extras.moe import RoutingReplay, routing_drift
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -157,47 +150,21 @@ def test_routing_drift_hand_made_and_identical():
     assert routing_drift(x, y, mask) == pytest.approx(differ / total, rel=share_rel)
 
 
-def test_routing_drift_is_zero_for_identical_weights(moe):
-    model, tok = moe
-    roll, a, b = small_rollout(tok), RoutingReplay(model), RoutingReplay(model)
-    with torch.no_grad(), a.record():
-        common.completion_logprobs(model, roll)
-    with torch.no_grad(), b.record():
-        common.completion_logprobs(model, roll)
-    assert routing_drift(a.indices, b.indices, roll.completion_mask) == 0.0
-
-
-SMOKE = [
-    "--model",
-    "tiny-moe",
-    "--steps",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "2",
-    "--minibatches",
-    "2",
-    "--eval-size",
-    "8",
-    "--eval-every",
-    "1",
-    "--max-new-tokens",
-    "6",
-]
+SMOKE = ["--model", "tiny-moe", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2",
+         "--eval-size", "8", "--eval-every", "1", "--max-new-tokens", "6"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script,extra",
-    [("grpo.py", ["--routing-replay"]), ("gspo.py", [])],  # (without it: test_flags_reach_update, --model tiny-moe)
+    [("grpo", ["--routing-replay"]), ("gspo", [])],  # (without it: test_flags_reach_update, --model tiny-moe)
     ids=["grpo-replay", "gspo"],
 )
-def test_smoke_run_moe(tmp_path, moe, script, extra):
-    env = {**os.environ, "RLREF_THREADS": "1"}
-    cmd = [sys.executable, script, *SMOKE, *extra, "--out", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stderr[-3000:]}"
+def test_smoke_run_moe(tmp_path, capsys, moe, script, extra):
+    status, _, err = main_in_process(
+        importlib.import_module(script), [*SMOKE, *extra, "--out", tmp_path / "run"], capsys
+    )
+    assert status == 0, err[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -206,10 +173,8 @@ def test_smoke_run_moe(tmp_path, moe, script, extra):
     assert summary["args"].get("routing_replay", False) == ("--routing-replay" in extra)  # gspo.py has no such flag
 
 
-@pytest.mark.slow
-def test_routing_replay_on_a_dense_model_is_a_usage_error(tmp_path):
-    cmd = [sys.executable, "grpo.py", "--routing-replay", "--steps", "1", "--out", str(tmp_path / "run")]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "RLREF_THREADS": "1"}, capture_output=True, text=True, timeout=120
+def test_routing_replay_on_a_dense_model_is_a_usage_error(tmp_path, capsys):
+    status, _, err = main_in_process(
+        importlib.import_module("grpo"), ["--routing-replay", "--steps", 1, "--out", tmp_path / "run"], capsys
     )
-    assert proc.returncode == 2 and "no MoE layers" in proc.stderr
+    assert status == 2 and "no MoE layers" in err

@@ -1,12 +1,5 @@
-"""A hub id without a network (issue 59, item 4): huggingface_hub retries an unreachable hub for about 50 s
-before transformers' error; hub_extra.hub_model_path asks the hub once, for at most HUB_PROBE_S seconds.
-
-The hub's answer is faked here by replacing huggingface_hub's HTTP session (what the probe asks through) with
-one whose HEAD hangs, fails, or answers; the cache is a directory in the hub's own layout
-(models--ORG--NAME/refs/main, snapshots/<commit>/) holding the tiny checkpoint. Through a script's own
-common.main: a hub id the hub does not answer for and the cache lacks stops in under 5 s with one line that
-says how to run offline, exit 2; one the cache holds trains from the cache. The tiny names, local directories
-and HF_HUB_OFFLINE=1 never ask the hub; a hub that answers leaves the id to transformers as before."""
+"""A hub id without a network: hub_extra.hub_model_path asks a faked hub once, briefly; an uncached id stops in
+seconds with one line (exit 2), a cached one trains from the cache; tiny names and local paths never ask."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""--out: a directory holding a run (another script's, or this script's finished or stopped one) is refused
-before anything is written, with one line saying how to continue or replace it; --overwrite replaces it whole
-and says so in one line; a non-empty directory that holds no run is never deleted.
-
-The runs are in this process (common.main, as tests/test_fork_traps.py does) and tiny: 4 prompts x 2
-samples, 4 new tokens, 8 evaluation prompts, 1 step; check_out's decisions are also tested directly,
-on hand-made directories, without a run."""
+"""--out: a directory holding a run is refused before anything is written (one line), --overwrite replaces it
+whole, a directory holding no run is never deleted. Runs in this process, tiny; check_out also directly."""
 
 from __future__ import annotations
 
@@ -44,9 +39,7 @@ def replacing_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "replacing the earlier" in line]
 
 
-# ---------------------------------------------------------------------------------------------
-# check_out's decisions, on hand-made directories
-# ---------------------------------------------------------------------------------------------
+# --- check_out's decisions, on hand-made directories ---
 
 
 def args_for(out: Path, **kw) -> gspo.Args:
@@ -109,14 +102,6 @@ def test_a_run_no_file_names_needs_overwrite(tmp_path):
     assert common.check_out(args_for(out, overwrite=True), None).startswith("run")
 
 
-@pytest.mark.parametrize("overwrite", [False, True])
-def test_a_directory_that_holds_no_run_is_never_replaced(tmp_path, overwrite):
-    (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(common.UsageError, match="holds no run") as e:
-        common.check_out(args_for(tmp_path, overwrite=overwrite), None)
-    assert "\n" not in str(e.value)
-
-
 def test_resume_in_place_replaces_nothing(tmp_path):
     out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="gspo")
     assert common.check_out(args_for(out, overwrite=True), out / "checkpoint") is None
@@ -138,46 +123,29 @@ def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
     assert (args.overwrite, args.lr, args.out) == (False, 0.1, str(out))
 
 
-# ---------------------------------------------------------------------------------------------
-# whole runs
-# ---------------------------------------------------------------------------------------------
+# --- whole runs ---
 
 
-def test_another_scripts_out_is_refused_untouched_and_overwrite_replaces_it(tmp_path, capsys):
+def test_a_finished_run_is_refused_untouched_and_overwrite_replaces_it_whole(tmp_path, capsys):
     out = tmp_path / "out"
     status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
     assert status == 0, err
     assert (out / "checkpoint" / "meta.json").is_file() and replacing_lines(err) == []
-    before = snapshot(out)
-    status, err = run_main("grpo", [*TINY_RUN, "--out", out], capsys)
-    assert status == 2
-    line = error_line(err)
-    assert "gspo.py run, not grpo.py's" in line and "--overwrite" in line
-    assert snapshot(out) == before  # not a byte written
-    status, err = run_main("grpo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
-    assert status == 0, err
-    assert replacing_lines(err) == [f"--out {out}: --overwrite: replacing the earlier gspo.py run there whole"]
-    assert json.loads((out / "summary.json").read_text())["algo"] == "grpo"
-    assert not (out / "checkpoint").exists()  # gspo's checkpoint did not stay beside grpo's metrics
-
-
-def test_a_second_default_run_keeps_the_finished_one_and_overwrite_replaces_it_whole(tmp_path, capsys):
-    out = tmp_path / "out"
-    status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
-    assert status == 0, err
     (out / "traces.jsonl").write_text('{"step": 1, "earlier_run": true}\n')  # an earlier run's extra file
     (out / "leftover.txt").write_text("old")
     before = snapshot(out)
-    status, err = run_main("gspo", [*TINY_RUN, "--out", out], capsys)  # the same command again
-    assert status == 2 and "earlier gspo.py run" in error_line(err) and "--overwrite" in error_line(err)
-    assert snapshot(out) == before  # the finished run, its weights and summary, not a byte changed
-    status, err = run_main("gspo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
+    for name, says in (("gspo", "earlier gspo.py run"), ("grpo", "gspo.py run, not grpo.py's")):  # again; another
+        status, err = run_main(name, [*TINY_RUN, "--out", out], capsys)
+        assert status == 2 and says in error_line(err) and "--overwrite" in error_line(err)
+        assert snapshot(out) == before  # not a byte written
+    status, err = run_main("grpo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
     assert status == 0, err
-    assert len(replacing_lines(err)) == 1 and "earlier gspo.py run" in replacing_lines(err)[0]
-    assert not (out / "leftover.txt").exists() and not (out / "checkpoint").exists()
+    assert replacing_lines(err) == [f"--out {out}: --overwrite: replacing the earlier gspo.py run there whole"]
+    assert not (out / "leftover.txt").exists() and not (out / "checkpoint").exists()  # nothing of gspo's stays
     assert "earlier_run" not in (out / "traces.jsonl").read_text()
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert json.loads((out / "summary.json").read_text())["args"]["save_every"] == 0  # the new run's
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algo"] == "grpo" and summary["args"]["save_every"] == 0  # the new run's
 
 
 def test_a_non_run_directory_is_refused_and_kept(tmp_path, capsys):

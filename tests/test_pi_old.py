@@ -1,9 +1,5 @@
-"""What pi_old is, for every script in tests/helpers.py's SCRIPTS (a fork included), on a tiny batch in this
-process: every call of the script's loss receives as old_logp, on every row it covers, the log-probs of the
-weights that sampled that row (helpers.SamplingWeights copies them at each sampling), whatever the loop's shape:
-a fork that trains a batch sampled a step ago passes, one that takes pi_old from the current weights (or retakes
-it before each update) fails, with a message saying so. And leaving out rows whose advantage is 0 leaves the
-gradient unchanged. A fork names its loss `<name>_loss` (docs/forks.md), or `<name>_policy_loss` as PPO does."""
+"""pi_old for every script of helpers.SCRIPTS: each loss call gets the log-probs of the weights that sampled its
+rows (helpers.SamplingWeights), whatever the loop's shape; leaving out zero-advantage rows leaves the gradient."""
 
 from __future__ import annotations
 
@@ -37,11 +33,7 @@ def loss_name(module, name: str) -> str:
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_loss_receives_the_log_probs_of_the_weights_that_sampled_its_rows(name, tmp_path, monkeypatch):
-    """Two steps of two minibatches. The rows a loss call covers are those of the training forward before it
-    (common.CompletionLogprobs.forward); each row's pi_old must equal its sampling weights' log-probs to the
-    rounding of two float32 forwards batched differently (helpers.logprob_tol). Some update must run at weights
-    that moved since its rows were sampled (off by more than 100 x that rounding), or the test could not tell
-    the sampling weights from the current ones, and it says so."""
+    """Two steps of two minibatches; pi_old to helpers.logprob_tol, and some update must run at moved weights."""
     module = importlib.import_module(name)
     sampling = SamplingWeights(monkeypatch)
     seen = {"forwarded": None, "calls": []}
@@ -93,10 +85,7 @@ def rows(prompts, completions, **kwargs):
 
 @pytest.mark.parametrize("name", [s for s in SCRIPTS if traits(s).skips_zero_advantage])  # (at their defaults)
 def test_leaving_out_zero_advantage_rows_leaves_the_gradient_unchanged(name, tmp_path, monkeypatch):
-    """train() forwards only the rows whose advantage is not 0. One update on the same rollout, once skipping half
-    the rows and once with every advantage shifted by 1e-30 (none exactly 0, so none skipped; 1e-30 is lost next to
-    a real advantage): the gradients the optimizer is stepped with agree to rounding, and the skipping run did
-    forward fewer rows."""
+    """One update skipping half the rows against one with every advantage shifted by 1e-30 (none skipped)."""
     module = importlib.import_module(name)
     reward = tmp_path / "rows.py"
     reward.write_text(ROW_REWARD)

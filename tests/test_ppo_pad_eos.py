@@ -1,8 +1,5 @@
-"""PPO when the tokenizer's pad id is one of the model's EOS ids (Qwen3's `<|endoftext|>` is both), through
-ppo.py's own train(): a completion that ends with that id has ended (no --missing-eos-penalty), its score lands
-on that token, and the critic's value there enters GAE, exactly as for a completion ending with another EOS id.
-A mask rebuilt as `completion_ids != pad_id`, or an ending found by the last non-pad token, would put the score
-one token early and drop the EOS from the loss."""
+"""PPO where the pad id is an EOS id (Qwen3): through train(), a completion ending with it has ended, its score
+and value land on that token (a mask `completion_ids != pad_id` would put them one token early)."""
 
 import pytest
 import torch

@@ -1,10 +1,5 @@
-"""Qwen3's real tokenizer (vendored in checkpoints/qwen3-tokenizer/) and --model tiny-qwen3 (extras/qwen3_tokenizer.py).
-
-What only the real tokenizer has, each tested on a few hand-made prompts: the chat template's exact
-generation prompt, two EOS ids one of which is the pad id, special tokens that decoding must drop,
-byte-level text with no unknown token; and what only its vocabulary costs: the chunked log-probs, in
-one script step. Everything is built from the vendored files; nothing is downloaded.
-"""
+"""Qwen3's vendored tokenizer and --model tiny-qwen3: the template's generation prompt, two EOS ids (one the pad
+id), special tokens dropped on decode, byte-level text, and the real vocabulary's chunked log-probs."""
 
 from __future__ import annotations
 
@@ -42,16 +37,13 @@ def ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-# ---------------------------------------------------------------------------------------------
-# The vendored files and the tiny model
-# ---------------------------------------------------------------------------------------------
+# --- The vendored files and the tiny model ---
 
 
 def test_vendored_files_decompress_to_the_packaged_ones(tok):
     folder = qwen3_tokenizer.tokenizer_dir()
     for name, sha in qwen3_tokenizer.FILES.items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == sha, name
-    assert (folder / "tokenizer.json").stat().st_size == 11_422_654
     assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == 151_669
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id) == (
         "<|im_end|>", IM_END, "<|endoftext|>", ENDOFTEXT)  # fmt: skip
@@ -72,9 +64,7 @@ def test_tiny_qwen3_has_qwen3s_vocabulary_and_stop_ids(model, tok):
     torch.testing.assert_close(first, again, atol=0, rtol=0)
 
 
-# ---------------------------------------------------------------------------------------------
-# The chat template's generation prompt
-# ---------------------------------------------------------------------------------------------
+# --- The chat template's generation prompt ---
 
 # <|im_start|>user\nWhat is 2+3?<|im_end|>\n
 USER_TURN = [IM_START, 872, NEWLINE, 3838, 374, 220, 17, 10, 18, 30, IM_END, NEWLINE]
@@ -87,16 +77,10 @@ AFTER = {"on": [], "off": EMPTY_THINK}  # --thinking off: the template closes an
 
 
 @pytest.mark.parametrize("thinking", ["on", "off"])
-def test_generation_prompt_ids_without_a_system_prompt(tok, thinking):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system_prompt="", thinking=thinking)
-    assert prompt == USER_TURN + GENERATION_PROMPT + AFTER[thinking]
-
-
-@pytest.mark.parametrize("thinking", ["on", "off"])
-def test_generation_prompt_ids_with_a_system_prompt(tok, thinking):
-    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], "Be brief.", thinking)
-    assert prompt == SYSTEM_TURN + USER_TURN + GENERATION_PROMPT + AFTER[thinking]
-    assert tok.decode(prompt[:3]) == "<|im_start|>system\n"
+@pytest.mark.parametrize("system", ["", "Be brief."])
+def test_generation_prompt_ids(tok, thinking, system):
+    (prompt,) = common.encode_prompts(tok, [{"prompt": "What is 2+3?"}], system, thinking)
+    assert prompt == (SYSTEM_TURN if system else []) + USER_TURN + GENERATION_PROMPT + AFTER[thinking]
 
 
 def test_thinking_reaches_only_templates_that_take_it(tok, char_tok):
@@ -116,9 +100,7 @@ def test_thinking_reaches_only_templates_that_take_it(tok, char_tok):
 
 
 def test_reward_model_text_follows_the_completions_thinking(tok):
-    """What --reward-model reads, in Qwen3's template: the assistant turn always carries a think block,
-    empty under --thinking off (the text the policy's prompt ended with), the completion's own
-    reasoning under --thinking on."""
+    """The reward model's assistant turn: an empty think block under --thinking off, the completion's own under on."""
     from extras.reward_model import reward_model_text
 
     turn = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
@@ -129,9 +111,7 @@ def test_reward_model_text_follows_the_completions_thinking(tok):
     assert reward_model_text(tok, "What is 2+3?", "5", "off").startswith(tok.decode(prompt))
 
 
-# ---------------------------------------------------------------------------------------------
-# EOS [151645, 151643] with pad 151643
-# ---------------------------------------------------------------------------------------------
+# --- EOS [151645, 151643] with pad 151643 ---
 
 
 def test_completion_ends_respects_the_mask():
@@ -172,9 +152,7 @@ def test_sampling_stops_at_either_eos_id(model, tok, stop):
         assert common.completion_ends(roll, eos).all()
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoded completions carry no template tokens
-# ---------------------------------------------------------------------------------------------
+# --- Decoded completions carry no template tokens ---
 
 
 def test_decoded_completions_carry_no_template_tokens(tok):
@@ -191,9 +169,7 @@ def test_decoded_completions_carry_no_template_tokens(tok):
     assert [s["truncated"] for s in shown] == [False, False, False]
 
 
-# ---------------------------------------------------------------------------------------------
-# Multi-byte text: a byte-level tokenizer has no unknown token
-# ---------------------------------------------------------------------------------------------
+# --- Multi-byte text: a byte-level tokenizer has no unknown token ---
 
 MULTI_BYTE = "3加5等于多少？ Combien font trois et cinq, s'il te plaît ? Ελληνικά, naïve café, 😀"
 
@@ -208,9 +184,7 @@ def test_multi_byte_text_is_accepted_and_round_trips(tok, char_tok):
         data_files.check_characters(char_tok, "tiny", "--data", [{"prompt": MULTI_BYTE, "answer": "8"}])
 
 
-# ---------------------------------------------------------------------------------------------
-# The real vocabulary's cost: chunked log-probs
-# ---------------------------------------------------------------------------------------------
+# --- The real vocabulary's cost: chunked log-probs ---
 
 
 @pytest.mark.slow  # 151,936-word logits (~8 s)
@@ -243,9 +217,7 @@ REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3
 @pytest.mark.slow
 @pytest.mark.parametrize("thinking", ["off"])  # (--thinking on, one step of each script: test_flags_reach_update)
 def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
-    """gspo.py, one step at 151,936 words: 16 completions of 16 tokens, a reward that
-    differs between them (so most rows carry an advantage and are forwarded: more tokens than one
-    log-prob chunk holds)."""
+    """gspo.py, one step at 151,936 words, with more forwarded tokens than one log-prob chunk holds."""
     (tmp_path / "reward.py").write_text(REWARD)
     out, rows, tokens = tmp_path / "run", 16, 16
     assert rows * tokens > 2 * (common.LOGITS_CHUNK_ELEMENTS // 151_936), "the step must span several chunks"

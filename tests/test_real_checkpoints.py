@@ -1,24 +1,17 @@
-"""Real-checkpoint plumbing on CPU, no download: a tiny random Qwen2ForCausalLM whose tokenizer has a
-chat template and whose generation config lists two EOS ids, trained for 2 steps by each script on
-a GSM8K-format file."""
+"""A tiny random Qwen2 with a chat template and two EOS ids, trained 2 steps by each script on a GSM8K file."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import build_checkpoints  # tools/, on sys.path through conftest.py
 import pytest
 import torch
+from helpers import main_in_process
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
-
-import common  # noqa: E402
+import common
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -46,18 +39,10 @@ def build_tiny_qwen2(path: Path) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", SECOND_EOS]})
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)  # fmt: skip
     model = Qwen2ForCausalLM(config)
     eos_ids = [tok.eos_token_id, tok.convert_tokens_to_ids(SECOND_EOS)]
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tok.pad_token_id)
@@ -157,41 +142,16 @@ def test_every_generation_config_eos_stops_sampling(qwen2_dir):
     [
         ("grpo", ["--group-size", "2", "--loss-agg", "token-mean"]),
         ("gspo", ["--group-size", "2"]),
-        ("ppo", ["--group-size", "1", "--grad-checkpointing"]),
+        ("ppo", ["--group-size", "1"]),
     ],
 )
-def test_script_trains_real_checkpoint_on_gsm8k(qwen2_dir, gsm8k_file, tmp_path, algo, flags):
+def test_script_trains_real_checkpoint_on_gsm8k(qwen2_dir, gsm8k_file, tmp_path, capsys, algo, flags):
     out = tmp_path / algo
-    cmd = [
-        sys.executable,
-        str(ROOT / f"{algo}.py"),
-        "--model",
-        str(qwen2_dir),
-        "--data",
-        str(gsm8k_file),
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--minibatches",
-        "1",
-        "--max-new-tokens",
-        "8",
-        "--eval-size",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        "--reward",
-        "exact",
-        graded_reward(tmp_path),
-        *flags,
-    ]
-    if algo != "ppo":
-        cmd.append("--grad-checkpointing")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    argv = ["--model", qwen2_dir, "--data", gsm8k_file, "--steps", 2, "--prompts-per-step", 2, "--minibatches", 1,
+            "--max-new-tokens", 8, "--eval-size", 1, "--device", "cpu", "--out", out, "--reward", "exact",
+            graded_reward(tmp_path), "--grad-checkpointing", *flags]  # fmt: skip
+    status, _, err = main_in_process(importlib.import_module(algo), argv, capsys)  # in this process: no torch import
+    assert status == 0, err[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer_config.json").is_file()

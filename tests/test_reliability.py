@@ -1,22 +1,5 @@
-"""Reliability of the scripts (helpers.SCRIPTS: ppo.py, grpo.py, gspo.py, and a fork once named there) as
-programs, driven through subprocesses:
-
-  - bad input exits with status 2 and one line on stderr naming the flag or file, no traceback,
-    no output directory left behind;
-  - --save-every / --resume: a 6-step run stopped after step 3 and resumed equals the uninterrupted
-    run (metrics apart from timings, final weights bit for bit); a checkpoint of another algorithm
-    or model is refused;
-  - SIGINT / SIGTERM / SIGHUP: the step finishes, a checkpoint and summary.json ("interrupted": true) are
-    written, exit 130 / 143 / 129, and --resume completes the run as if nothing had happened, also when
-    stdout is a pipe whose reader is gone (`| tee` stopped by the same Ctrl-C);
-  - the non-finite guard (in-process, the loss function monkeypatched to return NaN, the reward to
-    alternate 0/1 so that the healthy updates do move the weights): a skipped update leaves weights
-    and optimizer state untouched; too many in a row exit with status 3;
-  - the same seed gives the same metrics.jsonl in two processes.
-
-Every run is tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, a few steps); on a 2-core
-machine each subprocess costs a few seconds, most of it importing torch.
-"""
+"""The scripts as programs, in subprocesses: bad input exits 2 with one line; --resume equals an
+uninterrupted run and refuses another run's checkpoint; signals checkpoint; non-finite updates are skipped."""
 
 import json
 import os
@@ -35,26 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from helpers import SCRIPTS, gamma  # noqa: E402
+from helpers import SCRIPTS, gamma, main_in_process  # noqa: E402
 
 import common  # noqa: E402
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
-SMALL = [
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "2",
-    "--max-new-tokens",
-    "6",
-    "--eval-size",
-    "8",
-    "--minibatches",
-    "2",
-    "--eval-every",
-    "3",
-]
+SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
+         "--minibatches", "2", "--eval-every", "3"]  # fmt: skip
 
 
 def env():
@@ -93,9 +64,7 @@ def assert_same_weights(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad input: exit 2, one line naming the flag or file, nothing written
-# ---------------------------------------------------------------------------------------------
+# --- Bad input: exit 2, one line naming the flag or file, nothing written ---
 
 
 def write(path, text):
@@ -104,11 +73,7 @@ def write(path, text):
 
 
 def bad_inputs(tmp):
-    """(script, argv, what stderr must contain): one case per kind of check (a missing or unreadable model, a
-    data file's errors, a bound, a combination, --out, --resume, an unknown flag; a parse's and a choice's errors, in
-    this process: test_fork_traps' test_bad_flags_and_values_are_one_line_naming_them). The
-    shared flags' cases rotate over SCRIPTS so that each one's wiring is seen; the cases of a script's own
-    flags (PPO's --critic-lr, the group-based methods' --group-size >= 2) name their script."""
+    """(script, argv, what stderr must contain), one case per kind of check; the shared ones rotate over SCRIPTS."""
     broken = tmp / "broken-model"
     broken.mkdir()
     write(broken / "config.json", "{ not json")
@@ -165,17 +130,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
-# ---------------------------------------------------------------------------------------------
-# Runs shared by the resume, refusal, interrupt and determinism tests (each made once)
-# ---------------------------------------------------------------------------------------------
+# --- Runs shared by the resume, refusal, interrupt and determinism tests (each made once) ---
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """runs(script, kind) -> out dir. kind "full": 6 steps uninterrupted; "part": the same run with
-    --steps 3 --save-every 3, so it stops after step 3 with a checkpoint there. Both at a constant
-    learning rate: under --anneal-lr the rate at each step depends on --steps, so a 3-step run
-    extended to 6 is another run. "annealed": 6 steps at the default schedule (the SIGINT test)."""
+    """runs(script, kind) -> out dir: "full" 6 steps, "part" stopped at 3 with a checkpoint (both at a constant lr:
+    annealing depends on --steps), "annealed" 6 steps at the default schedule."""
     base, cache = tmp_path_factory.mktemp("runs"), {}
     kinds = {"full": ["--steps", "6", "--no-anneal-lr"], "annealed": ["--steps", "6"],
              "part": ["--steps", "3", "--save-every", "3", "--no-anneal-lr"]}  # fmt: skip
@@ -227,73 +188,65 @@ def test_resume_truncates_metrics_after_the_checkpoint(runs, tmp_path):
     assert {k: v for k, v in rows[3].items() if not k.startswith("eval_")} == full[3]  # step 4 is now the last
 
 
-def refusal(proc, *expected):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
+def edited_meta(part, to, edit):
+    """A copy of the run `part` whose checkpoint/meta.json is changed by `edit`."""
+    shutil.copytree(part, to)
+    meta = json.loads((to / "checkpoint" / "meta.json").read_text())
+    edit(meta)
+    (to / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    return to
 
 
-def test_checkpoint_of_another_algorithm_is_refused(runs):
-    """gspo's checkpoint, offered to every other script (the run's directory or the checkpoint itself)."""
+def test_resume_refuses_another_runs_checkpoint_in_one_line(runs, tmp_path, tiny_path, capsys):
+    """Refused in one line before anything loads (in this process; the command line's exit 2: above)."""
     part = runs("gspo", "part")
     before = (part / "metrics.jsonl").read_text()
-    others = [script for script in SCRIPTS if script != "gspo"]
-    assert others
-    for i, script in enumerate(others):
-        where = part if i % 2 == 0 else part / "checkpoint"
-        refusal(run(script, "--resume", where, "--steps", "6"), f"written by gspo.py, not {script}.py")
-    assert (part / "metrics.jsonl").read_text() == before
-
-
-def test_checkpoint_of_another_model_is_refused(runs, tmp_path, tiny_path):
-    part = runs("gspo", "part")
-    # another --model than the run's, even one with the same weights: refused before loading
-    refusal(
-        run("gspo", "--resume", part, "--steps", "6", "--model", tiny_path), "--model", "differs from the checkpoint's"
+    assert json.loads((part / "checkpoint" / "meta.json").read_text())["device"] == "cpu"  # what it trained on
+    wider = edited_meta(
+        part, tmp_path / "wider", lambda m: m["config"].update(hidden_size=2 * m["config"]["hidden_size"])
     )
-    # same name, different architecture (as if the model directory had been replaced): refused
-    tampered = tmp_path / "tampered"
-    shutil.copytree(part, tampered)
-    meta = json.loads((tampered / "checkpoint" / "meta.json").read_text())
-    meta["config"]["hidden_size"] = 2 * meta["config"]["hidden_size"]
-    (tampered / "checkpoint" / "meta.json").write_text(json.dumps(meta))
-    refusal(run("gspo", "--resume", tampered, "--steps", "6"), "incompatible model", "hidden_size")
-    assert (tampered / "metrics.jsonl").read_text() == (part / "metrics.jsonl").read_text()
+    on_cuda = edited_meta(part, tmp_path / "cuda", lambda m: m.update(device="cuda"))  # no GPU here
+    others = [s for s in SCRIPTS if s != "gspo"]  # gspo's checkpoint offered to each other script
+    cases = [(s, [part if i % 2 == 0 else part / "checkpoint", "--steps", 6], [f"written by gspo.py, not {s}.py"])
+             for i, s in enumerate(others)]  # fmt: skip
+    cases += [
+        (
+            "gspo",
+            [part, "--steps", 6, "--model", tiny_path],
+            ["--model", "differs from the checkpoint's"],
+        ),  # same weights
+        ("gspo", [wider, "--steps", 6], ["incompatible model", "hidden_size"]),  # the model directory replaced
+        ("gspo", [part, "--steps", 6, "--lr", 0.1], ["--lr 0.1 differs from the checkpoint's 0.0006"]),
+        ("gspo", [part], ["at step 3", "--steps 3", "larger --steps"]),  # no work left
+        ("gspo", [on_cuda, "--steps", 6, "--device", "cpu"], ["trained on cuda, this run is on cpu"]),
+    ]
+    for script, argv, expected in cases:
+        status, _, err = main_in_process(__import__(script), ["--resume", *argv], capsys)
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, err[-2000:])
+        assert all(text in lines[0] for text in expected), lines[0]
+    assert all((d / "metrics.jsonl").read_text() == before for d in (part, wider, on_cuda))
 
 
-def test_resume_refuses_changed_settings_and_no_work(runs):
-    part = runs("gspo", "part")
-    refusal(
-        run("gspo", "--resume", part, "--steps", "6", "--lr", "0.1"), "--lr 0.1 differs from the checkpoint's 0.0006"
-    )
-    refusal(run("gspo", "--resume", part), "at step 3", "--steps 3", "larger --steps")
+# --- SIGINT / SIGTERM ---
 
 
-def test_same_seed_same_metrics(runs, tmp_path):
-    again = tmp_path / "again"
-    ok(run("gspo", *SMALL, "--steps", "3", "--save-every", "3", "--no-anneal-lr", "--out", again))  # as "part"
-    first = runs("gspo", "part")
-    assert metrics(again) == metrics(first) and len(metrics(again)) == 3
-    assert_same_weights(weights(again / "final"), weights(first / "final"))
-
-
-# ---------------------------------------------------------------------------------------------
-# SIGINT / SIGTERM
-# ---------------------------------------------------------------------------------------------
-
-
-def start_and_signal(out, signum, steps=40):
-    """Start gspo for `steps` steps, send `signum` once metrics.jsonl has a row, wait for the exit."""
-    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", str(steps), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(out, *flags, **env_vars):
+    """Start gspo in a subprocess; return it once metrics.jsonl has a row."""
+    cmd = [sys.executable, "gspo.py", *SMALL, *map(str, flags), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **env_vars}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline, "no metrics row within 240 s"
         time.sleep(0.02)
+    return proc
+
+
+def start_and_signal(out, signum, steps=40):
+    """Start gspo for `steps` steps, send `signum` once metrics.jsonl has a row, wait for the exit."""
+    proc = start(out, "--steps", steps)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=240)
     return proc.returncode, stderr
@@ -339,23 +292,14 @@ def test_sigterm_and_sighup_exit_128_plus_the_signal_with_a_checkpoint(tmp_path,
 
 
 def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp_path):
-    """`python gspo.py | tee log` stopped by Ctrl-C: the terminal's SIGINT stops tee too, so every line the run
-    writes after it goes to a pipe nobody reads (BrokenPipeError). The checkpoint is saved all the same, and
-    --resume ends where a run never stopped ends. Unbuffered stdout and a line every step (--eval-every 1), so
-    that a write after the signal reaches the closed pipe at once, as `python -u` or a full buffer would."""
-    flags = [*SMALL, "--eval-every", "1", "--steps", "8"]
+    """`python gspo.py | tee log` stopped by Ctrl-C: writes go to a closed pipe, yet the checkpoint is saved and
+    --resume ends where an unstopped run ends."""
+    flags = ["--eval-every", "1", "--steps", "8"]
     whole = tmp_path / "whole"
-    ok(run("gspo", *flags, "--out", whole))
+    ok(run("gspo", *SMALL, *flags, "--out", whole))
     out = tmp_path / "piped"
-    cmd = [sys.executable, "gspo.py", *flags, "--out", str(out)]
-    piped_env = dict(env(), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=piped_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(out, *flags, PYTHONUNBUFFERED="1")
     assert proc.stdout.readline().startswith("step 0:")  # the run is writing to the pipe
-    deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no metrics row within 240 s"
-        time.sleep(0.02)
     proc.stdout.close()  # tee is gone: the pipe has no reader
     proc.send_signal(signal.SIGINT)
     stderr = proc.stderr.read()
@@ -372,9 +316,7 @@ def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp
     assert_same_weights(weights(out / "final"), weights(whole / "final"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN)
-# ---------------------------------------------------------------------------------------------
+# --- Non-finite guard (in-process: the algorithm's loss function is wrapped to return NaN) ---
 
 # The script's policy loss: `<script>_loss` (a fork named rloo.py: rloo_loss), except where named here
 LOSS_FN = {"ppo": "ppo_policy_loss"}
@@ -404,10 +346,7 @@ def train_in_process(module, *argv):
 
 
 def alternating_rewards(monkeypatch):
-    """Rewards 0, 1, 0, 1, ... whatever the model samples: every group of 2 (SMALL) has a nonzero
-    spread, so every GRPO/GSPO advantage and PPO's whitened advantages are nonzero and each update
-    moves the weights. (With the real reward, a step whose groups all score alike has zero
-    advantages and leaves the weights unchanged; which steps do depends on the CPU's rounding.)"""
+    """Rewards 0, 1, 0, 1, ...: every group has spread, so every update moves the weights."""
     score_rollout = common.score_rollout
 
     def alternating(tok, roll, answers, parser="exact"):
@@ -466,16 +405,3 @@ def test_consecutive_nonfinite_updates_stop_with_status_3(tmp_path, monkeypatch,
     assert lines[-1].startswith("error: loss or gradient norm not finite in 3 consecutive updates (step 2)")
     rows = metrics(tmp_path / "run")
     assert [r["skipped_updates"] for r in rows] == [2]  # step 1 logged; step 2 stopped at its first update
-
-
-def test_resume_refuses_a_checkpoint_of_another_device_type(runs, tmp_path):
-    """A checkpoint trained on CUDA, offered to a CPU run (meta.json's device edited: no GPU here), is refused
-    in one line before anything loads: its sampling generator's state is the device type's own."""
-    moved = tmp_path / "moved"
-    shutil.copytree(runs("gspo", "part"), moved)
-    meta = json.loads((moved / "checkpoint" / "meta.json").read_text())
-    assert meta["device"] == "cpu"  # what the run was trained on is recorded
-    meta["device"] = "cuda"
-    (moved / "checkpoint" / "meta.json").write_text(json.dumps(meta))
-    refusal(run("gspo", "--resume", moved, "--steps", "6", "--device", "cpu"), "trained on cuda, this run is on cpu")
-    assert (moved / "metrics.jsonl").read_text() == (runs("gspo", "part") / "metrics.jsonl").read_text()

@@ -1,8 +1,7 @@
-"""--reward-model (common.py) and the Bradley-Terry trainer (tools/train_reward_model.py): the loss against
-a hand case and float64, scores independent of batch and padding, re-tokenisation across tokenizers, the saved
-checkpoint through AutoModelForSequenceClassification, the bad-checkpoint messages, tiny-rm's build
-(a few-step recipe) and a short run of each script. Every model is tiny and built here."""
+"""--reward-model and tools/train_reward_model.py: the Bradley-Terry loss, batch-independent scores,
+re-tokenisation, the saved checkpoint, bad checkpoints, tiny-rm's build and a short run of each script."""
 
+import importlib
 import json
 import math
 import random
@@ -11,6 +10,7 @@ import sys
 import types
 
 import build_checkpoints  # tools/, on sys.path through conftest.py
+import helpers
 import numpy as np
 import pytest
 import recipes
@@ -20,17 +20,11 @@ import transformers
 from helpers import LOGGED_TOL, ROOT, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 
 import common
+import grpo
 from extras import reward_model as reward_model_extra
 
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, max_position_embeddings=128)  # fmt: skip
 
 
 def small_config(tok, **kw):
@@ -57,9 +51,7 @@ PROMPTS = ["3+4=", "12+30=", "99+99=", "0+0=", "7+15="]
 COMPLETIONS = ["7", "42 or 43", "", "0000000000", "22"]
 
 
-# ----------------------------------------------------------------------------------------------
-# The Bradley-Terry loss
-# ----------------------------------------------------------------------------------------------
+# --- The Bradley-Terry loss ---
 
 
 def test_bradley_terry_loss_hand_case():
@@ -110,9 +102,7 @@ def test_pair_accuracy_hand_case():
     assert reward_model_extra.pair_accuracy(scores, torch.ones(4)).tolist() == [0.5] * 4  # no wrong row: no pair
 
 
-# ----------------------------------------------------------------------------------------------
-# Scoring
-# ----------------------------------------------------------------------------------------------
+# --- Scoring ---
 
 
 @pytest.fixture
@@ -169,9 +159,7 @@ def other_tokenizer():
 
 
 def test_retokenisation_gives_the_reward_model_the_same_text(char_tok):
-    """A rollout in the policy's tokenizer, scored through Rewards by a reward model with another
-    tokenizer: the reward model reads exactly its chat template around the decoded prompt and
-    completion, in its own ids; the reward is its score."""
+    """A reward model with another tokenizer reads its own template around the decoded text; the reward is its score."""
     rm_tok = other_tokenizer()
     rm = object.__new__(reward_model_extra.RewardModel)
     rm.model, rm.tok, rm.batch_size, rm.thinking = SpyScorer(), rm_tok, 64, "off"
@@ -206,9 +194,7 @@ def test_reward_model_is_one_weighted_component(char_tok):
     torch.testing.assert_close(rewards, expected.float(), atol=0, rtol=2 * unit_roundoff(torch.float32))
 
 
-# ----------------------------------------------------------------------------------------------
-# Training and checkpoints
-# ----------------------------------------------------------------------------------------------
+# --- Training and checkpoints ---
 
 
 def write_pairs(path, n=24):
@@ -273,7 +259,7 @@ def test_train_reward_model_command_line(tmp_path, char_tok):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "causal-lm", "two-labels", "not-a-checkpoint"])
-def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
+def test_bad_reward_model_exits_2_with_one_line(tmp_path, capsys, char_tok, kind):
     path = {
         "missing": lambda: str(tmp_path / "nowhere"),
         "causal-lm": lambda: save_causal_lm(tmp_path / "lm", char_tok),
@@ -285,34 +271,24 @@ def test_bad_reward_model_exits_2_with_one_line(tmp_path, char_tok, kind):
     expected = {"missing": "no such", "causal-lm": "Qwen3ForCausalLM, not a sequence classifier",
                 "two-labels": "has 2 labels", "not-a-checkpoint": "no such"}[kind]  # fmt: skip
     assert expected in str(e.value)
-    if kind != "not-a-checkpoint":  # and through a script: exit 2, one line, nothing written
+    if kind != "not-a-checkpoint":  # and through a script (in this process): exit 2, one line, nothing written
         out = tmp_path / "out"
-        proc = subprocess.run([sys.executable, "grpo.py", "--reward-model", path, "--steps", "1", "--out", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.startswith("error: --reward-model") and proc.stderr.count("\n") == 1
-        assert expected in proc.stderr and not out.exists()
+        status, _, err = helpers.main_in_process(grpo, ["--reward-model", path, "--steps", 1, "--out", out], capsys)
+        assert status == 2 and err.startswith("error: --reward-model") and err.count("\n") == 1, err[-2000:]
+        assert expected in err and not out.exists()
 
 
-def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without(tmp_path, char_tok):
+def test_kl_to_init_is_zero_for_the_initial_policy_and_absent_without_it(tmp_path, char_tok):
     model = transformers.AutoModelForCausalLM.from_pretrained(save_causal_lm(tmp_path / "lm", char_tok))
     completions = [char_tok(c or "1")["input_ids"] for c in COMPLETIONS]
     roll = common.Rollout.from_lists([char_tok(p)["input_ids"] for p in PROMPTS], completions, char_tok.pad_token_id)
     logp = common.completion_logprobs(model, roll)[0]
     assert reward_model_extra.kl_to_init(model, roll, logp) == {"kl_to_init": 0.0}
     assert reward_model_extra.kl_to_init(None, roll, logp) == {}
-    shifted = reward_model_extra.kl_to_init(model, roll, logp + 0.5 * roll.completion_mask)["kl_to_init"]
-    # float32: (logp + 0.5) - logp is 0.5 within u (|logp| + 1) a token, a row sums <= T of them (the sums'
-    # own roundings are u of their size, in the same share), the mean rounds once
-    want = 0.5 * roll.completion_mask.sum(1).float().mean().item()
-    u, longest = unit_roundoff(torch.float32), roll.completion_mask.sum(1).max().item()
-    assert shifted == pytest.approx(want, abs=2 * u * (logp.abs().max().item() + 1) * longest + 2 * u * want)
 
 
 def test_kl_to_init_sums_over_real_completion_tokens_only(tiny_path):
-    """kl_to_init against a plain float64 loop over each row alone (no padding anywhere): the policy
-    and a perturbed initial model differ at every position, padding included, so a sum that let
-    the padding positions in (their log-probs are finite) would give another figure."""
+    """kl_to_init against a float64 loop over each row alone; a sum letting padding in would differ."""
     policy = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     init = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
@@ -388,15 +364,14 @@ def test_preference_pairs_cover_the_failure_shapes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
-def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
+@pytest.mark.parametrize("script", ["ppo", "grpo", "gspo"])
+def test_each_script_trains_on_a_reward_model(tmp_path, capsys, char_tok, script):
     rm = save_classifier(tmp_path / "rm", char_tok)
     out = tmp_path / "run"
-    cmd = [sys.executable, script, "--reward-model", rm, "--steps", "2", "--prompts-per-step", "4", "--group-size",
-           "2", "--minibatches", "2", "--eval-size", "8", "--eval-every", "1", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**__import__("os").environ, "RLREF_THREADS": "1"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--reward-model", rm, "--steps", 2, "--prompts-per-step", 4, "--group-size", 2, "--minibatches", 2,
+            "--eval-size", 8, "--eval-every", 1, "--out", out]  # fmt: skip
+    status, _, err = helpers.main_in_process(importlib.import_module(script), argv, capsys)  # in this process
+    assert status == 0, err[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         assert r["reward"] == pytest.approx(r["reward/reward_model"], abs=LOGGED_TOL)  # alone: weight 1
@@ -410,10 +385,7 @@ def test_each_script_trains_on_a_reward_model(tmp_path, char_tok, script):
     assert rows[0]["kl_to_init"] == 0.0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "gspo.py"])
-def test_help_lists_the_reward_model_flags(script):
-    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]  # a "%" in a help text once broke --help
-    for flag in ("--reward-model ", "--reward-model-weight", "tiny-rm"):
-        assert flag in proc.stdout
+@pytest.mark.parametrize("script", helpers.SCRIPTS)
+def test_help_prints(script, capsys):  # a "%" in a help text once broke --help
+    status, out, _ = helpers.main_in_process(importlib.import_module(script), ["--help"], capsys)
+    assert status == 0 and "--reward-model " in out

@@ -1,20 +1,6 @@
-"""grpo.py's --routing-replay through its own train() (GSPO paper, arXiv 2507.18071, section 5.3), not through
-RoutingReplay's functions alone (tests/test_moe.py), and through each fork of it in tests/helpers.SCRIPTS: two steps
-of the tiny MoE checkpoint with 2 minibatches x 2 epochs, so that the weights have moved before every update after
-the first. What each forward routed is read where the experts receive it (a pre-hook on every block's `experts`,
-which is handed the chosen expert ids), not from RoutingReplay:
-
-(a) with --routing-replay, every update's forward runs each token of its rows (prompt and completion, every layer)
-    through the experts that the pi_old forward of its own batch chose for it, whichever step sampled that batch
-    (a one-step off-policy fork trains the batch sampled a step earlier; tests/test_forks.py);
-(b) and the router (each block's `gate`) still gets a non-zero gradient in every update (Megatron-LM PR #79: a
-    replay that detached the router's logits trained every weight but the router's);
-(c) without --routing-replay, some update routes some completion token elsewhere, so (a) is a check that can fail:
-    the weights moved enough for the routing to drift.
-
-A train() that never enters the replay fails (a); a replay of another batch's experts (the last pi_old forward's,
-where a fork trains an older batch) fails (a); a replay whose routing weights are detached from the router's logits
-fails (b)."""
+"""grpo.py's --routing-replay through train() (and each fork in helpers.SCRIPTS), read at the experts' pre-hook:
+(a) every update routes each token through its own batch's pi_old experts; (b) every router gets a gradient
+(Megatron-LM PR #79); (c) without the flag some token routes elsewhere, so (a) can fail."""
 
 from __future__ import annotations
 
@@ -49,9 +35,7 @@ def rows_of(roll) -> list[tuple]:
 
 
 def train(tmp_path, monkeypatch, name: str, replay: bool, out: str) -> dict:
-    """STEPS steps of `name`'s train(); returns what it recorded: `pi_old`, each pi_old forward's (batch rows,
-    experts [layers, B, S, k]), `updates`, each update forward's (rows, experts [layers, rows, S, k], completion mask
-    [rows, T]), `gate_grads` (each optimizer step's router gradients, by layer)."""
+    """STEPS steps of train(): the pi_old forwards' (rows, experts), the updates' (rows, experts, mask), gate_grads."""
     module = importlib.import_module(name)
     seen = {"phase": None, "experts": [], "forwards": [], "gate_grads": []}
     load_model, completion_logprobs, recording = common.load_model, common.completion_logprobs, common.recording_experts

@@ -1,8 +1,5 @@
-"""docs/running.md's commands for a real Qwen each state the peak GPU memory that tools/plan_memory.py plans for
-exactly that command, and fit one 24 GB GPU with the 15% that docs/memory.md advises adding to the planner's figure
-(issue 59). Each command is read from the page's text and parsed by the script's own command line (its Args, with
-the script's defaults for every flag it leaves out); the planner runs on what it sets, offline (the named configs
-of tools/plan_memory.py), with the page's stated --prompt-tokens and --gpu-memory."""
+"""docs/running.md's real-Qwen commands, parsed by each script's Args, state the peak tools/plan_memory.py plans
+and fit a 24 GB GPU with docs/memory.md's 15% margin."""
 
 import re
 import shlex

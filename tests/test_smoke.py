@@ -1,6 +1,4 @@
-"""A 2-step run of each script in tests/helpers.py's SCRIPTS, in this process (common.main, no torch
-import per run: about 3 s each on one core), for the quick tier (`pytest -m "not slow"`): the outputs every run
-writes. From the command line each script runs in test_reliability.py (resume, signals, bad input)."""
+"""A 2-step run of each script of helpers.SCRIPTS in this process, for the quick tier: the outputs every run writes."""
 
 from __future__ import annotations
 

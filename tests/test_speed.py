@@ -1,67 +1,36 @@
-"""Tests for the sampler's own decoder in common.py (static KV cache, dropped rows) against Hugging Face, for each
-architecture it takes. (Chunked log-probs against float64, at a small and at Qwen's vocabulary: test_common.py.)
-
-The benchmarks themselves are scripts, not tests: benchmarks/sampler.py, benchmarks/memory.py,
-benchmarks/speed.py, benchmarks/gpu.sh.
-"""
+"""The sampler's own decoder (static KV cache, dropped rows) against Hugging Face, for each architecture it takes."""
 
 import copy
 
 import pytest
 import torch
+import transformers as tf
 from helpers import greedy_generate
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 import common
 
-# ---------------------------------------------------------------------------------------------
-# Sampler: the fast decoder against HF generate, for each architecture it accepts
-# ---------------------------------------------------------------------------------------------
-
 PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+", "8*8="]
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    initializer_range=0.3,
-)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128, initializer_range=0.3)  # fmt: skip
 ARCHS = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=8)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),  # q/k/v biases, no q/k norm
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(head_dim=8)),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=8)),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict()),  # q/k/v biases, no q/k norm
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(head_dim=8)),
 }
 
 
 def random_model(arch, tok, seed=0):
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
-    config = config_cls(
-        vocab_size=len(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        **SMALL,
-        **extra,
-    )
+    config = config_cls(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                        bos_token_id=None, tie_word_embeddings=False, **SMALL, **extra)  # fmt: skip
     model = model_cls(config).eval()
     if arch == "qwen2":  # random biases, so that a dropped bias would show
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
-    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    model.generation_config = tf.GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     return model
 
 
@@ -89,26 +58,16 @@ def test_fast_decoder_greedy_equals_generate(char_tok, monkeypatch, arch, T, gro
 
 
 def test_unsupported_models_use_the_hf_forward(char_tok):
-    from transformers import Qwen3Config
-
-    sliding = Qwen3Config(
-        vocab_size=len(char_tok),
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-        layer_types=["sliding_attention", "sliding_attention"],
-        **{**SMALL, "num_hidden_layers": 2},
-    )
-    assert not common._StaticKVDecoder.supports(Qwen3ForCausalLM(sliding))
+    sliding = tf.Qwen3Config(vocab_size=len(char_tok), use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                          layer_types=["sliding_attention", "sliding_attention"], **SMALL)  # fmt: skip
+    assert not common._StaticKVDecoder.supports(tf.Qwen3ForCausalLM(sliding))
     assert not common._StaticKVDecoder.supports(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("greedy, top_p", [(True, 1.0), (False, 1.0), (False, 0.8)])
 @pytest.mark.parametrize("grow", [None, 2])
 def test_dropping_finished_rows_changes_nothing(char_tok, monkeypatch, greedy, top_p, grow):
-    """The fast decoder drops rows once half the batch has finished; the HF-forward path never
-    does. Same seed: same tokens, row by row (the sampling noise is drawn for the whole batch).
-    GROW = 2: the cache also grows every other step, before and after rows are dropped."""
+    """Dropping finished rows (and growing the cache, GROW = 2) changes no token: same seed, same tokens."""
     if grow:
         monkeypatch.setattr(common._StaticKVDecoder, "GROW", grow)
     model = random_model("qwen3", char_tok, seed=1)
@@ -130,17 +89,10 @@ def test_dropping_finished_rows_changes_nothing(char_tok, monkeypatch, greedy, t
 def test_sampler_leaves_no_inference_tensors_and_trains(char_tok):
     """The sampler decodes under inference_mode; what it returns must still feed a backward pass."""
     model = copy.deepcopy(random_model("qwen3", char_tok))
-    roll = common.sample(
-        model,
-        encode(char_tok),
-        5,
-        [char_tok.eos_token_id],
-        char_tok.pad_token_id,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert not any(
-        t.is_inference() for t in (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
-    )
+    g = torch.Generator().manual_seed(0)
+    roll = common.sample(model, encode(char_tok), 5, [char_tok.eos_token_id], char_tok.pad_token_id, generator=g)
+    tensors = (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    assert not any(t.is_inference() for t in tensors)
     logp, _ = common.completion_logprobs(model, roll)
     (logp * roll.completion_mask).sum().backward()
     assert model.lm_head.weight.grad is not None

@@ -1,12 +1,5 @@
-"""Temperature (and top-p) in the training path, for every script in tests/helpers.py's SCRIPTS: at --temperature 0.7,
-with and without --top-p 0.8, with pi_old from the trainer's forward (--old-logp recompute) or from the sampler
-(rollout), one step of a tiny batch in this process, and
-
-- the first update is on-policy: |log pi - log pi_old| on every token within helpers.logprob_tol (a training
-  forward at temperature 1 against the sampler's log-probs at 0.7 is off by far more: TRL #3029's class);
-- the training forward's log-probs are those of softmax(z / 0.7), z the logits of a plain forward of the model,
-  computed here (the untruncated distribution: top-p shapes what is sampled, not what is trained), so that a
-  temperature missing from pi_old's forward and the update's alike fails too."""
+"""--temperature 0.7 (with and without --top-p 0.8, either --old-logp) for each script: the first update is
+on-policy, and the training log-probs are softmax(z / 0.7)'s of a plain forward (TRL #3029)."""
 
 from __future__ import annotations
 
