@@ -671,9 +671,8 @@ def eos_token_ids(model, tok) -> list[int]:
 
 TINY_MODELS = ("tiny", "tiny-moe", "tiny-sums")
 
-# The shipped checkpoints' directories: each name with a hash of its recipe (tools/recipes.py, whose
-# checkpoint_key computes it; tests/test_common.py checks that the two agree). A changed recipe is a new key,
-# so a stale checkpoint is never reused.
+# The shipped checkpoints' directories, each name with a hash of its recipe (tools/recipes.py's checkpoint_key;
+# tests/test_common.py checks that they agree): a changed recipe is a new key, so a stale one is never reused.
 TINY_KEYS = {
     "tiny": "tiny-qwen3-6ef631b1222a",
     "tiny-moe": "tiny-qwen3moe-b2ca914f64f3",
