@@ -61,9 +61,9 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line on stderr, exit status 2."""
 
 
-def die(message: str, status: int = 2):
+def die(message: str, status: int = 2, prefix: str = "error"):
     # one line in one write: under torchrun the ranks share stderr, and two writes can interleave with another's
-    sys.stderr.write("error: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
+    sys.stderr.write(f"{prefix}: " + re.sub(r"\s*\n\s*", " ", message.strip()) + "\n")
     sys.stderr.flush()
     sys.exit(status)
 
@@ -96,9 +96,7 @@ NOT_IN_UPDATE = {
 
 @dataclass
 class SharedArgs:
-    """The flags every script shares that are not its recipe (model, data, reward, output, device, logging,
-    checkpoints, the extras'). A script's Args adds the RECIPE fields and its own; `check()` checks its own.
-    Each field is a flag (--eval-every for eval_every), its docstring the flag's help (tyro reads them)."""
+    """The flags every script shares; its Args adds RECIPE and its own. A field's docstring is its flag's --help."""
 
     model: str = "tiny"
     """tiny (Qwen3, in checkpoints/), tiny-moe (its MoE twin), tiny-qwen3 (Qwen3's tokenizer), a local dir / hub id"""
@@ -168,16 +166,11 @@ class SharedArgs:
     """--is-correction's cap C: tis truncates pi_old / mu at C, mask drops sequences above it"""
 
     def __post_init__(self):
-        missing = [name for name in RECIPE if not hasattr(self, name)]
-        if missing:  # (a dataclass field with a default is also a class attribute)
-            raise UsageError(f"{self.algo}.py's Args lacks the recipe field {_flag(missing[0])}: every script "
-                             f"declares its training recipe ({', '.join(map(_flag, RECIPE))})")  # fmt: skip
         if self.out is None:
             self.out = f"runs/{self.algo}"
 
     @property
-    def algo(self) -> str:
-        """The script's name: what its checkpoints, summary and traces are labelled with."""
+    def algo(self) -> str:  # the script's name: what its checkpoints, summary and traces are labelled with
         return script_name(type(self))
 
     def check(self):
@@ -220,15 +213,6 @@ def _choices(hint) -> tuple | None:
     return tuple(v for p in parts for v in (typing.get_args(p) if typing.get_origin(p) is Literal else (None,)))
 
 
-def check_choices(args):
-    """Each Literal field holds one of its values, whether given, resumed from a checkpoint or passed to Args."""
-    for name, hint in typing.get_type_hints(type(args)).items():
-        allowed, value = _choices(hint), getattr(args, name)
-        if allowed is not None and value not in allowed:
-            shown = ", ".join(str(v) for v in allowed if v is not None)
-            raise UsageError(f"{_flag(name)} must be one of {shown}, got {value!r}")
-
-
 def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
     """The command line as tyro reads it: "--reward a --reward b" as "--reward a b" (tyro keeps the last list),
     "--dual-clip none" as "--dual-clip None" (the None of a number); an unknown flag refused with the nearest."""
@@ -259,6 +243,10 @@ def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
 def parse_args(args_cls, argv=None):
     """The script's Args from its command line (tyro). With --resume DIR the checkpoint's flags are the defaults
     (extras/resume.py: only RESUME_MAY_CHANGE may differ from them)."""
+    missing = [name for name in RECIPE if not hasattr(args_cls, name)]  # (a field with a default is a class attribute)
+    if missing:
+        raise UsageError(f"{script_name(args_cls)}.py's Args lacks the recipe field {_flag(missing[0])}: every script "
+                         f"declares its training recipe ({', '.join(map(_flag, RECIPE))})")  # fmt: skip
     argv = _tyro_argv(args_cls, list(sys.argv[1:] if argv is None else argv))
     args = _cli(args_cls, argv, args_cls())
     if args.resume:
@@ -268,7 +256,7 @@ def parse_args(args_cls, argv=None):
 
 def check_common_args(args, needs_group: bool):
     """Range checks shared by the three scripts, before any model loads or output is written: the first that fails
-    is a UsageError naming its flag."""
+    is a UsageError naming its flag. A Literal field is checked whether given, resumed or passed to Args."""
     nan = [n for n, v in vars(args).items() if any(isinstance(x, float) and math.isnan(x) for x in
                                                     (v if isinstance(v, list) else [v]))]  # fmt: skip
     finite = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
@@ -290,11 +278,12 @@ def check_common_args(args, needs_group: bool):
         "entropy_coef": finite,
         "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
     }  # fmt: skip
-    batch = args.prompts_per_step * args.group_size
+    batch, world = args.prompts_per_step * args.group_size, int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
     gpu = re.fullmatch(r"cuda(?::(\d+))?", args.device)
     gpus = torch.cuda.device_count() if gpu else 0
     out = Path(args.out)
     existing = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+    choices = {n: c for n, h in typing.get_type_hints(type(args)).items() if (c := _choices(h))}  # Literal fields
     problems = [  # (whether it fails, its message), in the order they are checked
         (nan, f"{_flag(nan[0])} must be a number, got nan" if nan else ""),
         *((not holds(getattr(args, n)), f"{_flag(n)} must be {what}, got {getattr(args, n)}")
@@ -303,30 +292,35 @@ def check_common_args(args, needs_group: bool):
          "--report-to tensorboard needs the tensorboard package: pip install tensorboard"),
         (batch % max(1, args.minibatches), f"--minibatches {args.minibatches} does not divide the batch of {batch} "
          "completions (--prompts-per-step x --group-size)"),
+        (args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % max(1, args.minibatches),
+         f"--prompts-per-step {args.prompts_per_step} must split into {world} equal shares whose completions "
+         f"--minibatches {args.minibatches} divides"),
         (args.device != "auto" and not gpu and args.device != "cpu",
          f"--device must be auto, cpu or cuda[:N], got {args.device!r}"),
         (gpu and int(gpu[1] or 0) >= gpus, f"--device {args.device}: only {gpus} CUDA device(s) visible"),
         (not existing.is_dir(), f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)"),
         (not os.access(existing, os.W_OK), f"--out {args.out}: {existing} is not writable"),
+        *((getattr(args, n) not in allowed, f"{_flag(n)} must be one of "  # --report-to, --variant, a fork's ...
+           f"{', '.join(str(v) for v in allowed if v is not None)}, got {getattr(args, n)!r}")
+          for n, allowed in choices.items()),
     ]  # fmt: skip
     for failed, message in problems:
         if failed:
             raise UsageError(message)
-    check_choices(args)  # --report-to and each script's own (--variant, --loss-agg, a fork's)
     check_model_name(args.model)
-    # the optional capabilities check their own flags, each imported only when one of its flags is set
-    if args.eval_samples:
-        extra("pass_at_k", "--eval-samples")
-    if args.lora_rank or args.merge_lora or args.lora_alpha is not None or args.lora_targets != LORA_TARGETS:
-        extra("lora", "--lora-rank").check_args(args)
-    if (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0):
-        extra("rollout_precision", "--rollout-dtype / --old-logp / --is-correction").check_args(args)
-    if args.fsdp:
-        extra("fsdp", "--fsdp").check_fsdp_args(args)
-    if args.trace_every:  # (the default, none, traces at each evaluation when extras/traces.py is there)
-        extra("traces", "--trace-every")
-    if args.report_to == "tensorboard":
-        extra("tensorboard_log", "--report-to tensorboard")
+    switched_on = [  # each optional capability, imported only when one of its flags is set, checks its own flags
+        ("pass_at_k", "--eval-samples", args.eval_samples),
+        ("lora", "--lora-rank", args.lora_rank or args.merge_lora or args.lora_alpha is not None
+         or args.lora_targets != LORA_TARGETS),
+        ("rollout_precision", "--rollout-dtype / --old-logp / --is-correction",
+         (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0)),
+        ("fsdp", "--fsdp", args.fsdp),
+        ("traces", "--trace-every", args.trace_every),  # (the default, none: at each evaluation, if traces.py is there)
+        ("tensorboard_log", "--report-to tensorboard", args.report_to == "tensorboard"),
+    ]  # fmt: skip
+    for name, flag, on in switched_on:
+        if on and hasattr(module := extra(name, flag), "check_args"):
+            module.check_args(args)
 
 
 def check_clip(eps_low: float, eps_high: float):
@@ -340,13 +334,10 @@ def check_clip(eps_low: float, eps_high: float):
 
 def extra(name: str, flag: str):
     """extras/<name>.py, the optional capability that `flag` switches on; missing, a UsageError naming it."""
-    try:
-        return importlib.import_module(f"extras.{name}")
-    except ModuleNotFoundError as e:
-        if e.name not in ("extras", f"extras.{name}"):
-            raise
+    if not (Path(__file__).parent / "extras" / f"{name}.py").is_file():
         raise UsageError(f"{flag} needs extras/{name}.py, which this copy of the project does not have "
-                         "(copy it from the project's extras/ folder, or drop the flag)") from e  # fmt: skip
+                         "(copy it from the project's extras/ folder, or drop the flag)")  # fmt: skip
+    return importlib.import_module(f"extras.{name}")
 
 
 def _loaded(name: str):
@@ -382,11 +373,9 @@ def main(train, args_cls, argv=None):
     except (UsageError, NonFiniteError) as e:
         die(str(e), EXIT_NON_FINITE if isinstance(e, NonFiniteError) else EXIT_USAGE)
     except Interrupted as e:
-        print(f"{signal.Signals(_stop['signum']).name}: {e}", file=sys.stderr)
-        sys.exit(128 + _stop["signum"])
+        die(str(e), 128 + _stop["signum"], signal.Signals(_stop["signum"]).name)
     except KeyboardInterrupt:  # the second SIGINT / SIGTERM
-        print("interrupted: stopped at once, without a checkpoint", file=sys.stderr)
-        sys.exit(128 + (_stop["signum"] or signal.SIGINT))
+        die("stopped at once, without a checkpoint", 128 + (_stop["signum"] or signal.SIGINT), "interrupted")
     finally:
         sys.stdout, sys.stderr = streams
         for s, handler in previous.items():
@@ -424,11 +413,6 @@ def setup(args, needs_group: bool = True) -> Setup:
     args.check()  # the script's own flags
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
-    if args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % args.minibatches:
-        raise UsageError(
-            f"--prompts-per-step {args.prompts_per_step} must split into {world} equal "
-            f"shares whose completions --minibatches {args.minibatches} divides"
-        )
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
     needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
     pin_mmap_threshold()  # before the first large tensor: freed activations leave RSS
@@ -446,15 +430,14 @@ def setup(args, needs_group: bool = True) -> Setup:
     reward_fn = Rewards(specs, args.reward_weights, train_set + eval_set, reward_model, args.reward_model_weight)
     if args.eval_samples and not reward_fn.scores_answers:
         raise UsageError("--eval-samples: pass@n counts correct answers, and these records have no 'answer' field")
-    overlap = count_overlap(train_set, eval_set)
+    seen = {ex["prompt"].strip() for ex in train_set}
+    overlap = sum(ex["prompt"].strip() in seen for ex in eval_set)  # evaluation prompts that measure memory
     if overlap and rank == 0:
         print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
     resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
     replaces = check_out(args, resume_from)
-    if args.model in TINY_MODELS:
-        tiny_checkpoint(args.model)
     if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
         extra("moe", f"--model {args.model} (MoE)")
     if not _StaticKVDecoder.supports_config(local_config(args.model) or {"model_type": "llama"}):  # (hub id: later)
@@ -499,10 +482,7 @@ def seed_everything(seed: int):
 
 
 MAX_SEED = 2**32 // 1000 - 1  # PromptStream seeds numpy with seed * 1000 + epoch: must fit 32 bits
-
-ARITH_EVAL_SEED = 1234  # fixed, so the held-out set is the same for every run seed
-
-ARITH_EVAL_SIZE = 500
+ARITH_EVAL_SEED, ARITH_EVAL_SIZE = 1234, 500  # the held-out set: fixed, the same for every run seed
 
 
 def arith_split(max_operand: int = 99):
@@ -520,12 +500,6 @@ def load_task(data: str | None, eval_data: str | None = None, eval_fraction: flo
     if not data and not eval_data:
         return arith_split()
     return extra("data_files", "--data / --eval-data").load_task(data, eval_data, eval_fraction, needs_answer, check)
-
-
-def count_overlap(train_set, eval_set) -> int:
-    """How many evaluation prompts also occur (stripped) in the training records: they measure memory."""
-    seen = {ex["prompt"].strip() for ex in train_set}
-    return sum(ex["prompt"].strip() in seen for ex in eval_set)
 
 
 class PromptStream:
@@ -654,15 +628,13 @@ def declares_experts(name: str) -> bool:
 
 
 def model_path(name: str, ask_hub: bool = True) -> str:
-    """Where --model `name` loads from: an embedded checkpoint, tiny-qwen3's (built on first use), a local
-    directory, or a hub id's source (extras/hub.py; the id itself with ask_hub=False)."""
-    if name == TINY_QWEN3:
-        return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
+    """Where --model `name` loads from: an embedded checkpoint, tiny-qwen3's (built on first use), or (extras/hub.py)
+    a local directory or a hub id's source (the id itself with ask_hub=False)."""
     if name in TINY_MODELS:
         return tiny_checkpoint(name)
-    if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
-        return name
-    return extra("hub", f"--model {name}").hub_model_path(name)
+    if name == TINY_QWEN3:
+        return extra("qwen3_tokenizer", f"--model {name}").tiny_qwen3()
+    return extra("hub", f"--model {name}").model_path(name, ask_hub)
 
 
 def add_lora(model, args):
@@ -682,13 +654,10 @@ def load_tokenizer(name: str):
 
 
 def _from_pretrained(auto, name: str, path: str, **kwargs):
-    """`auto`.from_pretrained(path): a user's --model that does not load is one line (exit 2), not a traceback."""
-    try:
+    """`auto`.from_pretrained(path); a user's --model that does not load is one line, exit 2 (extras/hub.py)."""
+    if name in TINY_MODELS:
         return auto.from_pretrained(path, **kwargs)
-    except Exception as e:
-        if name in TINY_MODELS:
-            raise
-        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
+    return extra("hub", f"--model {name}").from_pretrained(auto, name, path, **kwargs)
 
 
 def eos_token_ids(model, tok) -> list[int]:
@@ -702,9 +671,8 @@ def eos_token_ids(model, tok) -> list[int]:
 
 TINY_MODELS = ("tiny", "tiny-moe", "tiny-sums")
 
-# The shipped checkpoints' directories: each name with a hash of its recipe (tools/recipes.py, whose
-# checkpoint_key computes it; tests/test_common.py checks that the two agree). A changed recipe is a new key,
-# so a stale checkpoint is never reused.
+# The shipped checkpoints' directories, each name with a hash of its recipe (tools/recipes.py's checkpoint_key;
+# tests/test_common.py checks that they agree): a changed recipe is a new key, so a stale one is never reused.
 TINY_KEYS = {
     "tiny": "tiny-qwen3-6ef631b1222a",
     "tiny-moe": "tiny-qwen3moe-b2ca914f64f3",

@@ -23,7 +23,7 @@ LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GATHERED: weakref.WeakSet = weakref.WeakSet()
 
 
-def check_fsdp_args(args):
+def check_args(args):
     """--fsdp: under torchrun, without LoRA (check_common_args: before anything is loaded)."""
     if args.fsdp and "WORLD_SIZE" not in os.environ:
         raise UsageError("--fsdp shards the model over torchrun's processes: run under torchrun "

@@ -1,8 +1,8 @@
 """extras/hub.py: --model as a checkpoint directory or a hub id (every model but the embedded ones).
 
-Imported by common.py only for such a --model: its name checked before anything loads, and a hub id's source
-found with one question to the hub, so that an offline machine fails fast (huggingface_hub's own retries take
-about 50 s) or loads the cached snapshot.
+Imported by common.py only for such a --model: its name checked before anything loads, a hub id's source found
+with one question to the hub, so that an offline machine fails fast (huggingface_hub's own retries take about
+50 s) or loads the cached snapshot, and a model that does not load reported in one line.
 """
 
 from __future__ import annotations
@@ -32,6 +32,21 @@ def check_model_name(model: str):
     local = model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir()
     if local or not re.fullmatch(HUB_ID, model):
         raise UsageError(f"--model {model}: no such directory; {expected}")
+
+
+def model_path(name: str, ask_hub: bool = True) -> str:
+    """common.model_path of a local directory (itself) or a hub id (its source; the id itself without ask_hub)."""
+    if not ask_hub or Path(name).expanduser().exists() or not re.fullmatch(HUB_ID, name):
+        return name
+    return hub_model_path(name)
+
+
+def from_pretrained(auto, name: str, path: str, **kwargs):
+    """`auto`.from_pretrained(path): a --model that does not load is one line (exit 2), not a traceback."""
+    try:
+        return auto.from_pretrained(path, **kwargs)
+    except Exception as e:
+        raise UsageError(f"--model {name}: cannot load it ({_describe(e)})") from e
 
 
 @functools.cache  # one question to the hub per model and process

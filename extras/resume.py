@@ -138,21 +138,21 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     from transformers import AutoConfig
 
     found, meta = find_checkpoint(args.resume, algo)
-    saved_world = meta.get("world", 1)
-    if saved_world != world:
-        ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
-        one = "one (python, or torchrun --nproc_per_node 1)"
-        how = f"torchrun --nproc_per_node {saved_world}" if saved_world > 1 else one
-        raise UsageError(f"--resume {args.resume}: the checkpoint was written by {ranks(saved_world)}, this run has "
-                         f"{ranks(world)}; each rank resumes its own sampling stream: run it with {how}")  # fmt: skip
-    saved_device, device = meta.get("device"), resolve_device(args.device).type
-    if saved_device is not None and saved_device != device:  # its generators' states are the device type's own
-        raise UsageError(f"--resume {args.resume}: the checkpoint was trained on {saved_device}, this run is on "
-                         f"{device}; resume it on {saved_device} (--device {saved_device}): its sampling generator "
-                         f"is {saved_device}'s")  # fmt: skip
-    if meta["model"] != args.model:
-        raise UsageError(f"--resume {args.resume}: the checkpoint was trained from --model {meta['model']}, not "
-                         f"{args.model}")  # fmt: skip
+    saved_world, saved_device, device = meta.get("world", 1), meta.get("device"), resolve_device(args.device).type
+    ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
+    how = (f"torchrun --nproc_per_node {saved_world}" if saved_world > 1
+           else "one (python, or torchrun --nproc_per_node 1)")  # fmt: skip
+    problems = [  # (whether it fails, what follows "--resume DIR: "), in the order they are checked
+        (saved_world != world, f"the checkpoint was written by {ranks(saved_world)}, this run has {ranks(world)}; "
+         f"each rank resumes its own sampling stream: run it with {how}"),
+        (saved_device is not None and saved_device != device,  # its generators' states are the device type's own
+         f"the checkpoint was trained on {saved_device}, this run is on {device}; resume it on {saved_device} "
+         f"(--device {saved_device}): its sampling generator is {saved_device}'s"),
+        (meta["model"] != args.model, f"the checkpoint was trained from --model {meta['model']}, not {args.model}"),
+    ]  # fmt: skip
+    for failed, message in problems:
+        if failed:
+            raise UsageError(f"--resume {args.resume}: {message}")
     try:
         config = AutoConfig.from_pretrained(model_path(args.model))
     except Exception as e:
