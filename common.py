@@ -1116,20 +1116,6 @@ def normalize_number(s: str) -> str | None:
     return s
 
 
-def extract_boxed(completion: str) -> str | None:
-    """The content of the last \\boxed{...}, braces balanced ("\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}");
-    None when there is none or the last one is never closed."""
-    start = completion.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, first = 1, start + len("\\boxed{")
-    for i in range(first, len(completion)):
-        depth += {"{": 1, "}": -1}.get(completion[i], 0)
-        if depth == 0:
-            return completion[first:i]
-    return None
-
-
 def after_thinking(completion: str) -> str | None:
     """The part of a completion that states its answer: the text after the last </think> (--thinking on), else the
     whole completion; None when it opens <think> and never closes it (its answer is still inside its reasoning)."""
@@ -1146,7 +1132,10 @@ def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, f
     completion = after_thinking(completion)
     if completion is None:
         return 0.0, 0.0
-    text = extract_boxed(completion) if parser == "boxed" else completion.rsplit("####", 1)[-1]
+    if parser == "boxed":  # --reward boxed
+        text = extra("reward_functions", "--reward boxed").extract_boxed(completion)
+    else:
+        text = completion.rsplit("####", 1)[-1]
     gold = normalize_number(answer)
     if gold is None:  # non-numeric gold answers: exact string match after stripping
         gold = answer.strip()
@@ -1181,12 +1170,12 @@ class Rewards:
     1 each). The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer", read by the run's
     answer parser (boxed's with --reward boxed, else exact's); `accuracy` (that exact match) and `format_rate` are
     reported whenever every record has an answer, so that "correct" means the same in training and in evaluation.
-    Several rewards, weights, your own functions (TRL's signature) and --reward-model: extras/reward_functions.py."""
+    All but exact and format alone (your own functions have TRL's signature) load extras/reward_functions.py."""
 
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
         self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)
-        if len(specs) != 1 or specs[0] not in BUILTIN_REWARDS or weights or reward_model is not None:
-            mixed = extra("reward_functions", "--reward (several, or your own), --reward-weights or --reward-model")
+        if list(specs) not in (["exact"], ["format"]) or weights or reward_model is not None:
+            mixed = extra("reward_functions", "--reward (boxed, several, your own), --reward-weights, --reward-model")
             self.names, self.fns, self.weights = mixed.load_rewards(specs, weights, reward_model, reward_model_weight)
         self.parser = "boxed" if "boxed" in specs else "exact"
         self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields
