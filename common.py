@@ -740,24 +740,6 @@ class Rollout:
         return self.prompt_ids.shape[0]
 
     @staticmethod
-    def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
-        """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
-        completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
-        field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
-        P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
-
-        def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
-            xs = [getattr(r, name) for r in rolls]
-            if any(x is None for x in xs) or left is None:
-                return None if any(x is None for x in xs) else sum(xs)
-            return torch.cat([F.pad(x, (P - x.shape[1], 0) if left else (0, T - x.shape[1]), value=value) for x in xs])
-
-        return Rollout(joined("prompt_ids", True, pad_id), joined("prompt_mask", True),
-                       joined("completion_ids", False, pad_id), joined("completion_mask", False),
-                       joined("entropy", False), joined("sample_logp", False), joined("sample_logp_full", False),
-                       joined("seconds"), joined("sampled_tokens"), joined("draws"))  # fmt: skip
-
-    @staticmethod
     def from_lists(prompts, completions, pad_id: int, device="cpu"):
         T = max(1, max(map(len, completions)))
         ids = torch.tensor([list(c) + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
@@ -769,10 +751,9 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# When the decode loop reads the device (is any row alive? which?). On a GPU a read waits for every queued kernel,
-# so the loop reads after EARLY_READS tokens, then once per READ_EVERY; rows that end between two reads decode
-# padding until the next one (masked out; their random draws rewound), so the output is a per-token loop's. On a
-# CPU (READS_EACH_TOKEN_ON) a read waits for nothing: the loop reads after every token.
+# When the decode loop reads the device (is any row alive? which?). On a GPU a read waits for every queued kernel:
+# the loop reads after EARLY_READS tokens, then once per READ_EVERY; rows that end in between decode masked padding,
+# their draws rewound, so the output is a per-token loop's. On a CPU a read waits for nothing: after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
 READS_EACH_TOKEN_ON = ("cpu",)
 
@@ -805,6 +786,7 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
         generator = default_generator(device)
     stats = {name: torch.zeros(B, max_new_tokens, device=device) for name in
              ["entropy"] * (not greedy) + ["sample_logp", "sample_logp_full"] * record_logp}  # fmt: skip
+    precision = extra("rollout_precision", "--rollout-dtype") if record_logp else None
     # --fsdp: whole weights while sampling (gathered outside inference mode: FSDP2 reuses their storage)
     with gathered(model), torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal
         decoder, logits = _prefill(model, roll, prompts, pad_id, max_new_tokens)
@@ -819,8 +801,11 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
                 draws.append((t, generator.get_state()))
             token = torch.where(alive, _next_token(logits, rows, B, temperature, top_p, greedy, generator), pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
-            for name, value in _token_stats(logits, token, alive, temperature, top_p, record_logp, greedy).items():
-                stats[name][rows, t] = value
+            if not greedy:  # the entropy of logits / temperature before top-p, as completion_logprobs computes it
+                stats["entropy"][rows, t] = _entropy(logits.float() / temperature) * alive
+            if record_logp:  # mu's log-probs of the token, 0 where done
+                for name, value in precision.token_logps(logits, token, alive, temperature, top_p).items():
+                    stats[name][rows, t] = value
             width += alive.any()
             alive &= ~torch.isin(token, eos)
             if t == max_new_tokens - 1:
@@ -836,10 +821,9 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
                     rows, alive, token = rows[keep], alive[keep], token[keep]
             logits = decoder.step(token)
         width = _host(width)  # every row had ended by then: the completions' width
-    for step, state in draws:  # undo the draws of steps past the last row's end, as if the loop had stopped there
-        if step == width:
-            generator.set_state(state)
-            break
+    rewind = dict(draws).get(width)  # undo the draws past the last row's end, as if the loop had stopped there
+    if rewind is not None:
+        generator.set_state(rewind)
     return Rollout(roll.prompt_ids, roll.prompt_mask, out[:, :width], mask[:, :width],
                    **{name: x[:, :width] for name, x in stats.items()})  # fmt: skip
 
@@ -860,16 +844,6 @@ def _prefill(model, roll: Rollout, prompts, pad_id: int, max_new_tokens: int):
     copies = torch.tensor(copies, device=device)
     decoder.keep(copies)
     return decoder, logits.index_select(0, copies)
-
-
-def _token_stats(logits, token, alive, temperature: float, top_p: float, record_logp: bool, greedy: bool) -> dict:
-    """Per decoded row, at the token drawn: the entropy of logits / temperature before top-p (as completion_logprobs
-    computes it; none when greedy) and, with record_logp, its log-probs (extras/rollout_precision.py); 0 where done."""
-    stats = {} if greedy else {"entropy": _entropy(logits.float() / temperature) * alive}
-    if record_logp:
-        precision = extra("rollout_precision", "--rollout-dtype")
-        stats.update(precision.token_logps(logits, token, alive, temperature, top_p))
-    return stats
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -933,12 +907,11 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 
 
 class _StaticKVDecoder:
-    """Prefill and one-token steps of a Llama-family decoder (Qwen2, Qwen3, Llama) through the model's own modules,
-    over buffers allocated per `sample` call: k, v [B, kv_heads, C, head_dim] per layer (slot s holds position s; C
-    grows by GROW slots when full, so a step attends over about as many slots as are written), `bias` [B, 1, 1, P + T]
-    (-inf on left padding and unwritten slots), cos/sin (RoPE from each row's first real token). The arithmetic is the
-    HF forward's (the attention's float rounding differs). On CPU (FUSED_ON) q, k, v run as one matmul, as do the
-    MLP's gate and up (`_layer_weights`): a few percent of a small model's step."""
+    """Prefill and one-token steps of a Llama-family decoder (Qwen2, Qwen3, Llama) through the model's own modules, with
+    the HF forward's arithmetic (the attention's float rounding differs), over buffers of one `sample` call: k, v [B,
+    kv_heads, C, head_dim] per layer (slot s holds position s; C grows GROW slots at a time, so a step attends over
+    about the slots written), `bias` [B, 1, 1, P + T] (-inf on left padding and unwritten slots), cos/sin (RoPE from
+    each row's first real token). On CPU (FUSED_ON) q, k, v are one matmul, as are the MLP's gate and up."""
 
     GROW = 16
     FUSED_ON = ("cpu",)
@@ -948,8 +921,7 @@ class _StaticKVDecoder:
     def supports(cls, model) -> bool:
         from transformers import PreTrainedModel
 
-        fields = lambda config: {k: getattr(config, k, None) for k in ("model_type", "layer_types")}  # noqa: E731
-        return isinstance(model, PreTrainedModel) and cls.supports_config(fields(model.config))
+        return isinstance(model, PreTrainedModel) and cls.supports_config(model.config.to_dict())
 
     @classmethod
     def supports_config(cls, config: dict) -> bool:
@@ -966,8 +938,7 @@ class _StaticKVDecoder:
         self.k = [torch.zeros(kv_shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in self.base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         valid = F.pad(roll.prompt_mask.bool(), (0, max_new_tokens))  # [B, L]
-        self.bias = torch.zeros(B, 1, 1, L, dtype=self.k[0].dtype, device=device)
-        self.bias.masked_fill_(~valid[:, None, None], -math.inf)
+        self.bias = torch.where(valid[:, None, None], 0.0, -math.inf).to(self.k[0].dtype)  # [B, 1, 1, L]
         positions = (F.pad(roll.prompt_mask, (0, max_new_tokens), value=1).cumsum(1) - 1).clamp(min=0)
         self.cos, self.sin = self.base.rotary_emb(self.k[0], positions)  # [B, L, head_dim]
         half = self.head_dim // 2  # rotate_half(x) * sin == x.roll(half) * [-sin[:half], sin[half:]]
@@ -989,10 +960,9 @@ class _StaticKVDecoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; next-token logits [B, V] (float32)."""
         if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots (up to P + T), a layer at a time
-            more = min(self.GROW, self.bias.shape[-1] - self.slot)
-            for cache in (self.k, self.v):
-                for i, c in enumerate(cache):
-                    cache[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], more, c.shape[3])], 2)
+            more = (0, 0, 0, min(self.GROW, self.bias.shape[-1] - self.slot))
+            for i in range(len(self.k)):
+                self.k[i], self.v[i] = F.pad(self.k[i], more), F.pad(self.v[i], more)
         self.bias[..., self.slot] = 0.0  # the new token's slot becomes visible
         logits = self._forward(token[:, None], self.slot, self.bias[..., : self.k[0].shape[2]])
         self.slot += 1
@@ -1005,8 +975,7 @@ class _StaticKVDecoder:
         self.bias, self.cos, self.sin = take(self.bias), take(self.cos), take(self.sin)
 
     def _forward(self, ids, first, bias):
-        """Tokens `ids` [B, S] into cache slots first..first+S-1, attending to slots 0..N-1 with `bias`
-        [B, 1, G * S or 1, N]; the logits after the last of them."""
+        """`ids` [B, S] into slots first..first+S-1, attending with `bias` [B, 1, G * S or 1, N]: the last's logits."""
         h = self.base.embed_tokens(ids)
         rope = self.cos[:, first : first + ids.shape[1], None], self.sin[:, first : first + ids.shape[1], None]
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.base.layers, self.k, self.v)):
@@ -1115,20 +1084,6 @@ def normalize_number(s: str) -> str | None:
     return s
 
 
-def extract_boxed(completion: str) -> str | None:
-    """The content of the last \\boxed{...}, braces balanced ("\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}");
-    None when there is none or the last one is never closed."""
-    start = completion.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, first = 1, start + len("\\boxed{")
-    for i in range(first, len(completion)):
-        depth += {"{": 1, "}": -1}.get(completion[i], 0)
-        if depth == 0:
-            return completion[first:i]
-    return None
-
-
 def after_thinking(completion: str) -> str | None:
     """The part of a completion that states its answer: the text after the last </think> (--thinking on), else the
     whole completion; None when it opens <think> and never closes it (its answer is still inside its reasoning)."""
@@ -1145,7 +1100,10 @@ def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, f
     completion = after_thinking(completion)
     if completion is None:
         return 0.0, 0.0
-    text = extract_boxed(completion) if parser == "boxed" else completion.rsplit("####", 1)[-1]
+    if parser == "boxed":  # --reward boxed
+        text = extra("reward_functions", "--reward boxed").extract_boxed(completion)
+    else:
+        text = completion.rsplit("####", 1)[-1]
     gold = normalize_number(answer)
     if gold is None:  # non-numeric gold answers: exact string match after stripping
         gold = answer.strip()
@@ -1180,12 +1138,12 @@ class Rewards:
     1 each). The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer", read by the run's
     answer parser (boxed's with --reward boxed, else exact's); `accuracy` (that exact match) and `format_rate` are
     reported whenever every record has an answer, so that "correct" means the same in training and in evaluation.
-    Several rewards, weights, your own functions (TRL's signature) and --reward-model: extras/reward_functions.py."""
+    All but exact and format alone (your own functions have TRL's signature) load extras/reward_functions.py."""
 
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
         self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)
-        if len(specs) != 1 or specs[0] not in BUILTIN_REWARDS or weights or reward_model is not None:
-            mixed = extra("reward_functions", "--reward (several, or your own), --reward-weights or --reward-model")
+        if list(specs) not in (["exact"], ["format"]) or weights or reward_model is not None:
+            mixed = extra("reward_functions", "--reward (boxed, several, your own), --reward-weights, --reward-model")
             self.names, self.fns, self.weights = mixed.load_rewards(specs, weights, reward_model, reward_model_weight)
         self.parser = "boxed" if "boxed" in specs else "exact"
         self.columns = list(dict.fromkeys(k for r in records for k in r if k != "prompt"))  # every record's fields

@@ -8,8 +8,27 @@ until every rank holds its share of --prompts-per-step groups whose rewards are 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from common import Rollout, all_reduce_sum, constant_groups
+
+
+def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
+    """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
+    completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
+    field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
+    P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
+
+    def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
+        xs = [getattr(r, name) for r in rolls]
+        if any(x is None for x in xs) or left is None:
+            return None if any(x is None for x in xs) else sum(xs)
+        return torch.cat([F.pad(x, (P - x.shape[1], 0) if left else (0, T - x.shape[1]), value=value) for x in xs])
+
+    return Rollout(joined("prompt_ids", True, pad_id), joined("prompt_mask", True),
+                   joined("completion_ids", False, pad_id), joined("completion_mask", False),
+                   joined("entropy", False), joined("sample_logp", False), joined("sample_logp_full", False),
+                   joined("seconds"), joined("sampled_tokens"), joined("draws"))  # fmt: skip
 
 
 def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
@@ -34,7 +53,7 @@ def fill(args, world: int, pad_id: int, sample_round, first: tuple) -> tuple:
     step's first round, `sample_round()` samples and scores the next. What trains is the first `groups_to_train`
     groups with signal of the rounds, in order, as many on every rank; if that is none, the first round as sampled
     (its advantages all 0: a step without signal, as without the filter). What was sampled is every round joined
-    (Rollout.concat: its `draws` count the rounds), which the step's metrics of the rollout read."""
+    (`concat`: its `draws` count the rounds), which the step's metrics of the rollout read."""
     share, G = args.prompts_per_step // world, args.group_size
     rounds, held = [first], 0
 
@@ -51,7 +70,7 @@ def fill(args, world: int, pad_id: int, sample_round, first: tuple) -> tuple:
         joined = first
     else:
         rolls, records, rewards, parts = zip(*rounds)
-        joined = (Rollout.concat(list(rolls), pad_id), sum(records, []), torch.cat(rewards),
+        joined = (concat(list(rolls), pad_id), sum(records, []), torch.cat(rewards),
                   {k: torch.cat([p[k] for p in parts]) for k in parts[0]})  # fmt: skip
     sampled = joined[0], joined[2], joined[3]
     n = groups_to_train(agreed, share, G, args.minibatches)

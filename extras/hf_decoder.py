@@ -9,8 +9,6 @@ from common import Rollout
 
 
 class HFDecoder:
-    """Any other causal LM: its own forward with a DynamicCache (no row dropping)."""
-
     def __init__(self, model, roll: Rollout, max_new_tokens: int):
         from transformers import DynamicCache
 

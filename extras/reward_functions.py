@@ -1,7 +1,8 @@
-"""extras/reward_functions.py: several --reward functions, --reward-weights, your own functions and --reward-model
-(common.Rewards, docs/rewards.md). A function has TRL's signature, called by keyword once per batch of B completions,
-f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B, `fields` every other column of the
-records. An exception, NaN, infinity, a non-number or a wrong length stop the run: RewardError naming the row (exit 2).
+"""extras/reward_functions.py: --reward boxed's answer parser, several --reward functions, --reward-weights, your own
+functions and --reward-model (common.Rewards, docs/rewards.md). A function has TRL's signature, called by keyword
+once per batch of B completions, f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B,
+`fields` every other column of the records. An exception, NaN, infinity, a non-number or a wrong length stop the
+run: RewardError naming the row (exit 2).
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ def load_rewards(specs, weights, reward_model, reward_model_weight: float):
             raise UsageError(f"--reward-model-weight must be a finite number, got {reward_model_weight}")
         names, fns, weights = names + ["reward_model"], fns + [reward_model], weights + [reward_model_weight]
     return names, fns, weights
+
+
+def extract_boxed(completion: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced ("\\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}");
+    None when there is none or the last one is never closed."""
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, first = 1, start + len("\\boxed{")
+    for i in range(first, len(completion)):
+        depth += {"{": 1, "}": -1}.get(completion[i], 0)
+        if depth == 0:
+            return completion[first:i]
+    return None
 
 
 def load_function(spec: str):
@@ -107,12 +122,9 @@ def call(name, fn, records, tok, roll, columns) -> torch.Tensor:
 
 def _raises(fn, prompts, completions, fields, i) -> bool:
     """Does `fn` raise on row i alone? (to name the row an exception came from)"""
+    one = slice(i, i + 1)
     try:
-        fn(
-            prompts=prompts[i : i + 1],
-            completions=completions[i : i + 1],
-            **{k: v[i : i + 1] for k, v in fields.items()},
-        )
+        fn(prompts=prompts[one], completions=completions[one], **{k: v[one] for k, v in fields.items()})
     except Exception:
         return True
     return False

@@ -1,6 +1,6 @@
 """--filter-groups (DAPO's dynamic sampling, issue 47) in grpo.py and gspo.py, and the Rollout that composes.
 
-Quick tier: Rollout.concat against its parts (the rows' tokens by plain loops; completion log-probs and
+Quick tier: filter_groups.concat against its parts (the rows' tokens by plain loops; completion log-probs and
 entropies through the model, to the forward's rounding bound), the selection (`keep_groups`,
 `groups_to_train`) against plain loops, extras/filter_groups.fill on hand-worked rounds, the advantages of kept groups
 against those of the whole batch and a float64 loop, bad input, and one small in-process run whose every
@@ -57,7 +57,7 @@ def model():
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout.concat
+# filter_groups.concat
 # ---------------------------------------------------------------------------------------------
 
 tokens = st.lists(st.integers(1, 39), min_size=1, max_size=6)
@@ -97,7 +97,7 @@ def row_lists(roll):
 )
 def test_concat_keeps_each_rows_tokens_and_adds_up_what_sampling_cost(parts):
     rolls = [make_part(*p) for p in parts]
-    joined = common.Rollout.concat(rolls, PAD)
+    joined = filter_groups.concat(rolls, PAD)
     expected = [row for p in parts for row in p[0]]
     assert row_lists(joined) == expected
     assert joined.seconds == sum(p[1] for p in parts)  # the same additions in the same order
@@ -114,7 +114,7 @@ def test_concat_keeps_each_rows_tokens_and_adds_up_what_sampling_cost(parts):
 def test_concat_of_a_part_without_seconds_or_entropy_has_none():
     a = make_part([([1, 2], [3])], 1.0, 1, 1)
     b = common.Rollout.from_lists([[4]], [[5, 6]], PAD)  # not from Sampler.sample
-    joined = common.Rollout.concat([a, b], PAD)
+    joined = filter_groups.concat([a, b], PAD)
     assert joined.seconds is None and joined.sampled_tokens is None and joined.draws is None
     assert joined.entropy is None  # one part has no entropy: none rather than a made-up one
 
@@ -123,7 +123,7 @@ def test_concat_of_a_part_without_seconds_or_entropy_has_none():
 @given(parts=st.lists(st.lists(st.tuples(tokens, tokens), min_size=1, max_size=3), min_size=2, max_size=3))
 def test_concat_completion_logprobs_and_entropies_equal_the_parts_row_for_row(model, parts):
     rolls = [common.Rollout.from_lists([p for p, _ in rows], [c for _, c in rows], PAD) for rows in parts]
-    joined = common.Rollout.concat(rolls, PAD)
+    joined = filter_groups.concat(rolls, PAD)
     with torch.no_grad():
         logp, ent = common.completion_logprobs(model, joined, 0.9)
     length, max_z = logit_scale(model, joined, 0.9)  # the re-padded batch against each part: two float32 forwards

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:
 
 import common  # noqa: E402
 import gspo  # noqa: E402
+from extras import reward_functions  # noqa: E402
 
 
 def rollout(tok, texts, prompts=None):
@@ -266,27 +267,27 @@ balanced = st.recursive(
 @given(before=plain, content=balanced, after=plain)
 @settings(max_examples=200, deadline=None)
 def test_boxed_content_with_nested_braces(before, content, after):
-    assert common.extract_boxed(f"{before}\\boxed{{{content}}}{after}") == content
+    assert reward_functions.extract_boxed(f"{before}\\boxed{{{content}}}{after}") == content
 
 
 @given(first=balanced, last=balanced, middle=plain)
 @settings(max_examples=100, deadline=None)
 def test_the_last_box_counts(first, last, middle):
-    assert common.extract_boxed(f"\\boxed{{{first}}}{middle}\\boxed{{{last}}}") == last
+    assert reward_functions.extract_boxed(f"\\boxed{{{first}}}{middle}\\boxed{{{last}}}") == last
 
 
 @given(text=st.text(max_size=30))
 @settings(max_examples=200, deadline=None)
 def test_no_box_no_answer(text):
     if "\\boxed{" not in text:
-        assert common.extract_boxed(text) is None
+        assert reward_functions.extract_boxed(text) is None
         assert common.score(text, "4", "boxed") == (0.0, 0.0)
 
 
 def test_boxed_hand_cases():
-    assert common.extract_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
-    assert common.extract_boxed("\\boxed{3} and \\boxed{4") is None  # the last box is never closed
-    assert common.extract_boxed("\\boxed{}") == ""
+    assert reward_functions.extract_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert reward_functions.extract_boxed("\\boxed{3} and \\boxed{4") is None  # the last box is never closed
+    assert reward_functions.extract_boxed("\\boxed{}") == ""
     assert common.score("so \\boxed{1,234.0}", "1234", "boxed") == (1.0, 1.0)  # numbers normalised as for exact
     assert common.score("\\boxed{}", "4", "boxed") == (0.0, 0.0)
     assert common.score("\\boxed{ Paris }", "Paris", "boxed") == (1.0, 1.0)
