@@ -1591,7 +1591,7 @@ def recording_experts(moe, roll: Rollout):
 
 def tokens_per_s(roll: Rollout) -> float:
     """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample's
-    figures, added up over the draws a Rollout.concat joins)."""
+    figures, added up over the draws filter_groups.concat joins)."""
     return all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds
 
 
