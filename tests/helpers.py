@@ -1,9 +1,4 @@
-"""Shared helpers for tests/test_gspo.py and tests/test_grpo.py.
-
-Reference computations here are plain Python loops over float64 (Python floats), written from the
-papers' equations (GRPO: arXiv 2402.03300; GSPO: arXiv 2507.18071), never from the code under test.
-Hypothesis strategies draw small batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
-"""
+"""Shared helpers: float64 plain-loop references from the papers' equations, tolerances, strategies, SCRIPTS."""
 
 from __future__ import annotations
 
@@ -11,7 +6,7 @@ import copy
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,15 +30,13 @@ class Traits:
     grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
-    own_choices: dict = field(default_factory=dict)  # its own fixed-set flags and their values (test_fork_traps)
     entropy_bonus: str = "sequence-mean"  # how --entropy-coef's bonus averages at the defaults: or "token-mean"
 
 
-AGGS, SCALES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), ("std", "none")  # grpo.py's
 TRAITS = {
     "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
-    "grpo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"loss_agg": AGGS, "scale_rewards": SCALES}),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"variant": ("sequence", "token")}),
+    "grpo": Traits(grouped=True, skips_zero_advantage=True),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True),
 }
 
 

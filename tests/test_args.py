@@ -1,6 +1,4 @@
-"""The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro: Args instances share
-no mutable default; --resume takes the checkpoint's flags as defaults; a list flag takes
-several values. A fork whose Args lacks a recipe field stops at start-up."""
+"""The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro."""
 
 import importlib
 import json

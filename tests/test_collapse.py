@@ -1,13 +1,4 @@
-"""The collapse warnings (issue 42, part 3): a forked RLOO went from 0.222 to 0.046 held-out accuracy
-with no word, its all-equal steps scattered so that the no-signal streak never reached 20.
-
-  - the rules, on hand-worked sequences: accuracy at least COLLAPSE_DROP below step 0's at two
-    evaluations in a row (`accuracy_collapsed`), more than FLAT_SHARE of the last FLAT_WINDOW steps'
-    groups all-equal (`mostly_flat`), each at its boundary;
-  - common.watch driven step by step: each warning once, where the rule says, recorded, and
-    carried through Progress' state dict as a checkpoint saves it;
-  - a fork of gspo.py without a clip, at --minibatches 2 and a high --lr, collapses on the tiny model and
-    is warned, at the steps that its own metrics.jsonl says (in this process, about 20 s on one core)."""
+"""The collapse warnings (issue 42): the rules on hand-worked sequences, common.watch, a clipless fork warned."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Tests for common.py, the shared harness.
-
-Every value is checked against an independent computation: plain Python loops, a full no-cache
-forward with a float64 log_softmax + gather, Hugging Face's own `generate`, or hand-worked cases.
-Most model tests use a small *random* Qwen3ForCausalLM (built once per session, seeded); only the
-round-trip / accuracy-band test uses the cached warm-started tiny checkpoint.
-"""
+"""common.py against plain loops, float64 no-cache forwards, HF `generate` and hand-worked cases."""
 
 import copy
 import dataclasses
@@ -139,22 +133,6 @@ def sampled_roll(rand_model, prompts, char_tok):
 # ---------------------------------------------------------------------------------------------
 
 
-# sha256 of checkpoints/tiny-qwen3-*/model.safetensors: the weights every machine starts from
-SHIPPED_TINY_SHA256 = "bbfaeb4fd9fab884f80d7e76b794d1d0a96380f4c8a9e1cb529fe45bd079fef4"
-
-
-def test_the_shipped_tiny_checkpoint_is_the_one_used_and_unchanged(tiny_path):
-    """'tiny' resolves to the checkpoint in checkpoints/ (not a per-machine build): its directory
-    name carries the current recipe's hash (change the recipe and this fails until the checkpoint
-    is rebuilt and shipped again), and its weights are byte for byte the shipped ones."""
-    import hashlib
-    from pathlib import Path
-
-    assert Path(tiny_path).parent == common.SHIPPED_CHECKPOINTS
-    digest = hashlib.sha256((Path(tiny_path) / "model.safetensors").read_bytes()).hexdigest()
-    assert digest == SHIPPED_TINY_SHA256
-
-
 def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
     assert common.tiny_checkpoint() == tiny_path  # second call: the same path, no rebuild
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
@@ -212,13 +190,6 @@ def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "rebuilt")
     _, held_out = common.arith_split()
     assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
-
-
-# A recipe of 3 SFT steps and the key it hashes to, put in common.TINY_KEYS (what a changed recipe does)
-FAST_RECIPE = (
-    "recipes.TINY_WARMSTART = dict(recipes.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)\n"
-    "common.TINY_KEYS['tiny'] = recipes.checkpoint_key('tiny')\n"
-)
 
 
 def fast_recipe(monkeypatch):
@@ -279,31 +250,6 @@ def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete
     build_checkpoints.main(["tiny", "--force"])
     assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == [key]
-
-
-@pytest.mark.slow
-def test_a_run_whose_checkpoint_is_neither_shipped_nor_cached_stops_with_one_line(tmp_path, monkeypatch):
-    """`python gspo.py` with a changed recipe on an empty cache: exit status 2, one line on stderr that
-    names the build command, nothing written to --out, no checkpoint built."""
-    import os
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    script = tmp_path / "gspo_fast_recipe.py"
-    script.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tools')!r}]\n"
-                      + "import common, gspo, recipes\n" + FAST_RECIPE
-                      + "common.main(gspo.train, gspo.Args)\n")  # fmt: skip
-    cache, out = tmp_path / "cache", tmp_path / "out"
-    env = {**os.environ, "RLREF_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, str(script), "--steps", "2", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: tiny: its checkpoint tiny-qwen3-"), proc.stderr
-    assert lines[0].endswith("python tools/build_checkpoints.py tiny")
-    assert not out.exists() and not cache.exists()
 
 
 @given(st.text(alphabet=st.sampled_from(recipes.TINY_CHARS), max_size=40))
@@ -498,16 +444,6 @@ def test_max_new_tokens_respected(rand_model, prompts, char_tok, max_new_tokens)
     greedy = common.sample(rand_model, prompts, max_new_tokens, [char_tok.eos_token_id], pad, greedy=True)
     assert greedy.completion_ids.shape[1] <= max_new_tokens
     assert (greedy.completion_mask.sum(1) <= max_new_tokens).all()
-
-
-def test_zero_new_tokens_is_empty_or_a_clear_error(rand_model, prompts, char_tok):
-    """max_new_tokens=0 (the CLI forbids it, a library caller may not): an empty [B, 0] rollout or a
-    ValueError, not an internal crash."""
-    try:
-        roll = common.sample(rand_model, prompts, 0, [char_tok.eos_token_id], char_tok.pad_token_id, greedy=True)
-    except ValueError:
-        return
-    assert roll.completion_ids.shape == (len(prompts), 0) and roll.completion_mask.shape == (len(prompts), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,16 +696,11 @@ def test_normalize_number_hand_worked():
     assert common.normalize_number("0.50") == "0.5"
     assert common.normalize_number("$1,234.50") == "1234.5"
     assert common.normalize_number("100") == "100"  # trailing zeros of an integer are kept
+    assert common.normalize_number(".5") == common.normalize_number("0.5") == "0.5"  # the parser takes '.5'
+    assert common.normalize_number("-.5") == "-0.5" and common.normalize_number("-.0") == "0"
+    assert common.score("#### .5", "0.5")[0] == 1.0
     for bad in ("", " ", "abc", "4 6", "46 or 47", "1e3", "--4", "4-6", "."):
         assert common.normalize_number(bad) is None, bad
-
-
-def test_decimal_without_leading_zero_normalises_like_with_it():
-    """'.5' is accepted as a number by the parser, so it must compare equal to '0.5'."""
-    assert common.normalize_number(".5") == common.normalize_number("0.5")
-    assert common.normalize_number("-.5") == common.normalize_number("-0.5")
-    assert common.normalize_number("-.0") == "0"  # today: "-" (rstrip eats the whole number)
-    assert common.score("#### .5", "0.5")[0] == 1.0
 
 
 @given(integers, integers)
@@ -840,55 +771,40 @@ def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
     assert common.score("0.5", recs[3]["answer"])[0] == 1.0
 
 
-@pytest.mark.parametrize("bad_line", ['{"prompt": "x", "answer": ', "not json", '{"prompt": "x" "answer": "1"}'])
-def test_load_jsonl_malformed_json_names_file_and_line(tmp_path, bad_line):
-    path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "a", "answer": "1"}), "", bad_line])
-    with pytest.raises(common.UsageError) as err:
+BAD_RECORDS = [  # (lines of the file, what the one-line error says)
+    (['{"prompt": "a", "answer": "1"}', "", '{"prompt": "x", "answer": '], ":3"),
+    (['{"prompt": "a", "answer": "1"}', "not json"], ":2"),
+    (['{"prompt": "x" "answer": "1"}'], ":1"),
+    (['{"answer": "1"}'], ":1: .*'prompt'"),
+    (['{"prompt": "", "answer": "1"}'], ":1: .*'prompt'"),
+    (['{"prompt": "a"}'], ":1: .*'answer'"),
+    (['{"prompt": "a", "answer": "  "}'], ":1: .*'answer'"),
+    (['{"question": "q"}'], ":1: .*'answer'"),
+    (["", "  "], "no records"),
+    (["[1, 2]"], ":1: expected a JSON object"),
+    (['{"question": "q", "answer": "42"}'], "####"),
+]
+
+
+@pytest.mark.parametrize("lines, says", BAD_RECORDS)
+def test_load_jsonl_refuses_a_bad_file_in_one_line_naming_where(tmp_path, lines, says):
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(common.UsageError, match=says) as err:
         data_files.load_jsonl(path)
-    assert f"{path}:3" in str(err.value)
-
-
-@pytest.mark.parametrize(
-    "record, field",
-    [
-        ({"answer": "1"}, "prompt"),
-        ({"prompt": "", "answer": "1"}, "prompt"),
-        ({"prompt": "a"}, "answer"),
-        ({"prompt": "a", "answer": "  "}, "answer"),
-        ({"question": "q"}, "answer"),
-    ],
-)
-def test_load_jsonl_missing_field_names_field(tmp_path, record, field):
-    path = write_lines(tmp_path / "m.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), json.dumps(record)])
-    with pytest.raises(common.UsageError) as err:
-        data_files.load_jsonl(path)
-    assert f"'{field}'" in str(err.value) and f"{path}:2" in str(err.value)
-
-
-def test_load_jsonl_other_errors(tmp_path):
+    assert "\n" not in str(err.value) and (path in str(err.value) or says == "no records")
     with pytest.raises(common.UsageError, match="not found"):
         data_files.load_jsonl(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(common.UsageError, match="no records"):
-        data_files.load_jsonl(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
-    with pytest.raises(common.UsageError, match=":1: expected a JSON object"):
-        data_files.load_jsonl(write_lines(tmp_path / "list.jsonl", ["[1, 2]"]))
-    with pytest.raises(common.UsageError, match="####"):
-        data_files.load_jsonl(write_lines(tmp_path / "g.jsonl", [json.dumps({"question": "q", "answer": "42"})]))
 
 
 def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
-    """JSON allows raw U+2028 / U+2029 / U+0085 inside strings (json.dumps(ensure_ascii=False) writes
-    them raw); JSONL records are separated by '\\n' only, so such a record must load intact."""
+    """JSON allows raw U+2028 / U+2029 / U+0085 inside strings; JSONL splits records at '\\n' only."""
     prompt = "first\u2028second\u2029third\x85fourth"
-    path = tmp_path / "u.jsonl"
-    path.write_text(
-        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False)
-        + "\n"
-        + json.dumps({"prompt": "b", "answer": "2"})
-        + "\n",
-        encoding="utf-8",
-    )
-    assert data_files.load_jsonl(str(path)) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    lines = [
+        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False),
+        json.dumps({"prompt": "b", "answer": "2"}),
+    ]
+    path = write_lines(tmp_path / "u.jsonl", lines)
+    assert data_files.load_jsonl(path) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,4 @@
-"""Data parallel on CPU with gloo: a 2-process torchrun run of each script completes with rank 0 alone writing the
-outputs, a reward that fails on one rank stops every rank, and a fork's per-rank state resumes exactly. Here too the
-recorder that tests/test_distributed_flags.py runs each script's own train() through (FIXED_ROLLOUT_RUN), where
-2 ranks equal one process on the same rollout (the loss normalisers and PPO's whitening global)."""
+"""Data parallel on CPU with gloo (2 torchrun ranks), and the recorder that runs train() for the torchrun checks."""
 
 from __future__ import annotations
 

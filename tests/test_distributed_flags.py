@@ -1,12 +1,5 @@
-"""A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
-grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
-each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean), also with
---lora-rank and under --fsdp (the recorder gathers FSDP's shards where the optimizer is stepped); and grpo, gspo and
-ppo with pi_old offset from the starting weights (--old-logp rollout), so that the one update clips. The rollout is
-test_distributed's fixed one (completions fixed by each prompt, so both runs train the same rows), with every third
-row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave out and the ranks hold
-unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token count) gives each
-rank's tokens another weight than one process does, and fails here."""
+"""A script's own train() on 2 gloo ranks against one process on the same rollout, beyond the default flags (torchrun);
+the ranks hold unequal numbers of loss tokens (checked), so a denominator taken per rank fails here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The logged update statistics of 2 gloo ranks with unequal token counts against one process on the same rollout
-(slow tier, torchrun; docs/metrics.md, "How the updates' statistics are pooled"). The rollout is
-test_distributed_flags' fixed one (every third row of a prompt cut, so the ranks hold unequal numbers of tokens),
-and its pi_old is the sampler's log-prob (--old-logp rollout) set to the model's own plus a fixed offset per token,
-so that the one update, at the starting weights in both runs, has ratios away from 1 and clips: its ratio and
-clip statistics are then functions of the rollout and the starting weights alone, which both runs share, up to
-the forward's rounding (logprob_tol). A mean over ranks of each rank's mean (before issue 53) differs."""
+"""The logged update statistics of 2 gloo ranks with unequal token counts against one process (docs/metrics.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""--filter-groups (DAPO's dynamic sampling, issue 47) in grpo.py and gspo.py, and the Rollout that composes.
-
-Quick tier: Rollout.concat against its parts (the rows' tokens by plain loops; completion log-probs and
-entropies through the model, to the forward's rounding bound), the selection (`keep_groups`,
-`groups_to_train`) against plain loops, extras/filter_groups.fill on hand-worked rounds, the advantages of kept groups
-against those of the whole batch and a float64 loop, bad input, and one small in-process run whose every
-trained group has signal and whose metrics read everything sampled. Full tier: two ranks under torchrun
-(one rank keeping nothing in some rounds) and --resume.
-"""
+"""--filter-groups (DAPO's dynamic sampling, issue 47) in grpo.py and gspo.py, and the Rollout that composes."""
 
 from __future__ import annotations
 
@@ -40,7 +32,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import common
 import grpo
 import gspo
-import ppo
 from extras import filter_groups
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -287,13 +278,6 @@ def test_bad_filter_flags_are_one_line_exit_2_nothing_written(tmp_path, capsys, 
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", ["--filter-groups", "--max-sample-rounds"])
-def test_ppo_refuses_the_flags_as_any_unknown_flag(tmp_path, capsys, flag):
-    status, _, err = main_in_process(ppo, [flag, "2", "--out", tmp_path / "out"], capsys)
-    assert status == 2 and f"error: unrecognized argument {flag}" in err
-    assert not (tmp_path / "out").exists()
-
-
 # ---------------------------------------------------------------------------------------------
 # A small run: every trained group has signal; the metrics read everything sampled
 # ---------------------------------------------------------------------------------------------
@@ -428,8 +412,7 @@ def untimed(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "gspo"])
-def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, algo):
+def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, algo="gspo"):  # the rounds: shared
     flags = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "6",
              "--eval-size", "8", "--eval-every", "3", "--no-anneal-lr", "--filter-groups"]  # fmt: skip
     run_script(algo, *flags, "--steps", "5", "--out", tmp_path / "full")

@@ -1,25 +1,5 @@
-"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on docs/forks.md's forks.
-
-In a copy of the project, a script is copied to a fork and registered as a user would (docs/forks.md): its
-name added to SCRIPTS and its parent's line copied in TRAITS, with what the fork changes. The forks are made from
-that page's own text, so that the page and these tests cannot drift apart (a page whose recipe no longer
-applies fails the quick tier here):
-  - gspo.py copied to rloo.py: the unchanged copy passes the shared quick tier; a copy whose loss returns a bare
-    tensor (no info) fails it (the smoke run); a copy that keeps its sampling generator out of `state` fails the
-    shared resume test, since the resumed run then samples from a reseeded generator and ends with other weights;
-  - a DAPO-style grpo.py (docs/forks.md's DAPO defaults in its recipe, its TRAITS line changed as docs/forks.md says):
-    it passes the shared quick tier;
-  - grpo.py made one-step off-policy by docs/forks.md's code block (the batch trained at step t was sampled at step
-    t-1, as verl's one-step off-policy trainer does; pi_old taken right after sampling and carried with the
-    batch): it passes the shared quick tier, and the slow shared tests that read pi_old and the trace; with
-    --routing-replay each update replays its own (older) batch's experts (a fork that replays the last pi_old
-    forward's, another batch's, fails test_routing_replay_through_train); the same fork taking pi_old from the
-    current weights when it trains (the defining mistake of such a fork) fails tests/test_pi_old.py in the quick
-    tier, saying so.
-Each check runs pytest in the copy, in a subprocess (a minute or more each on 2 cores): slow tier. The quick
-tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and docs/forks.md's recipes
-still apply to grpo.py.
-"""
+"""A fork registered in tests/helpers.py is checked by every shared test (issue 46): docs/forks.md's forks, made from
+that page's text in a copy of the project, pass the shared tests, and the forks with a planted mistake fail them."""
 
 from __future__ import annotations
 
@@ -214,14 +194,6 @@ def same_tests_as(proc, fork: str, parent: str) -> None:
     strip = lambda lines, name: sorted(line.split(f"[{name}")[0] for line in lines)  # noqa: E731
     assert passed and not failed, proc.stdout[-4000:]
     assert strip(passed, fork) == strip(fork_results(proc, parent)[0], parent), proc.stdout[-4000:]
-
-
-@pytest.mark.slow
-def test_a_dapo_style_grpo_passes_the_quick_tier(tmp_path):
-    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    same_tests_as(proc, DAPO, "grpo")
 
 
 @pytest.mark.slow

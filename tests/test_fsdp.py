@@ -1,9 +1,4 @@
-"""--fsdp (PyTorch FSDP2) on CPU with gloo, 2 ranks: greedy rollouts, the bf16 sampler and an evaluation
-whose ranks hold different numbers of prompts equal the unsharded ones (and finish); a step on bf16 gathered
-weights is the float32 step to bf16 precision, PPO's critic too; and each script under `torchrun --fsdp`
-equals its DDP run, resumes exactly, and writes a standard final/. The references are independent of FSDP:
-one process, or DDP (whose equality with one process tests/test_distributed_flags.py checks). Each script's own
-update under --fsdp against one process (float32, its critic too): tests/test_distributed_flags.py."""
+"""--fsdp (FSDP2) on CPU with gloo, 2 ranks, against one process or DDP (the scripts' own update: test_distributed_flags)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The gpu tier: the real CUDA paths, wherever a GPU is visible (`python -m pytest -q -m gpu`).
-
-It is the first thing `bash benchmarks/gpu.sh` runs, and it is meant to take under 3 minutes on one H200:
-the script runs (each script 3 steps at tiny and at Qwen2.5-0.5B's shape with random weights, a stop and
-resume, torchrun on one process with and without --fsdp) are launched together, as concurrent processes
-on the one GPU, by one fixture; the tests then read what each run left. Elsewhere (CI has no GPU) every
-test skips with one reason line. RLREF_GPU_TIER_DEVICE=cpu runs the tier's own logic on a CPU (at small
-shapes, a few minutes on 2 cores): a check of the tests, not of CUDA. tests/test_gpu_paths.py reaches
-each CUDA-only branch on a CPU.
-"""
+"""The gpu tier (`python -m pytest -q -m gpu`): the real CUDA paths where a GPU is visible, one reason line elsewhere.
+RLREF_GPU_TIER_DEVICE=cpu runs the tier's own logic on a CPU at small shapes (a check of the tests, not of CUDA)."""
 
 import copy
 import json

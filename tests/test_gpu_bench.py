@@ -1,9 +1,4 @@
-"""benchmarks/gpu.py --cpu-smoke: every row of the GPU benchmark runs, at tiny sizes on CPU (1-2 minutes).
-
-The benchmark itself only means something on a GPU (bash benchmarks/gpu.sh); this checks that each of
-its rows (every script end to end, the random Qwen2 checkpoint they load, torchrun, the sampler and the
-training steps) still runs, so that the GPU machine's few minutes are not spent on a broken command.
-"""
+"""benchmarks/gpu.py --cpu-smoke: every row of the GPU benchmark still runs, at tiny sizes on a CPU."""
 
 import re
 import subprocess

@@ -1,13 +1,4 @@
-"""The code paths that run only on CUDA, reached on a CPU (tests/README.md lists each with its test).
-
-A CPU test cannot run a CUDA kernel, but it can feed the CUDA branch what CUDA would give it: the fused
-attention kernel (which a CPU has too) and its strided output, the unfused projections, a bf16 autocast
-forward (CPU autocast), and torch.cuda's functions replaced by stand-ins that record what they are given
-(RNG states, peak memory, device counts, the NCCL backend, DDP's device_ids). The real thing runs in the
-`gpu` tier (tests/test_gpu.py) wherever a GPU is visible. Also here: the decode loop's reads of the
-device on CUDA's schedule, counted on a CPU, proof that reading less often changes no token, draw or width,
-and that a CPU, which reads every token, decodes no step past the last row's end.
-"""
+"""The code paths that run only on CUDA, reached on a CPU by feeding them what CUDA would (tests/README.md lists them)."""
 
 import types
 
@@ -160,16 +151,6 @@ def cuda_reads(monkeypatch):
     """The decode loop reading the device on CUDA's schedule (after 4, 8, then every 16 tokens) on a CPU,
     which reads after every token."""
     monkeypatch.setattr(common, "READS_EACH_TOKEN_ON", ())
-
-
-def test_the_read_schedule_is_every_token_on_a_cpu_and_sparse_on_a_gpu():
-    """decode_reads, hand-listed: a CPU reads after every token; CUDA (and any device whose reads wait for
-    its queue) after 4, 8, 16, 32 and 48 of 64 tokens."""
-    assert common.decode_reads("cpu", 64) == [True] * 64
-    for device_type in ("cuda", "mps"):
-        reads = common.decode_reads(device_type, 64)
-        assert len(reads) == 64 and [t + 1 for t, r in enumerate(reads) if r] == [4, 8, 16, 32, 48, 64]
-    assert common.decode_reads("cuda", 3) == [False] * 3
 
 
 @pytest.mark.slow  # two 64-token rollouts under torch.profiler: the quick tier's longest test (~20 s)

@@ -1,9 +1,4 @@
-"""Tests for grpo.py: token ratios, the clipped per-token surrogate, the three loss aggregations,
-micro-batch accumulation, the k3 KL term, group advantages, numerics, stats, and 2-step runs.
-
-Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
-"""
+"""grpo.py's formulas against float64 plain loops, REINFORCE written separately, or hand-worked numbers."""
 
 import math
 

@@ -1,10 +1,5 @@
-"""tools/gsm8k.py: GSM8K as published (tests/data/gsm8k: 4 train and 3 test records copied byte for byte from
-openai/grade-school-math, MIT License: grade_school_math/data/train.jsonl lines 1, 2, 346, 5716 and test.jsonl
-lines 1, 147, 490, with plain answers, thousands separators, negatives, a \\u2019 escape) becomes the {prompt,
-answer} records that --data and --eval-data read, answers as written here by hand; the output loads through
-common.load_task and trains one tiny gspo.py step; a malformed record stops with one line naming file and line,
-exit 2, nothing written; a failed download is one line naming the URL and --from. All in this process (about a
-second, the training step aside)."""
+"""tools/gsm8k.py on GSM8K records as published (tests/data/gsm8k: copied byte for byte from openai/grade-school-math,
+MIT License; train.jsonl lines 1, 2, 346, 5716 and test.jsonl lines 1, 147, 490)."""
 
 from __future__ import annotations
 

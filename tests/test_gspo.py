@@ -1,9 +1,4 @@
-"""Tests for gspo.py: the sequence ratio, the clipped sequence objective, GSPO-token, group
-advantages, numerics, stats, and a 2-step end-to-end run.
-
-Every expected value comes from an independent computation: a float64 plain-Python loop, a
-separately written torch expression (REINFORCE), or a number worked by hand in the test itself.
-"""
+"""gspo.py's formulas against float64 plain loops, REINFORCE written separately, or hand-worked numbers."""
 
 import math
 

@@ -1,18 +1,4 @@
-"""The layout of issue 39 ("The core and its extras"), tested as a reader, a forker and a user would meet it:
-
-  - hidden extras: a copy of the project without extras/ still trains (gspo.py, 2 steps), and each
-    optional capability's flag then stops with exit status 2 and one line naming the missing module;
-  - forks: gspo.py copied to rloo.py unchanged is "rloo" everywhere (its --out, summary.json, a
-    checkpoint of gspo.py refused); a fork that deletes the clip flags still runs (shared code reads
-    no algorithm flag);
-  - every script at the root that calls common.main( is in tests/helpers.py's SCRIPTS;
-  - the fixes of issue 39's section 4: MoE with --old-logp rollout, --routing-replay's refusal,
-    constant_groups, losses returning (loss, info), no trace= and no load_model dtype.
-
-The subprocess runs are tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, 2 steps), one core
-each (RLREF_THREADS=1), offline, as in tests/test_reliability.py; each copy of the tree is made once per
-module. On a 2-core machine each run costs a few seconds, most of it importing torch.
-"""
+"""The core and its extras (issue 39): a tree without extras/ trains and refuses each capability in one line; forks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The long `sums` task: its generator, its defaults and checkpoint,
-the ratio statistics every script logs, the on-policy check of the staleness
-sweep, and the sweep's per-run reductions (collapse, gradient-norm spikes) on hand-made curves.
-Reference values are plain Python loops or hand-worked numbers, never the code under test."""
+"""The long `sums` task, the ratio statistics, and the staleness sweep's reductions on hand-made curves."""
 
 import math
 

@@ -1,19 +1,4 @@
-"""LoRA (--lora-rank): peft adapters on a frozen base model.
-
-Every equality here is checked with adapters made non-zero first: peft starts lora_B at 0, where
-the adapted model equals the base and every comparison would pass for a sampler or a reference
-that ignored the adapters. The merged model the sampler and the log-probs are compared with is
-built in this file, W + (alpha / r) B A from the adapter tensors, not by peft's merge or ours.
-
-  - the reference (the policy with adapters disabled) gives the base model's log-probs;
-  - the sampler's greedy output and the training log-probs equal the hand-merged model's;
-  - a PPO run changes only the adapters (policy and critic) and the critic's head; its merged
-    checkpoint holds W + (alpha / r) B A and loads with from_pretrained, equal to peft's own
-    loading of the saved adapter; --resume with LoRA equals the uninterrupted run bit for bit;
-  - a 2-process gspo.py run completes (each script's update with LoRA on 2 ranks against one process:
-    tests/test_distributed_flags.py);
-  - bad LoRA flags exit 2 with one line.
-"""
+"""LoRA (--lora-rank): every equality with non-zero adapters, against W + (alpha / r) B A merged here by hand."""
 
 from __future__ import annotations
 

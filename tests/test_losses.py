@@ -1,9 +1,5 @@
-"""Properties every script's clipped loss must have, one test each over all of them: grpo.py's `grpo_loss` (each
-aggregation, with a k3 KL term), gspo.py's `gspo_loss` (both variants) and ppo.py's `ppo_policy_loss` (with and
-without its dual clip). On-policy the gradient is REINFORCE's under the loss's own aggregation; padding, whatever
-it holds, changes nothing; a row with no token counts only where the aggregation divides by B; log-ratios past
-float32's exp overflow stay finite. Each script's own formulas are checked against a plain loop in its own file.
-"""
+"""Properties every script's clipped loss must have, one test each over all of them (LOSSES); each script's own
+formulas are checked against a plain loop in its own file."""
 
 import math
 
