@@ -1,4 +1,4 @@
-"""--fsdp (FSDP2) on CPU with gloo, 2 ranks, against one process or DDP (the scripts' own update: test_distributed_flags)."""
+"""--fsdp (FSDP2) on CPU with gloo, 2 ranks, against one process or DDP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The code paths that run only on CUDA, reached on a CPU by feeding them what CUDA would (tests/README.md lists them)."""
+"""The code paths that run only on CUDA, reached on a CPU by feeding them what CUDA would (tests/README.md)."""
 
 import types
 
