@@ -21,10 +21,11 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from helpers import assert_within, needs_torchrun, torchrun_cmd  # noqa: E402
+from helpers import assert_within, main_in_process, needs_torchrun, torchrun_cmd  # noqa: E402
 from test_distributed import WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
 
 import common  # noqa: E402
+import gspo  # noqa: E402
 import ppo  # noqa: E402
 from extras import fsdp as fsdp_extra  # noqa: E402
 
@@ -215,22 +216,15 @@ def test_script_under_fsdp_equals_ddp_and_resumes_exactly(tmp_path):
     ]
 
 
-def test_fsdp_without_torchrun_and_with_lora_is_refused(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [sys.executable, str(ROOT / "gspo.py"), "--fsdp", "--steps", "1", "--out", str(tmp_path / "a")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: --fsdp shards the model over torchrun's processes")
-    lora = subprocess.run(
-        cmd + ["--lora-rank", "4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**env, "WORLD_SIZE": "2"},
-    )  # fmt: skip  (as under torchrun: checked before it joins)
-    assert lora.returncode == 2
-    assert lora.stderr.strip().splitlines()[-1].startswith("error: --fsdp with --lora-rank is not supported")
+def test_fsdp_without_torchrun_and_with_lora_is_refused(tmp_path, capsys, monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--fsdp", "--steps", "1", "--out", tmp_path / "a"]
+    status, _, err = main_in_process(gspo, argv, capsys)
+    assert status == 2 and err.strip().startswith("error: --fsdp shards the model over torchrun's processes"), err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: checked before it joins
+    status, _, err = main_in_process(gspo, [*argv, "--lora-rank", "4"], capsys)
+    assert status == 2 and err.strip().startswith("error: --fsdp with --lora-rank is not supported"), err
     assert not (tmp_path / "a").exists()
 
 

@@ -70,19 +70,9 @@ def _away_from_clip_edges(b, eps_low, eps_high, tol=1e-9):
 def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, denominator=None):
     logp = t64(b["logp"]).requires_grad_(True)
     adv = t64(b["adv"] if adv is None else adv)
-    loss, stats = grpo.grpo_loss(
-        logp,
-        t64(b["old"]),
-        adv,
-        t64(b["mask"]),
-        eps_low=eps[0],
-        eps_high=eps[1],
-        ref_logp=None if ref is None else t64(ref),
-        kl_coef=kl_coef,
-        agg=agg,
-        max_len=max_len,
-        denominator=denominator,
-    )
+    loss, stats = grpo.grpo_loss(logp, t64(b["old"]), adv, t64(b["mask"]), eps_low=eps[0], eps_high=eps[1],
+                                 ref_logp=None if ref is None else t64(ref), kl_coef=kl_coef, agg=agg,
+                                 max_len=max_len, denominator=denominator)  # fmt: skip
     return loss, _grad(loss, logp), stats
 
 
@@ -92,24 +82,6 @@ REF_OFFSET = st.floats(-1.5, 1.5, allow_nan=False)
 # ----------------------------------------------------------------------------------------------
 # Token ratios, the clipped surrogate, the KL term: loss and gradient against a plain loop
 # ----------------------------------------------------------------------------------------------
-
-
-@LIGHT
-@given(batches(), st.sampled_from(AGGS))
-def test_token_ratio_is_exp_of_log_difference(b, agg):
-    """With no clipping (eps_low = 1, eps_high = inf) the loss is agg(-A exp(logp - old))."""
-    loss, _, stats = _run(b, agg, eps=(1.0, float("inf")))
-    expected, _ = loop_grpo(b, 1.0, float("inf"), agg)
-    assert loss.item() == pytest.approx(expected, abs=loss_tol())
-    ratios = [
-        math.exp(l - o)
-        for lr, orow, mrow in zip(b["logp"], b["old"], b["mask"])
-        for l, o, m in zip(lr, orow, mrow)
-        if m
-    ]
-    # a mean of <= 24 ratios (each 3 roundings) of size <= e^2; a ratio minus 1: 4 roundings of size <= e^2
-    assert stats["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), abs=2 * gamma_n(28) * math.exp(2))
-    assert stats["ratio_max_dev"] == pytest.approx(max(abs(r - 1) for r in ratios), abs=2 * gamma_n(4) * math.exp(2))
 
 
 @pytest.mark.numeric
@@ -170,37 +142,16 @@ CLIP_CASES = [
 @pytest.mark.parametrize("eps_high, col", [(0.2, 2), (0.28, 3)])
 @pytest.mark.parametrize("per_token_adv", [False, True])
 def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
-    """B = 8 one-token sequences (seq-mean-token-mean, normaliser 8); the gradient on token i is 0
-    where clipped, else -A_i r_i / 8. With a [1, 8] per-token advantage instead (token-mean over
-    8 tokens) the answer is the same."""
+    """8 one-token rows, or one row of 8 tokens with per-token A: the gradient is 0 where clipped, else -A r / 8."""
     n = len(CLIP_CASES)
     adv = [c[0] for c in CLIP_CASES]
     lr = [math.log(c[1]) for c in CLIP_CASES]
     expected = [0.0 if c[col] else -c[0] * c[1] / n for c in CLIP_CASES]
-    if per_token_adv:
-        logp = t64([lr]).requires_grad_(True)
-        loss, stats = grpo.grpo_loss(
-            logp,
-            torch.zeros(1, n, dtype=torch.float64),
-            t64([adv]),
-            torch.ones(1, n),
-            eps_low=0.2,
-            eps_high=eps_high,
-            agg="token-mean",
-        )
-        g = _grad(loss, logp)[0]
-    else:
-        logp = t64([[x] for x in lr]).requires_grad_(True)
-        loss, stats = grpo.grpo_loss(
-            logp,
-            torch.zeros(n, 1, dtype=torch.float64),
-            t64(adv),
-            torch.ones(n, 1),
-            eps_low=0.2,
-            eps_high=eps_high,
-            agg="seq-mean-token-mean",
-        )
-        g = _grad(loss, logp)[:, 0]
+    shape, agg = ((1, n), "token-mean") if per_token_adv else ((n, 1), "seq-mean-token-mean")
+    logp = t64(lr).view(shape).requires_grad_(True)
+    loss, stats = grpo.grpo_loss(logp, torch.zeros(shape, dtype=torch.float64), t64([adv] if per_token_adv else adv),
+                                 torch.ones(shape), eps_low=0.2, eps_high=eps_high, agg=agg)  # fmt: skip
+    g = _grad(loss, logp).flatten()
     for i, (gi, ei) in enumerate(zip(g.tolist(), expected)):
         if ei == 0.0:
             assert gi == 0.0, (CLIP_CASES[i], gi)
@@ -272,19 +223,9 @@ def _accumulate(b, agg, pieces, max_len, ref, with_denominator):
     den = _full_denominator(agg, b["mask"], max_len) if with_denominator else None
     total = 0.0
     for lo, hi in pieces:
-        loss, _ = grpo.grpo_loss(
-            logp[lo:hi],
-            old[lo:hi],
-            adv[lo:hi],
-            mask[lo:hi],
-            eps_low=0.2,
-            eps_high=0.28,
-            ref_logp=None if refl is None else refl[lo:hi],
-            kl_coef=0.05,
-            agg=agg,
-            max_len=max_len,
-            denominator=den,
-        )
+        loss, _ = grpo.grpo_loss(logp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], eps_low=0.2, eps_high=0.28,
+                                 ref_logp=None if refl is None else refl[lo:hi], kl_coef=0.05, agg=agg,
+                                 max_len=max_len, denominator=den)  # fmt: skip
         loss.backward()
         total += loss.item()
     return total, logp.grad
@@ -372,13 +313,6 @@ def test_kl_k3_never_negative_and_matches_loop(logp, diff):
     k64 = grpo.kl_k3(lp32.double(), ref32.double()).item()
     assert k64 >= 0.0
     assert k64 == pytest.approx(expected, abs=2 * gamma_n(3) * (abs(math.expm1(c)) + expected))
-
-
-@LIGHT
-@given(st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=1, max_size=8))
-def test_kl_k3_zero_when_equal(vals):
-    x = torch.tensor([vals], dtype=torch.float32)
-    assert torch.equal(grpo.kl_k3(x, x.clone()), torch.zeros_like(x))
 
 
 def test_kl_term_added_per_token():
