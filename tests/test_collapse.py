@@ -206,12 +206,27 @@ FORK_RUN = ["--lr", "3e-3", "--no-anneal-lr", "--minibatches", "2", "--prompts-p
             "--eval-size", "50", "--eval-every", "5", "--seed", "0"]  # fmt: skip
 
 
+def without_clip_flags(source: str) -> str:
+    """gspo.py's text as a fork that drops --eps-low / --eps-high would write it: no fields, no
+    Args.check (which only checked them), fixed clip values passed to the loss."""
+    edits = [
+        # the two fields, each a line and its docstring's line
+        (r"\n    eps_low: float = [^\n]*\n    \"\"\"[^\n]*\n    eps_high: float = [^\n]*\n    \"\"\"[^\n]*\n", "\n"),
+        (r"\n    def check\(self\):\n(?:        [^\n]*\n)+", "\n"),  # the method, every line indented under it
+        (r"eps_low=args\.eps_low,\s*eps_high=args\.eps_high,", "eps_low=3e-4, eps_high=4e-4,"),  # the loss's clip
+    ]
+    for pattern, new in edits:
+        source, n = re.subn(pattern, new, source)
+        assert n == 1, f"gspo.py no longer has the text the fork edits ({pattern!r} matched {n} times)"
+    assert "eps_low" not in source.split("def gspo_loss")[0].split("class Args")[1], "a clip field is left"
+    assert "args.eps_" not in source and "def check(self)" not in source
+    return source
+
+
 @pytest.fixture
 def noclip(tmp_path, monkeypatch):
     """gspo.py forked to noclip.py with its clip removed: the clip flags gone and the loss given the
     range [0, inf], so the ratio of the second, off-policy minibatch is never clipped."""
-    from test_layout import without_clip_flags  # the fork a user writes who drops --eps-low / --eps-high
-
     source = without_clip_flags((common.SHIPPED_CHECKPOINTS.parent / "gspo.py").read_text())
     head, sep, loop = source.partition("\ndef train(")  # the loss's defaults above keep their values
     loop, n = re.subn(r"eps_low=3e-4, eps_high=4e-4,", 'eps_low=1.0, eps_high=float("inf"),', loop)
@@ -252,6 +267,7 @@ def test_a_fork_without_a_clip_collapses_and_is_warned(noclip, tmp_path, capsys)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     before = summary["eval_accuracy_before"]
     assert before >= 0.1 and summary["eval_accuracy_after"] <= before - 0.1  # it did collapse
+    assert "eps_low" not in summary["args"] and "eps_high" not in summary["args"]  # shared code reads no clip flag
     drop, window = expected_warnings(rows, before)
     assert drop is not None and window is not None
     assert summary["accuracy_drop"]["warned_at_step"] == drop
