@@ -429,6 +429,15 @@ def torchrun_cmd() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for torchrun's --master_port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def needs_torchrun(test):
     """Skip a test that launches torchrun where this torch has none; under CI (in_ci()) it runs, and fails in
     torchrun_cmd(): a CI whose torchrun tests all skipped would pass without testing data parallelism."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from helpers import (
     ROOT,
     assert_within,
     entropy_tol,
+    free_port,
     group_advantage_tol,
     logit_scale,
     logprob_tol,
@@ -360,12 +360,6 @@ def recording(rewards, *a, **k):
 script.group_advantages = recording
 common.main(script.train, script.Args)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

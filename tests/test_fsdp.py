@@ -21,10 +21,11 @@ for p in (ROOT, Path(__file__).parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from helpers import assert_within, main_in_process, needs_torchrun, torchrun_cmd  # noqa: E402
-from test_distributed import WORLD, _free_port, fixed_batch, loss_for  # noqa: E402
+from helpers import assert_within, free_port, main_in_process, needs_torchrun, torchrun_cmd  # noqa: E402
+from test_distributed import WORLD  # noqa: E402
 
 import common  # noqa: E402
+import grpo  # noqa: E402
 import gspo  # noqa: E402
 import ppo  # noqa: E402
 from extras import fsdp as fsdp_extra  # noqa: E402
@@ -36,7 +37,32 @@ BF16_REL = 2**-2  # test_bf16_gathered_weights_...: why this is not derived from
 TIMEOUT = 600  # seconds for the 2-rank worker: a collective that one rank skips would hang, not fail
 
 
-def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
+def fixed_batch(tok, B=8, T=6, seed=0):
+    """A rollout with completions of different lengths (so token counts differ between ranks),
+    pi_old log-probs off from the current policy's, advantages and scores."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (B,), generator=g)]
+    lengths = [1, 6, 2, 5, 6, 1, 3, 6]  # rank 0 takes rows 0, 2, 4, 6 (12 tokens), rank 1 the rest (18)
+    completions = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
+    roll = common.Rollout.from_lists(prompts, completions, tok.pad_token_id)
+    return {
+        "roll": roll,
+        "old_shift": 0.3 * torch.randn(B, T, generator=g),
+        "adv": torch.randn(B, generator=g),
+        "token_adv": torch.randn(B, T, generator=g),
+    }
+
+
+def token_mean_loss(train_model, batch, rows):
+    """grpo.py's token-mean loss of `rows`, as its update computes it under torchrun (the denominator all ranks')."""
+    roll, mask = batch["roll"][rows], batch["roll"].completion_mask[rows]
+    logp, _ = train_model(roll, 1.0)
+    old = (logp.detach() + batch["old_shift"][rows]) * mask
+    denominator = common.mean_denominator(mask.sum())
+    return grpo.grpo_loss(logp, old, batch["adv"][rows], mask, agg="token-mean", denominator=denominator)[0]
+
+
+def sgd_step(model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
     """One SGD step (lr 1, no clipping: both keep a wrong gradient scale visible) of the scripts' loss on
     `rows`: {"loss" (on FSDP ranks the mean of their losses), "grad_norm", "weights" (rank 0's gathered)}.
     dtype: the weights FSDP gathers (bf16: its MixedPrecisionPolicy, as on CUDA with bf16 rollouts)."""
@@ -45,7 +71,7 @@ def sgd_step(case, model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> d
     if fsdp:
         train_model = fsdp_extra.shard(train_model, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    loss = loss_for(case, train_model, batch, rows)
+    loss = token_mean_loss(train_model, batch, rows)
     loss.backward()
     norm = common.clip_grad_norm_(model.parameters(), math.inf)  # the total norm (all ranks'), no clipping
     opt.step()
@@ -109,7 +135,7 @@ def _worker(rank, port, model_dir, out):
         results["evaluation"] = evaluation(model, tok)
         results["weights_still_sharded"] = common.sharded(model)  # gathered() resharded after sampling
         # bf16 gathered weights (a MixedPrecisionPolicy, as on CUDA with --rollout-dtype bfloat16), on CPU
-        results["bf16 step"] = sgd_step("grpo-token-mean", model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
+        results["bf16 step"] = sgd_step(model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
         results["bf16 critic"] = critic_step(model_dir, batch, mine, fsdp=True, dtype=torch.bfloat16)
         model = common.load_model(model_dir, CPU)[0].eval()
         sampler = bf16_sampler(model, tok)
@@ -124,7 +150,7 @@ def _worker(rank, port, model_dir, out):
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    ctx = mp.start_processes(_worker, args=(_free_port(), tiny_path, str(out)), nprocs=WORLD, join=False)
+    ctx = mp.start_processes(_worker, args=(free_port(), tiny_path, str(out)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + TIMEOUT
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -158,7 +184,7 @@ SCRIPT_FLAGS = {  # small runs that reach every sharded forward: grpo's referenc
 
 
 def torchrun(algo, out, *flags, nproc=WORLD, check=True):
-    cmd = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+    cmd = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
            str(ROOT / f"{algo}.py"),
            "--device", "cpu", "--prompts-per-step", "8", "--minibatches", "2", "--max-new-tokens", "6",
            "--eval-size", "7", "--eval-every", "2", "--trace-every", "2", "--no-anneal-lr", "--out", str(out),
@@ -260,7 +286,7 @@ def test_bf16_gathered_weights_sample_as_the_bf16_sampler_and_train_to_bf16_prec
     with torch.no_grad():  # critic_step's head
         critic.head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     for name, single, before in (
-        ("bf16 step", sgd_step("grpo-token-mean", tiny_path, batch, slice(None), fsdp=False), policy_before),
+        ("bf16 step", sgd_step(tiny_path, batch, slice(None), fsdp=False), policy_before),
         ("bf16 critic", critic_step(tiny_path, batch, slice(None), fsdp=False), critic.state_dict()),
     ):
         sharded = sharded_results[name]
@@ -316,7 +342,7 @@ def test_the_fsdp_root_registry_lets_a_finished_runs_model_go(tmp_path):
     active exception", exit -6, in 1 of ~12 --fsdp cases of one CI run.)"""
     script = tmp_path / "release.py"
     script.write_text(RELEASE.format(root=str(ROOT)))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RLREF_THREADS": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RLREF_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-3:-1] == ["[False, False]", "[True, True]"], proc.stdout
