@@ -43,3 +43,20 @@ def char_tok():
     import build_checkpoints  # here, not at the top: a tool that fails to import fails only the tests using it
 
     return build_checkpoints.build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def rand_model(char_tok):
+    """A small random Qwen3 on the char tokenizer; initializer_range 0.3 (not 0.02) makes its next-token distributions
+    peaked enough that greedy choices are not near-ties decided by rounding."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(char_tok), pad_token_id=char_tok.pad_token_id,
+                         eos_token_id=char_tok.eos_token_id, bos_token_id=None, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=[char_tok.eos_token_id], pad_token_id=char_tok.pad_token_id,
+                                               do_sample=False)  # fmt: skip
+    return model

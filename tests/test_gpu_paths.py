@@ -17,7 +17,6 @@ from helpers import (
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import common
 from extras import distributed as distributed_extra
@@ -29,19 +28,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def model(char_tok):
-    """A small random Qwen3 with peaked next-token distributions (initializer_range 0.3), so that greedy
-    choices are not near-ties decided by rounding (as test_common.py's)."""
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(char_tok), pad_token_id=char_tok.pad_token_id,
-                         eos_token_id=char_tok.eos_token_id, bos_token_id=None, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, max_position_embeddings=256, initializer_range=0.3,
-                         tie_word_embeddings=False)  # fmt: skip
-    m = Qwen3ForCausalLM(config).eval()
-    m.generation_config = GenerationConfig(eos_token_id=[char_tok.eos_token_id], pad_token_id=char_tok.pad_token_id,
-                                           do_sample=False)  # fmt: skip
-    return m
+def model(rand_model):
+    return rand_model  # conftest's
 
 
 @pytest.fixture(scope="module")
