@@ -130,10 +130,7 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
 
 
 def test_every_embedded_checkpoint_ships_under_its_recipe_key():
-    """tiny, tiny-sums, tiny-moe and tiny-rm all resolve to checkpoints/<checkpoint_key>: a run never builds one.
-    common.TINY_KEYS (the directory names a run looks up; the runtime never reads the recipes) is tools/recipes.py's
-    checkpoint_key for each, so a changed recipe fails here until it is rebuilt (python tools/build_checkpoints.py
-    NAME --into checkpoints --force) and shipped again."""
+    """Each embedded checkpoint is shipped under tools/recipes.py's checkpoint_key: a changed recipe fails here."""
     from pathlib import Path
 
     assert set(common.TINY_KEYS) == {*common.TINY_MODELS, common.TINY_RM}
@@ -147,9 +144,7 @@ def test_every_embedded_checkpoint_ships_under_its_recipe_key():
 
 @pytest.mark.slow
 def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
-    """The recipe that made the shipped checkpoint, run again: a checkpoint whose held-out accuracy
-    lies in the band that leaves room for RL (10-35%; it stops at the first probe of training
-    prompts past 20%, mid-rise, so where exactly depends on the CPU's rounding)."""
+    """The shipped checkpoint's recipe, run again, lands in the band that leaves room for RL (10-35%)."""
     from build_checkpoints import build_tiny_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,10 +165,7 @@ def fast_recipe(monkeypatch):
 
 @pytest.mark.slow
 def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_state_alone(tmp_path, monkeypatch):
-    """A recipe of 3 SFT steps (its own key) in an empty cache: tiny_checkpoint refuses it with one
-    line naming the command that builds it; tools/build_checkpoints.py then builds it into the cache
-    (its own seeded SFT run), after which it resolves there. The caller's torch, numpy and Python
-    random streams continue as if the build had not run."""
+    """A changed recipe: refused in one line naming the build command, then built by it; no random stream moves."""
     import random
 
     import build_checkpoints
@@ -236,9 +228,7 @@ def test_char_tokenizer_round_trips_any_printable_text(char_tok, text):
 
 
 def test_shipped_tokenizers_are_the_builders(char_tok, tmp_path):
-    """Every shipped char-tokenizer checkpoint splits, maps and joins text as build_char_tokenizer does:
-    the round trip above tests the builder, and this makes it hold for what runs load (a fix to the
-    builder that is not copied into checkpoints/*/tokenizer.json fails here)."""
+    """Every shipped char-tokenizer splits, maps and joins text as build_char_tokenizer does."""
     char_tok.save_pretrained(tmp_path)
     built = json.loads((tmp_path / "tokenizer.json").read_text())
     shipped = sorted(common.SHIPPED_CHECKPOINTS.glob("tiny-*/tokenizer.json"))
@@ -312,9 +302,7 @@ def test_sampler_decoder_logits_equal_full_forward(rand_model, prompts, char_tok
 @pytest.mark.numeric
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok, temperature, top_p):
-    """The entropy the sampler records at each token (the scripts log it as `entropy`) is the one a
-    separate no-grad pass computes (logits / temperature, before top-p), 0 on padding; computed
-    here again in float64 from the full forward's logits."""
+    """The sampler's per-token entropy (logits / temperature, before top-p) is float64's from the full forward."""
     roll = common.sample(rand_model, prompts, 6, [char_tok.eos_token_id, 40], char_tok.pad_token_id, temperature,
                          top_p, generator=torch.Generator().manual_seed(3))  # fmt: skip
     with torch.no_grad():
@@ -824,10 +812,7 @@ def test_rollout_rows_keep_the_draws_seconds_and_sampled_tokens():
 
 
 def test_a_list_of_rollouts_is_checkpoint_state_restored_in_place_on_the_runs_device(tmp_path):
-    """A fork's carried batch (a list holding a Rollout, tensors, records) is a `state` object: saved as plain
-    values that trainer.pt loads weights_only, restored into the same list, every tensor on the run's device
-    (the meta device here stands in for a GPU: the tensors must follow the device asked for, not stay on the
-    CPU they were saved from). A class a checkpoint cannot rebuild is refused by name."""
+    """A fork's carried batch (Rollouts, tensors, records) round-trips through trainer.pt onto the run's device."""
     resume = common.extra("resume", "--resume")
     roll = common.Rollout.from_lists([[5, 6], [7]], [[8, 9], [10]], pad_id=0)
     roll.seconds, roll.sampled_tokens, roll.draws = 0.5, 3, 1

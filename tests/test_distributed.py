@@ -94,10 +94,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(tmp_path):
 
 @needs_torchrun
 def test_a_forks_per_rank_carried_batch_resumes_bit_for_bit_on_two_ranks(tmp_path):
-    """The one-step off-policy fork of grpo.py (tests/test_forks.py) carries, on each rank, the batch that rank
-    sampled, a list of Rollouts and tensors passed to Run as state. On 2 gloo ranks, 3 steps then --resume to 6
-    against 6 straight: the same metrics rows and the same final weights, bit for bit. (Before issue 52 trainer.pt
-    kept rank 0's batch and loaded it on every rank.)"""
+    """test_forks' off-policy fork on 2 ranks, 3 steps then --resume to 6, equals 6 straight bit for bit (issue 52)."""
     from test_forks import OFF_POLICY, one_step_off_policy
 
     fork = tmp_path / f"{OFF_POLICY}.py"

@@ -169,10 +169,7 @@ def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
 
 
 def launch(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
-    """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
-    process, else torchrun's, given `torchrun_flags` too; `offset` a number: pi_old the sampler's log-probs
-    (--old-logp rollout), OFF_POLICY_PI_OLD's with that offset. Returns the record directory (each optimizer step's
-    gradients and weights, each rank's tokens), record-{nproc}{name}, beside the run's out-{nproc}{name} (out_of)."""
+    """One update on the fixed rollout (nproc 0: one process, else torchrun's): its record-{nproc}{name} directory."""
     assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))
     script = tmp_path / f"fixed_cut_rollout_run{name}.py"
     pi_old = "" if offset is None else OFF_POLICY_PI_OLD.replace("{offset}", repr(float(offset)))
@@ -222,10 +219,7 @@ MIN_CLIPPED = 0.1  # the least share clipped that a case accepts (rows of a grou
 @needs_torchrun
 @pytest.mark.parametrize("case", sorted(OFF_POLICY_CASES))
 def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
-    """pi_old offset from the starting weights (--old-logp rollout, OFF_POLICY_PI_OLD): the one update clips at least
-    MIN_CLIPPED of its tokens (GSPO: sequences), as metrics.jsonl counts them, the same share on 2 ranks, and its
-    gradients on 2 ranks are one process's to the bound above. They differ from the on-policy update's (offset 0:
-    nothing clipped) by more than that bound, in every tensor with a gradient: the comparison is of another update."""
+    """pi_old offset (OFF_POLICY_PI_OLD): the update clips, 2 ranks equal one process, and differ from on-policy."""
     algo, flags = OFF_POLICY_CASES[case]
     single, ddp, records = assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, offset=OFFSET)
     on_policy = run(tmp_path, algo, flags, 0, offset=0.0, name="-on-policy")
@@ -261,9 +255,7 @@ ONE_PROCESS = {}  # (algo, flags, offset) -> a one-process run's record director
 
 
 def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, torchrun_flags=(), offset=None):
-    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
-    the same rollout (`offset`: pi_old offset from it, as `run`'s): the same on both ranks, and the one process's to
-    rounding. Returns the two runs' record directories and the records compared."""
+    """Each optimizer's gradient on each of 2 ranks equals one process's on the same rollout, to rounding."""
     key = (algo, tuple(flags), offset)  # one process's run, the same under --fsdp: made once
     single = ONE_PROCESS.get(key) or ONE_PROCESS.setdefault(key, run(tmp_path, algo, flags, 0, offset=offset))
     ddp = run(tmp_path, algo, flags, WORLD, torchrun_flags, offset=offset)

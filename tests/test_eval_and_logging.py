@@ -66,9 +66,8 @@ def test_pass_at_k_hand_cases():
 
 
 def test_evaluate_reports_pass_at_1_and_pass_at_n(tiny_path, monkeypatch):
-    """Which completions are correct is fixed by the row: greedy [1, 0, 1]; the 4 samples of each
-    prompt [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0] (c = 2, 0, 1), so pass@1 = (2/4 + 0 + 1/4) / 3
-    and pass@4 = (1 + 0 + 1) / 3."""
+    """Correct by row: greedy [1, 0, 1], samples [1, 1, 0, 0], [0] * 4, [1, 0, 0, 0]:
+    pass@1 = (2/4 + 0 + 1/4) / 3, pass@4 = 2 / 3."""
     fixed = {3: [1, 0, 1], 12: [1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]}
 
     def by_row(tok, roll, answers, parser="exact"):
@@ -187,12 +186,7 @@ def floats_in(value):
 
 @pytest.mark.slow  # a subprocess run of gspo.py
 def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
-    """A script run as a user runs it: its last stdout line says held-out before -> after, the time and
-    what is in --out (checked against summary.json, metrics.jsonl and the directory); transformers'
-    "Loading weights" / "Writing model shards" bars are gone; the bar's held-out field is named eval_acc
-    and shows the last evaluation; summary.json's numbers are rounded as metrics.jsonl's are, the flags
-    exact, and its wall_time_s covers more than the steps (model loading, evaluations) within the
-    process's own lifetime."""
+    """A subprocess run: one closing line, true to summary.json and --out; no transformers bars; rounded numbers."""
     import os
     import re
     import subprocess

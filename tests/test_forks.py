@@ -42,10 +42,7 @@ def fork_section() -> str:
 
 
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
-    """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged but for its loss's name, as
-    docs/forks.md says: `<fork>_loss`), registered in the copy's tests/helpers.py: its name added to SCRIPTS and its
-    parent's TRAITS line copied, with `traits` (a field's new value, "name=value") changed, by lines appended after
-    both are defined, so that it works however the SCRIPTS line is written."""
+    """A copy of the project with fork.py = edit(parent.py), registered in the copy's SCRIPTS and TRAITS."""
     root = tmp_path / "project"
     ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
     shutil.copytree(ROOT, root, ignore=ignore)
@@ -98,11 +95,7 @@ def off_policy_recipe() -> list[str]:
 
 
 def one_step_off_policy(source: str, broken: bool = False) -> str:
-    """grpo.py made one-step off-policy by docs/forks.md's code block: each step samples a batch and takes its pi_old
-    at once (steps 1-5, the weights that sampled it), carries it, and trains the batch the previous step sampled;
-    the first step samples two (both with the initial weights) and trains the first, as verl's one-step off-policy
-    trainer starts. The block's lines are the fork's, steps 1-5 of grpo.py (indented) where it says so.
-    `broken`: pi_old retaken from the current weights when the carried batch is trained."""
+    """grpo.py made one-step off-policy by docs/forks.md's code block (`broken`: pi_old from the current weights)."""
     recipe = off_policy_recipe()
     at = lambda prefix: next(i for i, line in enumerate(recipe) if line.strip().startswith(prefix))  # noqa: E731
     loop, steps, rest = at("for _ in range("), at("...  # steps 1-5"), at("...  # steps 6-8")

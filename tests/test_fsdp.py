@@ -63,9 +63,7 @@ def token_mean_loss(train_model, batch, rows):
 
 
 def sgd_step(model_dir, batch, rows, fsdp: bool, dtype=torch.float32) -> dict:
-    """One SGD step (lr 1, no clipping: both keep a wrong gradient scale visible) of the scripts' loss on
-    `rows`: {"loss" (on FSDP ranks the mean of their losses), "grad_norm", "weights" (rank 0's gathered)}.
-    dtype: the weights FSDP gathers (bf16: its MixedPrecisionPolicy, as on CUDA with bf16 rollouts)."""
+    """One SGD step (lr 1, no clipping) of grpo's token-mean loss on `rows`: loss, grad_norm, gathered weights."""
     model = common.load_model(model_dir, CPU)[0].train()
     train_model = common.CompletionLogprobs(model)
     if fsdp:
@@ -271,9 +269,7 @@ def test_fsdp_refuses_a_model_its_sampler_cannot_run_and_a_checkpoint_of_another
 
 
 def test_bf16_gathered_weights_sample_as_the_bf16_sampler_and_train_to_bf16_precision(sharded_results, tiny_path):
-    """Under a bf16 MixedPrecisionPolicy the rollout runs on the gathered bf16 weights themselves, which are
-    the float32 weights rounded as the bf16 Sampler rounds its copy: the same samples and log-probs. The
-    step (float32 log-probs from bf16 weights, float32 gradient reduction) is the float32 one to bf16 precision."""
+    """bf16 gathered weights sample as the bf16 Sampler does, and step as float32 does to bf16 precision."""
     model, tok = common.load_model(tiny_path, CPU)
     model.eval()
     greedy, bf16, bf16_logp = rollouts(model, tok, bf16_sampler(model, tok))
@@ -335,11 +331,7 @@ print([r() is None for r in refs])
 
 
 def test_the_fsdp_root_registry_lets_a_finished_runs_model_go(tmp_path):
-    """main()'s end under torchrun (leave_process_group) lets a finished run's sharded model go before it destroys
-    the process group: extras/fsdp.py's registry of FSDP roots, which holds each root and through it its model,
-    is emptied and both are freed. (Before, the whole sharded model and its process groups lived into interpreter
-    shutdown, where gloo's threads aborted a finished rank now and then: SIGABRT, "terminate called without an
-    active exception", exit -6, in 1 of ~12 --fsdp cases of one CI run.)"""
+    """leave_process_group frees the FSDP roots' registry (before, gloo aborted finished ranks now and then)."""
     script = tmp_path / "release.py"
     script.write_text(RELEASE.format(root=str(ROOT)))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RLREF_THREADS": "1"}

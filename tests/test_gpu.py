@@ -144,12 +144,8 @@ def test_greedy_samples_equal_hf_generate_in_float32(tiny):
 
 
 def test_greedy_samples_in_bf16_part_from_hf_generate_only_at_near_ties(tiny):
-    """In bfloat16 (the sampler's copy on a GPU) the fused kernels' roundings may flip a near-tie, so a row of
-    common.sample's greedy completions may part from generate's. Where one does, the two tokens chosen at the
-    first step they differ are a near-tie: under a float32 forward of the shared prefix their logits are within
-    what each bf16 forward's rounding allows (each picked its token, so the exact logits differ by at most twice
-    one forward's error, logit_tol at bfloat16 capped at half the logit scale, plus the float32 forward's own). Rows
-    that agree need no check. A decode step that hides its own slot from the new token fails it (planted)."""
+    """Where a bf16 greedy row parts from generate's, the two tokens are a near-tie: their float32 logits within
+    twice logit_tol at bfloat16 (capped at half the logit scale) plus float32's own."""
     model, tok = tiny
     prompts, ours, theirs = greedy_against_generate(copy.deepcopy(model).to(torch.bfloat16), tok)
     roll = common.Rollout.from_lists(prompts, ours, tok.pad_token_id, device=model.device)

@@ -60,9 +60,7 @@ def cuda_decoder(monkeypatch):
 
 
 def test_decoder_samples_the_same_whatever_layout_the_attention_output_has(model, prompts, char_tok, monkeypatch):
-    """The first GPU run crashed here: `out.view(...)` of SDPA's strided output. Greedy and sampled
-    completions with the attention output laid out as CUDA's kernel lays it out equal those with it
-    contiguous, token for token."""
+    """SDPA's strided output (the first GPU run crashed on its view) samples as the contiguous one."""
     pad, eos, T = char_tok.pad_token_id, [char_tok.eos_token_id, 40], 20
     runs = {}
     for layout in ("contiguous", "strided"):
@@ -92,9 +90,7 @@ def test_cuda_decoder_branches_sample_greedily_as_hf_generate(model, prompts, ch
 @example(M=6, N=40, masked=0.7, seed=1)
 @settings(max_examples=30, deadline=None)
 def test_fused_attention_equals_the_matmul_path_and_float64(M, N, masked, seed):
-    """Both branches of _attention against float64: scores err by sum_gamma(D) of sum |q_i k_i| scale, which
-    moves each softmax weight by at most twice that (relatively) plus the softmax's own roundings
-    (sum_gamma(N) and an exp), and the output, a convex mix of v, by that times max |v| plus sum_gamma(N)."""
+    """Both branches of _attention against float64, to bounds from sum_gamma of the scores and the softmax."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv, D, scale = 2, 2, 8, 8**-0.5
     q, k, v = (torch.randn(B, Hkv, n, D, generator=g) * 2 for n in (M, N, N))
@@ -122,9 +118,7 @@ SYNCING_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim",
 
 
 def count_host_reads(monkeypatch, fn) -> int:
-    """Reads of the device that `fn` makes: the ops whose result the host must wait for on a GPU (a
-    scalar read, nonzero's or unique's output size), counted by torch.profiler, and the decode loop's own
-    reads (common._host: .tolist(), which on a CPU dispatches no op to count)."""
+    """Reads of the device `fn` makes: torch.profiler's syncing ops and the decode loop's own common._host reads."""
     calls = []
     host = common._host
     monkeypatch.setattr(common, "_host", lambda x: calls.append(1) or host(x))
@@ -143,9 +137,7 @@ def cuda_reads(monkeypatch):
 
 @pytest.mark.slow  # two 64-token rollouts under torch.profiler: the quick tier's longest test (~20 s)
 def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch, cuda_reads):
-    """The first GPU run's decode loop read the device twice a token (126 reads in 64 tokens), each read
-    a wait for every queued kernel. Now, on CUDA's schedule: after 4, 8, 16, 32 and 48 tokens, and once for
-    the width."""
+    """On CUDA's schedule: reads after 4, 8, 16, 32, 48 tokens and one for the width (126 at ae2de67)."""
     pad, T = char_tok.pad_token_id, 64
     repeated = [p for p in prompts[:4] for _ in range(4)]  # prompts shared by groups: prefilled once
     for kw in (dict(greedy=True), dict(temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(0))):
@@ -161,10 +153,7 @@ def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, cha
 
 
 def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, monkeypatch):
-    """Where a read costs nothing (a CPU) the loop reads every token, so it decodes no step past the last
-    row's end (width - 1 steps after the prefill) and drops finished rows as soon as half the batch has
-    ended; on CUDA's schedule the same rollout decodes on to the next read. Counted through the decoder's
-    steps and the rows each is given."""
+    """A CPU reads every token: no decode step past the last row's end, finished rows dropped once half have ended."""
     pad, T = char_tok.pad_token_id, 40
     free = common.sample(model, prompts, T, [], pad, greedy=True).completion_lists()
     eos = sorted({c[5] for c in free})  # every row ends by its 6th token, some sooner: between the reads at 4 and 8
@@ -199,11 +188,7 @@ def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, char_tok, monkeypatch, seed, T,
                                                                 temperature, top_p):  # fmt: skip
-    """Rows that end between two reads decode padding until the next one: the completions, masks, the width
-    and the generator's state afterwards (the next rollout's draws) are those of a loop that reads the device
-    after every token and stops as soon as every row has ended. The entropies and log-probs are too, to the
-    rounding of a batch of another size (finished rows are dropped at other steps): within entropy_tol and
-    logprob_tol of the logits' scale."""
+    """CUDA's sparse reads change no token, mask, width or generator state; entropies and log-probs to rounding."""
     pad, eos = char_tok.pad_token_id, [char_tok.eos_token_id, 40, 41, 42]
     batch = [p for p in prompts for _ in range(2)]
     results = []
@@ -231,11 +216,7 @@ def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, 
 
 
 def test_training_forward_under_bf16_autocast_is_float32_to_bf16_precision(model, prompts, char_tok):
-    """completion_hidden_states' CUDA branch (bf16 autocast over float32 weights), run under a CPU's bf16
-    autocast. Not derivable as the float32 bounds are (bfloat16's probable gamma over the forward's
-    roundings exceeds 1): the float32 log-prob bound recomputed with bfloat16's roundoff in place of
-    float32's, logprob_tol(..., torch.bfloat16), capped; the check that autocast ran at all is that the
-    result is not the float32 one."""
+    """The bf16-autocast training forward on a CPU: not float32's, and within logprob_tol at bfloat16 of it."""
     roll = common.sample(model, prompts, 12, [char_tok.eos_token_id], char_tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(2))  # fmt: skip
     base, head = model.get_decoder(), model.get_output_embeddings().weight
@@ -318,10 +299,7 @@ def loop_chunk_elements(memory: int) -> int:
 
 
 def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
-    """On CUDA the "auto" log-prob chunk grows with the GPU (few large chunks where memory is plentiful): a
-    power of two whose peak is 1/32 of the GPU, never below a CPU's 2**24 logits. Hand-worked: 139 GiB (an
-    H200) / 512 bytes = 291,504,128 -> 2**28, 80 GiB -> 2**27, 24 GiB -> 2**25; 8 GiB -> 2**24 exactly, 4 GiB
-    -> the floor 2**24. A CPU's chunk is 2**24 whatever memory it has, and reads no GPU property."""
+    """CUDA's 'auto' chunk: the power of two whose peak is 1/32 of the GPU, at least 2**24 (hand-worked sizes)."""
     for gib, hand in ((139, 2**28), (80, 2**27), (24, 2**25), (8, 2**24), (4, 2**24), (0.001, 2**24)):
         asked = gpu_of(monkeypatch, gib)
         assert common.logits_chunk_elements(torch.device("cuda:1")) == hand == loop_chunk_elements(int(gib * 2**30))
@@ -334,11 +312,7 @@ def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
 
 @pytest.mark.numeric
 def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
-    """logprobs_from_hidden's "auto" chunk as CUDA would size it (logits_chunk_elements on a 'cuda' device of a
-    given memory, scaled down: a CPU chunk of 2**12 logits, a vocabulary of 1,000) and as a CPU sizes it: the
-    chunks are the sizes that memory (or the CPU) gives, and the log-probs, entropies and gradients equal
-    float64's within log_softmax_bounds and the unchunked float32 computation's within twice that, as
-    test_common.py's chunked tests bound them."""
+    """'auto' chunks as a GPU of each memory sizes them: the sizes, and values and gradients against float64."""
     V, H, n, temperature = 1000, 8, 40, 0.9
     monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", 2**12)  # 4 tokens a chunk on a CPU
     g = torch.Generator().manual_seed(0)

@@ -165,9 +165,8 @@ def test_clipping_is_per_token_and_asymmetric(eps_high, col, per_token_adv):
 
 
 def test_clip_fractions_hand_counted_with_padding():
-    """Two rows, 3 + 2 real tokens (5 in all), a padded column with a huge ratio that must not
-    count. Row 0 (A = +1): r = [1.5, 1.0, 0.5] -> one high clip. Row 1 (A = -1): r = [0.5, 0.7]
-    -> two low clips. clip_frac_high 1/5, clip_frac_low 2/5, clip_frac 3/5."""
+    """Row 0 (A = +1) r = [1.5, 1.0, 0.5]: one high clip; row 1 (A = -1) r = [0.5, 0.7]: two low; a padded
+    column of r = 100 not counted: clip_frac_high 1/5, clip_frac_low 2/5, clip_frac 3/5."""
     r = [[1.5, 1.0, 0.5, 100.0], [0.5, 0.7, 100.0, 100.0]]
     logp = t64([[math.log(x) for x in row] for row in r])
     mask = t64([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -269,9 +268,7 @@ def test_micro_batches_without_denominator_are_wrong(agg):
 
 
 def test_zero_advantage_rows_carry_the_kl_gradient():
-    """Why train() skips no row when there is a reference: with a KL term a zero-advantage row's
-    gradient is not 0 (hand case: one token, logp = -1, ref = -1.5, beta = 0.1: the k3 gradient
-    beta * (1 - e^(ref - logp)) = 0.1 * (1 - e^-0.5) = 0.0393)."""
+    """With a KL term an A = 0 row has a gradient: 0.1 * (1 - e^-0.5) at logp -1, ref -1.5, beta 0.1."""
     b = dict(B=1, T=1, logp=[[-1.0]], old=[[-1.0]], mask=[[1]], adv=[0.0])
     _, grad, _ = _run(b, "seq-mean-token-mean", ref=[[-1.5]], kl_coef=0.1)
     assert grad.item() == pytest.approx(0.1 * (1 - math.exp(-0.5)), rel=2 * gamma_n(10))  # exp 2, k3's chain 8

@@ -125,9 +125,8 @@ def test_loss_and_gradient_match_hand_computation(b, eps, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reference_example(variant):
-    """Worked by hand: token log-ratios [0.01, -0.02, 0.04] -> s = exp(0.03 / 3) = 1.0100502; with eps 3e-4 / 4e-4 it is
-    clipped for A > 0 (zero gradient, loss -A (1 + eps_high)) and not for A < 0 (gradient on each
-    token's logp -A s / 3, loss -A s)."""
+    """Log-ratios [0.01, -0.02, 0.04]: s = exp(0.01) = 1.0100502, clipped for A > 0 (no gradient, loss
+    -A (1 + eps_high)), not for A < 0 (gradient -A s / 3 per token, loss -A s)."""
     old = t64([[-1.0, -2.0, -0.5]])
     d = [0.01, -0.02, 0.04]
     logp0 = old + t64([d])
@@ -180,9 +179,7 @@ def test_clip_frac_hand_counted_sequence_variant():
 @LIGHT
 @given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27), (0.0, 0.0)]), st.sampled_from(VARIANTS))
 def test_info_holds_each_ratio_and_clip_decision(b, eps, variant):
-    """What a trace keeps: info["ratio"] and info["clipped"], detached. The sequence variant has one of each per
-    sequence: s_i and whether its clip is active (the loop's rule); GSPO-token has them on every real token of the
-    sequence (each token's ratio has the value s_i). The reported share counts exactly those decisions, in its unit."""
+    """info's ratio and clipped, detached: per sequence (s_i, the loop's rule), or on each real token (GSPO-token)."""
     s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
     assume(_away_from_clip_edges(s, *eps))
     logp = t64(b["logp"]).requires_grad_(True)
@@ -224,10 +221,7 @@ def test_unknown_variant_raises():
 @LIGHT
 @given(batches(), st.sampled_from([(EPS_LOW, EPS_HIGH), (0.2, 0.27)]), st.data())
 def test_token_variant_with_per_token_advantages(b, eps, data):
-    """GSPO-token (paper section 4.3) with A_it varying along the sequence: every token's ratio has
-    the value s_i, and d s_it / d logp_it = s_i (the gradient flows through its own logp only), so
-    loss = mean_i mean_t max(-A_it s_i, -A_it clip(s_i)) and
-    d loss / d logp_it = -A_it s_i / (|y_i| B) unless that token is clipped (then 0)."""
+    """GSPO-token with A_it: d loss / d logp_it = -A_it s_i / (|y_i| B) unless that token is clipped."""
     s = loop_seq_ratio(b["logp"], b["old"], b["mask"])
     assume(_away_from_clip_edges(s, *eps))
     A = [[data.draw(st.floats(-2, 2, allow_nan=False)) for _ in range(b["T"])] for _ in range(b["B"])]
@@ -251,9 +245,7 @@ def test_token_variant_with_per_token_advantages(b, eps, data):
 
 @pytest.mark.parametrize("mean_log_ratio", [12.0, 50.0])
 def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_log_ratio):
-    """A < 0 with a large ratio is the unclipped branch of GSPO. Worked by hand: with A_it = A_i,
-    GSPO-token's loss AND gradient equal GSPO's exactly; this must also hold once the sequence
-    log-ratio passes the <= 10 clamp."""
+    """With A_it = A_i GSPO-token equals GSPO past the log-ratio clamp too (A < 0: the unclipped branch)."""
     old = torch.zeros(2, 3, dtype=torch.float64)
     mask = t64([[1, 1, 1], [1, 1, 0]])
     logp = t64([[mean_log_ratio] * 3, [0.0, 0.0, 0.0]])
