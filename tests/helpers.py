@@ -56,9 +56,7 @@ def t64(rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=F64)
 
 
-# ----------------------------------------------------------------------------------------------
-# Hypothesis strategies
-# ----------------------------------------------------------------------------------------------
+# --- Hypothesis strategies ---
 
 
 @st.composite
@@ -84,9 +82,7 @@ def batches(
     return dict(B=B, T=T, mask=mask, old=old, logp=logp, adv=adv)
 
 
-# ----------------------------------------------------------------------------------------------
-# Plain-loop references (float64)
-# ----------------------------------------------------------------------------------------------
+# --- Plain-loop references (float64) ---
 
 
 def loop_seq_ratio(logp, old, mask):
@@ -226,9 +222,7 @@ def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
     return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# Subprocess smoke runs
-# ----------------------------------------------------------------------------------------------
+# --- Subprocess smoke runs ---
 
 SMOKE_ARGS = [
     "--steps",
@@ -400,9 +394,7 @@ def group_advantage_tol(group, scale="std", eps=1e-6) -> float:
     return (dev_err + math.sqrt(G) * std_err) / (std + eps) + unit_roundoff(torch.float32) * math.sqrt(G)
 
 
-# ----------------------------------------------------------------------------------------------
-# CI (issue 48): what may skip locally must fail there
-# ----------------------------------------------------------------------------------------------
+# --- CI (issue 48): what may skip locally must fail there ---
 
 
 def in_ci() -> bool:

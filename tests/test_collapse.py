@@ -25,9 +25,7 @@ def first_warning(before, accuracies):
     return next((i for i in range(len(accuracies)) if common.accuracy_collapsed(before, accuracies[: i + 1])), None)
 
 
-# ---------------------------------------------------------------------------------------------
-# the rules
-# ---------------------------------------------------------------------------------------------
+# --- the rules ---
 
 
 @pytest.mark.parametrize(
@@ -111,9 +109,7 @@ def test_the_default_runs_flat_groups_are_at_the_top():
     assert common.lowest_groups(rewards, 4, rewards.min()).float().mean().item() == 29 / 64
 
 
-# ---------------------------------------------------------------------------------------------
-# common.watch, step by step
-# ---------------------------------------------------------------------------------------------
+# --- common.watch, step by step ---
 
 
 def watcher(before=0.3, needs_group=True, progress=None):
@@ -198,9 +194,7 @@ def test_the_warning_is_one_line_naming_the_causes_on_rank_0_only(monkeypatch, r
         assert cause in line
 
 
-# ---------------------------------------------------------------------------------------------
-# a fork without a clip
-# ---------------------------------------------------------------------------------------------
+# --- a fork without a clip ---
 
 FORK_RUN = ["--lr", "3e-3", "--no-anneal-lr", "--minibatches", "2", "--prompts-per-step", "8", "--group-size", "4",
             "--eval-size", "50", "--eval-every", "5", "--seed", "0"]  # fmt: skip

@@ -41,9 +41,7 @@ PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers and fixtures
-# ---------------------------------------------------------------------------------------------
+# --- helpers and fixtures ---
 
 
 def enc(tok, text):
@@ -96,9 +94,7 @@ def sampled_roll(rand_model, prompts, char_tok):
     return roll
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. the tiny checkpoint
-# ---------------------------------------------------------------------------------------------
+# --- 1. the tiny checkpoint ---
 
 
 def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
@@ -251,9 +247,7 @@ def test_eos_token_ids_collects_every_id(char_tok):
     assert common.eos_token_ids(model, char_tok) == [char_tok.eos_token_id]
 
 
-# ---------------------------------------------------------------------------------------------
-# 2-3. greedy sampling: each row the argmax of its own unpadded forward, whatever the batch and its padding
-# ---------------------------------------------------------------------------------------------
+# --- 2-3. greedy sampling: each row the argmax of its own unpadded forward, whatever the batch and its padding ---
 
 
 @pytest.mark.numeric
@@ -266,9 +260,7 @@ def test_greedy_tokens_are_argmax_of_full_no_cache_forward(rand_model, prompts, 
             assert logits[len(p) - 1 + t].argmax().item() == y
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. KV cache and padding invariance
-# ---------------------------------------------------------------------------------------------
+# --- 4. KV cache and padding invariance ---
 
 
 # The sampler's KV-cache decoders (prefill(), step(token) -> next-token logits [B, V]), each where it lives: the
@@ -321,9 +313,7 @@ def test_sampler_entropy_equals_the_log_prob_pass(rand_model, prompts, char_tok,
     assert common.sample(rand_model, prompts, 6, [], char_tok.pad_token_id, greedy=True).entropy is None
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. EOS handling and max_new_tokens
-# ---------------------------------------------------------------------------------------------
+# --- 5. EOS handling and max_new_tokens ---
 
 
 def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
@@ -361,9 +351,7 @@ def test_max_new_tokens_respected(rand_model, prompts, char_tok, max_new_tokens)
     assert (greedy.completion_mask.sum(1) <= max_new_tokens).all()
 
 
-# ---------------------------------------------------------------------------------------------
-# 6. log-probs, temperature, entropy, chunking
-# ---------------------------------------------------------------------------------------------
+# --- 6. log-probs, temperature, entropy, chunking ---
 
 
 @pytest.mark.numeric
@@ -504,9 +492,7 @@ def test_anneal_lr_falls_linearly_to_lr_over_steps_and_is_off_by_flag():
     assert policy_opt.param_groups[0]["lr"] == 2e-3  # base * 1.0: exact
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. arith task and PromptStream
-# ---------------------------------------------------------------------------------------------
+# --- 7. arith task and PromptStream ---
 
 
 def test_arith_split_deterministic_disjoint_and_correct():
@@ -564,9 +550,7 @@ def test_prompt_stream_seed_matters():
     assert s.next(50) != s.next(50)  # a fresh permutation each epoch
 
 
-# ---------------------------------------------------------------------------------------------
-# 8. reward parsing
-# ---------------------------------------------------------------------------------------------
+# --- 8. reward parsing ---
 
 integers = st.integers(min_value=-(10**12), max_value=10**12)
 words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20).filter(lambda w: w.strip())
@@ -652,9 +636,7 @@ def test_non_numeric_gold_is_exact_string_match():
     assert common.score("   ", "Paris") == (0.0, 0.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# 9. load_jsonl
-# ---------------------------------------------------------------------------------------------
+# --- 9. load_jsonl ---
 
 
 def write_lines(path, lines):
@@ -722,9 +704,7 @@ def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
     assert data_files.load_jsonl(path) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
-# ---------------------------------------------------------------------------------------------
-# 10. top-p and seeded sampling
-# ---------------------------------------------------------------------------------------------
+# --- 10. top-p and seeded sampling ---
 
 
 def test_top_p_filter_hand_worked():

@@ -87,9 +87,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(tmp_path):
     assert "SIGABRT" not in proc.stderr and "(SIGTERM)" not in proc.stderr, proc.stderr[-3000:]
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-rank state in checkpoints (issue 52): a fork's carried batch resumes exactly on every rank
-# ---------------------------------------------------------------------------------------------
+# --- Per-rank state in checkpoints (issue 52): a fork's carried batch resumes exactly on every rank ---
 
 
 @needs_torchrun

@@ -42,9 +42,7 @@ def rows(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-# ---------------------------------------------------------------------------------------------
-# pass@k and evaluate()
-# ---------------------------------------------------------------------------------------------
+# --- pass@k and evaluate() ---
 
 
 @given(n=st.integers(1, 9), data=st.data())
@@ -89,9 +87,7 @@ def test_evaluate_reports_pass_at_1_and_pass_at_n(tiny_path, monkeypatch):
     assert [s["rewards"] for s in result["samples"]] == [{"exact": 1.0}, {"exact": 0.0}]
 
 
-# ---------------------------------------------------------------------------------------------
-# --eval-data
-# ---------------------------------------------------------------------------------------------
+# --- --eval-data ---
 
 
 def write_jsonl(path, records):
@@ -135,9 +131,7 @@ def test_eval_data_errors_name_the_flag(tmp_path):
         setup_with("--eval-samples", "1", "--out", tmp_path / "run")
 
 
-# ---------------------------------------------------------------------------------------------
-# samples.jsonl
-# ---------------------------------------------------------------------------------------------
+# --- samples.jsonl ---
 
 
 @pytest.mark.slow
@@ -168,9 +162,7 @@ def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path
     assert [s["truncated"] for s in samples[-3:]] == [bool((row != tok.eos_token_id).all()) for row in new]
 
 
-# ---------------------------------------------------------------------------------------------
-# The end of a run: the closing line, transformers' bars, the progress bar's field, summary.json
-# ---------------------------------------------------------------------------------------------
+# --- The end of a run: the closing line, transformers' bars, the progress bar's field, summary.json ---
 
 
 def floats_in(value):
@@ -238,9 +230,7 @@ def test_the_closing_line_says_reward_where_the_task_has_no_accuracy(tmp_path):
     assert line == f"ppo: held-out reward 0.250 -> 0.500 in 1 min 15 s; wrote {tmp_path} (summary.json, checkpoint/)"
 
 
-# ---------------------------------------------------------------------------------------------
-# TensorBoard
-# ---------------------------------------------------------------------------------------------
+# --- TensorBoard ---
 
 
 def tensorboard_scalars(log_dir) -> dict:
@@ -296,9 +286,7 @@ def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_pat
     assert all(s["prompt"] != "stale" for s in samples)
 
 
-# ---------------------------------------------------------------------------------------------
-# --mask-truncated
-# ---------------------------------------------------------------------------------------------
+# --- --mask-truncated ---
 
 
 def hand_batch():  # (grpo.py's aggregations with --mask-truncated: test_aggregation_through_train.py)

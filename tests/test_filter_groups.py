@@ -47,9 +47,7 @@ def model():
     return Qwen3ForCausalLM(config).eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout.concat
-# ---------------------------------------------------------------------------------------------
+# --- Rollout.concat ---
 
 tokens = st.lists(st.integers(1, 39), min_size=1, max_size=6)
 part = st.lists(st.tuples(tokens, tokens), min_size=0, max_size=3)  # (prompt, completion) rows; a part may be empty
@@ -131,9 +129,7 @@ def test_concat_completion_logprobs_and_entropies_equal_the_parts_row_for_row(mo
             i += 1
 
 
-# ---------------------------------------------------------------------------------------------
-# The selection: keep_groups, groups_to_train
-# ---------------------------------------------------------------------------------------------
+# --- The selection: keep_groups, groups_to_train ---
 
 VALUES = [0.0, 1.0, 0.5, 0.1 + 0.2, 0.3, -1.0]  # 0.1 + 0.2 != 0.3: a group of the two differs
 
@@ -168,9 +164,7 @@ def test_groups_to_train_is_the_most_that_fit_the_share_and_split_into_minibatch
     assert filter_groups.groups_to_train(agreed, share, G, minibatches) == expected
 
 
-# ---------------------------------------------------------------------------------------------
-# filter_groups.fill on hand-worked rounds (one process)
-# ---------------------------------------------------------------------------------------------
+# --- filter_groups.fill on hand-worked rounds (one process) ---
 
 
 def fake_round(rewards, width, seconds, tag):
@@ -230,9 +224,7 @@ def test_at_the_cap_it_trains_what_it_has_and_with_nothing_the_first_round():
     assert sampled[0] is flat[0] and sampled[1] is flat[2]
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages on the kept groups
-# ---------------------------------------------------------------------------------------------
+# --- Advantages on the kept groups ---
 
 
 @settings(max_examples=100, deadline=None)
@@ -254,9 +246,7 @@ def test_the_kept_groups_advantages_equal_those_the_whole_batch_gives_their_rows
         assert kept[g * G : (g + 1) * G].any()  # a kept group has signal
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad input
-# ---------------------------------------------------------------------------------------------
+# --- Bad input ---
 
 
 @pytest.mark.parametrize("module", [grpo, gspo])
@@ -278,9 +268,7 @@ def test_bad_filter_flags_are_one_line_exit_2_nothing_written(tmp_path, capsys, 
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------------------------------------
-# A small run: every trained group has signal; the metrics read everything sampled
-# ---------------------------------------------------------------------------------------------
+# --- A small run: every trained group has signal; the metrics read everything sampled ---
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "4",
          "--eval-size", "8", "--eval-every", "0", "--steps", "3", "--filter-groups"]  # fmt: skip
@@ -329,9 +317,7 @@ def test_a_filtered_run_trains_only_groups_with_signal_and_measures_all_it_sampl
     assert {t["groups_in_step"] for t in traces} == {t["groups_with_signal"] for t in traces} == {last["groups_kept"]}
 
 
-# ---------------------------------------------------------------------------------------------
-# Full tier: torchrun, --resume
-# ---------------------------------------------------------------------------------------------
+# --- Full tier: torchrun, --resume ---
 
 # rewards 0, 1, 0, 1, ... along the rows (every group has signal), except on rank 1 every other training batch,
 # which gets all 0 (that rank keeps nothing in the round)

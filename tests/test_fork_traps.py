@@ -45,9 +45,7 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# characters the tokenizer cannot represent
-# ---------------------------------------------------------------------------------------------
+# --- characters the tokenizer cannot represent ---
 
 
 def test_the_tiny_tokenizer_drops_what_it_cannot_represent():
@@ -90,9 +88,7 @@ def test_a_byte_level_tokenizer_has_nothing_to_report():
     data_files.check_characters(ByteLevel(), "Qwen/Qwen2.5-0.5B", "--data x", [{"prompt": "漢字", "answer": "ü"}])
 
 
-# ---------------------------------------------------------------------------------------------
-# a reward that gives no learning signal
-# ---------------------------------------------------------------------------------------------
+# --- a reward that gives no learning signal ---
 
 CONSTANT = "def constant(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
 SPREAD = (
@@ -141,9 +137,7 @@ def test_the_no_signal_streak_survives_resume(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["no_signal"]["warned_at_step"] == 20
 
 
-# ---------------------------------------------------------------------------------------------
-# the entropy bonus
-# ---------------------------------------------------------------------------------------------
+# --- the entropy bonus ---
 
 
 @pytest.fixture(scope="module")
@@ -291,9 +285,7 @@ def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
     assert any(not torch.equal(weights[0.1][k], start[k]) for k in start)
 
 
-# ---------------------------------------------------------------------------------------------
-# a reward of the wrong length
-# ---------------------------------------------------------------------------------------------
+# --- a reward of the wrong length ---
 
 PER_PROMPT = "def per_prompt(prompts, completions, **kw):\n    return [1.0 for _ in dict.fromkeys(prompts)]\n"
 
@@ -350,9 +342,7 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
 
 
-# ---------------------------------------------------------------------------------------------
-# flags: choices, no abbreviations, did you mean
-# ---------------------------------------------------------------------------------------------
+# --- flags: choices, no abbreviations, did you mean ---
 
 
 @pytest.mark.parametrize(
@@ -405,9 +395,7 @@ def test_the_tools_parsers_refuse_abbreviations_too():
     assert proc.stderr.strip() == "error: unrecognized argument --alg (did you mean --algo?)"
 
 
-# ---------------------------------------------------------------------------------------------
-# What a script logs stays true when a fork changes its loop (issue 46)
-# ---------------------------------------------------------------------------------------------
+# --- What a script logs stays true when a fork changes its loop (issue 46) ---
 
 
 def first_row(out: Path) -> dict:

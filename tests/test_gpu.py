@@ -115,9 +115,7 @@ def test_torchrun_on_one_process(runs, name):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-# ---------------------------------------------------------------------------------------------
-# in process: the sampler against HF generate, and the bf16-autocast training forward
-# ---------------------------------------------------------------------------------------------
+# --- in process: the sampler against HF generate, and the bf16-autocast training forward ---
 
 
 @pytest.fixture(scope="module")

@@ -54,9 +54,7 @@ def cuda_decoder(monkeypatch):
     monkeypatch.setattr(common, "_attention", lambda *a: as_cuda_lays_it_out(attention(*a, fused=True)))
 
 
-# ---------------------------------------------------------------------------------------------
-# the decoder: any attention layout, the fused kernel, the unfused projections
-# ---------------------------------------------------------------------------------------------
+# --- the decoder: any attention layout, the fused kernel, the unfused projections ---
 
 
 def test_decoder_samples_the_same_whatever_layout_the_attention_output_has(model, prompts, char_tok, monkeypatch):
@@ -107,9 +105,7 @@ def test_fused_attention_equals_the_matmul_path_and_float64(M, N, masked, seed):
         assert_within(out.double(), exact, bound, f"fused={fused}")
 
 
-# ---------------------------------------------------------------------------------------------
-# the decode loop's reads of the device
-# ---------------------------------------------------------------------------------------------
+# --- the decode loop's reads of the device ---
 
 # every scalar read (.item(), int(), bool() of a tensor) ends in _local_scalar_dense; the others' output size
 # depends on the values
@@ -210,9 +206,7 @@ def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, 
         assert_within(x, y, tol(model.config, length, max_logit), field)
 
 
-# ---------------------------------------------------------------------------------------------
-# the training forward under bf16 autocast, and its cache rule
-# ---------------------------------------------------------------------------------------------
+# --- the training forward under bf16 autocast, and its cache rule ---
 
 
 def test_training_forward_under_bf16_autocast_is_float32_to_bf16_precision(model, prompts, char_tok):
@@ -253,9 +247,7 @@ def test_autocast_caches_its_casts_unless_the_weights_are_sharded(model, prompts
     assert seen == [("cpu", True, True), ("cpu", True, False), ("cpu", False, False)]
 
 
-# ---------------------------------------------------------------------------------------------
-# torch.cuda's state and settings, through stand-ins
-# ---------------------------------------------------------------------------------------------
+# --- torch.cuda's state and settings, through stand-ins ---
 
 
 def test_cuda_rng_state_round_trips_through_a_checkpoint(monkeypatch, tmp_path):
@@ -397,9 +389,7 @@ def test_device_flag_counts_visible_gpus(monkeypatch):
         common.check_common_args(args, needs_group=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# torchrun on GPUs: NCCL, DDP's device_ids, FSDP's bf16 gathering
-# ---------------------------------------------------------------------------------------------
+# --- torchrun on GPUs: NCCL, DDP's device_ids, FSDP's bf16 gathering ---
 
 
 def test_nccl_collectives_run_on_the_gpu_and_gloo_ones_on_the_cpu(monkeypatch):

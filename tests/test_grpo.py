@@ -79,9 +79,7 @@ def _run(b, agg, eps=(0.2, 0.2), ref=None, kl_coef=0.0, max_len=None, adv=None, 
 REF_OFFSET = st.floats(-1.5, 1.5, allow_nan=False)
 
 
-# ----------------------------------------------------------------------------------------------
-# Token ratios, the clipped surrogate, the KL term: loss and gradient against a plain loop
-# ----------------------------------------------------------------------------------------------
+# --- Token ratios, the clipped surrogate, the KL term: loss and gradient against a plain loop ---
 
 
 @pytest.mark.numeric
@@ -122,9 +120,7 @@ def test_per_token_advantages(b, agg):
     torch.testing.assert_close(g, t64(exp_grad), rtol=0, atol=grad_tol(2.0 * 3.5))
 
 
-# ----------------------------------------------------------------------------------------------
-# Clipping
-# ----------------------------------------------------------------------------------------------
+# --- Clipping ---
 
 # one token per case: (A, r) and whether it is clipped under (0.2, 0.2) and under (0.2, 0.28)
 CLIP_CASES = [
@@ -180,9 +176,7 @@ def test_clip_fractions_hand_counted_with_padding():
     assert stats["ratio_max_dev"] == pytest.approx(0.5, abs=gamma_n(4) * 1.5)
 
 
-# ----------------------------------------------------------------------------------------------
-# Aggregation
-# ----------------------------------------------------------------------------------------------
+# --- Aggregation ---
 
 
 def test_aggregation_anchors():
@@ -200,9 +194,7 @@ def test_aggregation_anchors():
         grpo.aggregate(per_token, mask, "sum")
 
 
-# ----------------------------------------------------------------------------------------------
-# Micro-batch accumulation (a classic mistake: averaging micro-batch means instead of the batch's)
-# ----------------------------------------------------------------------------------------------
+# --- Micro-batch accumulation (a classic mistake: averaging micro-batch means instead of the batch's) ---
 
 
 def _full_denominator(agg, mask, max_len):
@@ -274,9 +266,7 @@ def test_zero_advantage_rows_carry_the_kl_gradient():
     assert grad.item() == pytest.approx(0.1 * (1 - math.exp(-0.5)), rel=2 * gamma_n(10))  # exp 2, k3's chain 8
 
 
-# ----------------------------------------------------------------------------------------------
-# The k3 KL estimator
-# ----------------------------------------------------------------------------------------------
+# --- The k3 KL estimator ---
 
 
 @pytest.mark.numeric

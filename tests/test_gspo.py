@@ -68,9 +68,7 @@ def _loss_and_grad(logp_rows, old_rows, adv, mask_rows, variant, **kw):
     return loss, _grad(loss, logp), stats
 
 
-# ----------------------------------------------------------------------------------------------
-# The sequence ratio
-# ----------------------------------------------------------------------------------------------
+# --- The sequence ratio ---
 
 
 @pytest.mark.numeric
@@ -91,9 +89,7 @@ def test_seq_ratio_is_geometric_mean_of_token_ratios(b):
     assert math.isclose(stats["ratio_max_dev"], max(abs(x - 1) for x in exp_mean), abs_tol=(S_REL + gamma_n(2)) * SCALE)
 
 
-# ----------------------------------------------------------------------------------------------
-# Clipping and the gradient
-# ----------------------------------------------------------------------------------------------
+# --- Clipping and the gradient ---
 
 
 def _hand_grad(b, s_list, eps_low, eps_high):
@@ -213,9 +209,7 @@ def test_unknown_variant_raises():
         gspo.gspo_loss(z, z, torch.zeros(1), torch.ones(1, 2), variant="tokens")
 
 
-# ----------------------------------------------------------------------------------------------
-# GSPO-token == GSPO when every token of a sequence has the sequence's advantage
-# ----------------------------------------------------------------------------------------------
+# --- GSPO-token == GSPO when every token of a sequence has the sequence's advantage ---
 
 
 @LIGHT
@@ -263,9 +257,7 @@ def test_token_variant_equals_sequence_variant_beyond_the_log_ratio_clamp(mean_l
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# Numerics (and tests/test_losses.py, each script's loss)
-# ----------------------------------------------------------------------------------------------
+# --- Numerics (and tests/test_losses.py, each script's loss) ---
 
 
 def test_ratio_statistics_leave_empty_rows_out():

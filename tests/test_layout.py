@@ -76,9 +76,7 @@ def copy_tree(dest: Path, skip: str | None = None) -> Path:
     return dest
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. Hidden extras: the core runs without them; each capability's flag names what is missing
-# ---------------------------------------------------------------------------------------------
+# --- 1. Hidden extras: the core runs without them; each capability's flag names what is missing ---
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +146,7 @@ def test_without_its_extras_module_each_capability_is_refused_in_one_line(tmp_pa
     assert "Loading weights" not in err and not (tmp_path / "out").exists(), line
 
 
-# ---------------------------------------------------------------------------------------------
-# The scripts the shared tests run are listed in one place
-# ---------------------------------------------------------------------------------------------
+# --- The scripts the shared tests run are listed in one place ---
 
 
 def scripts_at_root(root: Path) -> set[str]:
@@ -170,9 +166,7 @@ def test_every_script_at_the_root_is_in_SCRIPTS(tmp_path):
     assert scripts_at_root(tmp_path) == {"rloo"}
 
 
-# ---------------------------------------------------------------------------------------------
-# The fixes of issue 39, section 4
-# ---------------------------------------------------------------------------------------------
+# --- The fixes of issue 39, section 4 ---
 
 
 @pytest.mark.slow

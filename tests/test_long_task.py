@@ -13,9 +13,7 @@ import grpo
 import gspo
 import ppo
 
-# ----------------------------------------------------------------------------------------------
-# The generator
-# ----------------------------------------------------------------------------------------------
+# --- The generator ---
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +87,7 @@ def test_the_checkpoint_has_its_own_key_and_starts_in_the_band(split):
     assert 0.15 <= common.evaluate(model, tok, split[1], max_new_tokens=64)["accuracy"] <= 0.50
 
 
-# ----------------------------------------------------------------------------------------------
-# The ratio statistics (common.token_ratio_stats), against a hand-worked case
-# ----------------------------------------------------------------------------------------------
+# --- The ratio statistics (common.token_ratio_stats), against a hand-worked case ---
 
 
 @pytest.mark.numeric
@@ -115,9 +111,7 @@ def test_ratio_statistics_hand_worked():
     assert empty == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
 
 
-# ----------------------------------------------------------------------------------------------
-# The on-policy cell of the sweep: ratios 1, GSPO's gradient = GRPO seq-mean-token-mean's
-# ----------------------------------------------------------------------------------------------
+# --- The on-policy cell of the sweep: ratios 1, GSPO's gradient = GRPO seq-mean-token-mean's ---
 
 
 def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop(split):
@@ -171,9 +165,7 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
         assert ((g - g_ref.float()).abs() <= tol).all(), ((g - g_ref.float()).abs().max() / tol).item()
 
 
-# ----------------------------------------------------------------------------------------------
-# The sweep's reductions on hand-made curves (experiments/staleness_sweep.py)
-# ----------------------------------------------------------------------------------------------
+# --- The sweep's reductions on hand-made curves (experiments/staleness_sweep.py) ---
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,7 @@ def test_sampler_and_logprobs_see_the_adapters(lora_and_merged):
     torch.testing.assert_close(entropy[mask], entropy_merged[mask], rtol=0, atol=tol)
 
 
-# ---------------------------------------------------------------------------------------------
-# PPO runs with LoRA: what trains, --merge-lora, --resume
-# ---------------------------------------------------------------------------------------------
+# --- PPO runs with LoRA: what trains, --merge-lora, --resume ---
 
 # --no-anneal-lr: "part" extended from 3 steps to 6 equals "full" only at a constant learning rate
 LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lora", "--lr", "3e-3", "--no-anneal-lr"]
@@ -198,9 +196,7 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
     assert_same_weights(torch.load(resumed / "final" / "critic.pt"), torch.load(full / "final" / "critic.pt"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad flags
-# ---------------------------------------------------------------------------------------------
+# --- Bad flags ---
 
 
 @pytest.mark.parametrize(
