@@ -224,20 +224,8 @@ def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
 
 # --- Subprocess smoke runs ---
 
-SMOKE_ARGS = [
-    "--steps",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--minibatches",
-    "2",
-    "--eval-size",
-    "16",
-    "--eval-every",
-    "1",
-]
+SMOKE_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-size", "16",
+              "--eval-every", "1"]  # fmt: skip
 # metrics.jsonl and summary.json round floats to 6 decimals (common.rounded): a summary's mean of the steps,
 # rounded, against the mean of the rounded steps differs by at most two half-units of the 6th decimal (and a few
 # float64 roundings)

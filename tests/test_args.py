@@ -77,19 +77,10 @@ def train(args):
 if __name__ == "__main__":
     common.main(train, Args)
 """
-RECIPE_FIELDS = {
-    "steps": "int = 3",
-    "prompts_per_step": "int = 4",
-    "group_size": "int = 2",
-    "max_new_tokens": "int = 4",
-    "temperature": "float = 1.0",
-    "lr": "float = 1e-3",
-    "weight_decay": "float = 0.0",
-    "max_grad_norm": "float = 1.0",
-    "anneal_lr": "bool = True",
-    "minibatches": "int = 1",
-    "epochs": "int = 1",
-}
+RECIPE_FIELDS = {"steps": "int = 3", "prompts_per_step": "int = 4", "group_size": "int = 2",
+                 "max_new_tokens": "int = 4", "temperature": "float = 1.0", "lr": "float = 1e-3",
+                 "weight_decay": "float = 0.0", "max_grad_norm": "float = 1.0", "anneal_lr": "bool = True",
+                 "minibatches": "int = 1", "epochs": "int = 1"}  # fmt: skip
 
 
 def write_fork(tmp_path, fields: dict):

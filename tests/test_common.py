@@ -656,12 +656,8 @@ def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
         ],
     )
     recs = data_files.load_jsonl(path)
-    assert recs == [
-        {"prompt": "2+2=", "answer": "4"},
-        {"prompt": "3*3=", "answer": "9"},
-        {"prompt": "How many?", "answer": "1,234"},
-        {"prompt": "Half?", "answer": "0.50"},
-    ]
+    assert recs == [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3*3=", "answer": "9"},
+                    {"prompt": "How many?", "answer": "1,234"}, {"prompt": "Half?", "answer": "0.50"}]  # fmt: skip
     assert common.score("#### 1234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("1,234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("#### 1235", recs[2]["answer"])[0] == 0.0

@@ -258,7 +258,7 @@ def test_the_kept_groups_advantages_equal_those_the_whole_batch_gives_their_rows
         (
             ["--filter-groups", "--group-size", "1"],
             "error: --filter-groups keeps groups whose rewards differ: --group-size must be >= 2, got 1",
-        ),
+        ),  # fmt: skip
     ],
 )
 def test_bad_filter_flags_are_one_line_exit_2_nothing_written(tmp_path, capsys, module, argv, expected):
