@@ -134,15 +134,33 @@ def test_eval_data_errors_name_the_flag(tmp_path):
 # --- samples.jsonl ---
 
 
+LR = 1.234567891e-4  # more digits than a rounding to 6 decimals keeps
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """gspo.py run as a user runs it, 2 steps, an evaluation at each, two rewards: (out, its process, its seconds)."""
+    import os
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("cli")
+    rewards = tmp / "task_rewards.py"
+    rewards.write_text("def prompt_len(prompts, completions, **kwargs):\n    return [len(p) % 3 for p in prompts]\n")
+    out = tmp / "run"
+    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", "2", "--eval-every", "1", "--lr", repr(LR), "--reward",
+           "exact", f"{rewards}:prompt_len", "--reward-weights", "1", "2", "--out", str(out)]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RLREF_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc, time.perf_counter() - started
+
+
 @pytest.mark.slow
-def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path):
+def test_samples_jsonl_holds_each_evaluation_s_first_prompts(cli_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rewards = tmp_path / "task_rewards.py"
-    rewards.write_text("def prompt_len(prompts, completions, **kwargs):\n    return [len(p) % 3 for p in prompts]\n")
-    out = tmp_path / "run"
-    train_in_process(gspo, "--steps", "2", "--eval-every", "1", "--reward", "exact", f"{rewards}:prompt_len",
-                     "--reward-weights", "1", "2", "--out", out)  # fmt: skip
+    out = cli_run[0]
     samples = rows(out / "samples.jsonl")
     eval_set = common.arith_split()[1][:3]
     assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -176,20 +194,12 @@ def floats_in(value):
     return []
 
 
-@pytest.mark.slow  # a subprocess run of gspo.py
-def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
+@pytest.mark.slow
+def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(cli_run):
     """A subprocess run: one closing line, true to summary.json and --out; no transformers bars; rounded numbers."""
-    import os
     import re
-    import subprocess
 
-    out, lr = tmp_path / "run", 1.234567891e-4  # more digits than a rounding to 6 decimals keeps
-    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", "2", "--eval-every", "1", "--lr", repr(lr), "--out", str(out)]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "RLREF_THREADS": "1"})  # fmt: skip
-    elapsed = time.perf_counter() - started
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, proc, elapsed = cli_run
     summary, metrics = json.loads((out / "summary.json").read_text()), rows(out / "metrics.jsonl")
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     assert after == metrics[-1]["eval_accuracy"]  # bit for bit: both rounded alike
@@ -210,7 +220,7 @@ def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
 
     measured = {k: v for k, v in summary.items() if k != "args"}
     assert all(round(x, 6) == x for x in floats_in(measured)), measured
-    assert summary["args"]["lr"] == lr  # the flags as given, not rounded
+    assert summary["args"]["lr"] == LR  # the flags as given, not rounded
     steps_s = sum(r["step_time_s"] for r in metrics)
     assert steps_s < summary["wall_time_s"] <= elapsed
 

@@ -132,7 +132,7 @@ def test_the_no_signal_streak_survives_resume(tmp_path, capsys):
     (tmp_path / "rewards.py").write_text(CONSTANT)
     argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--out", tmp_path / "out", "--save-every", 5, *TINY_RUN]
     assert run_main("gspo", [*argv, "--steps", 15], capsys)[0] == 0
-    status, _, err = run_main("gspo", ["--resume", tmp_path / "out", "--steps", 25], capsys)
+    status, _, err = run_main("gspo", ["--resume", tmp_path / "out", "--steps", 21], capsys)
     assert status == 0 and "steps 1-20" in err, err
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["no_signal"]["warned_at_step"] == 20
 
@@ -311,7 +311,7 @@ def test_the_reward_check_moves_no_random_stream(tmp_path, capsys, monkeypatch):
         if not checked:
             monkeypatch.setattr(common, "check_rewards", lambda *a: None)
         out = outs[checked] = tmp_path / f"checked-{checked}"
-        assert run_main("gspo", ["--steps", 3, "--out", out, *TINY_RUN], capsys)[0] == 0
+        assert run_main("gspo", ["--steps", 2, "--out", out, *TINY_RUN], capsys)[0] == 0
     a, b = final_weights(outs[True]), final_weights(outs[False])
     assert all(torch.equal(a[k], b[k]) for k in a)
 
