@@ -45,7 +45,8 @@ def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str
     """A copy of the project with fork.py = edit(parent.py), registered in the copy's SCRIPTS and TRAITS."""
     root = tmp_path / "project"
     ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
-    shutil.copytree(ROOT, root, ignore=ignore)
+    if not root.exists():  # (a second fork joins the first's copy)
+        shutil.copytree(ROOT, root, ignore=ignore)
     source = (root / f"{parent}.py").read_text()
     text = source if edit is None else edit(source)
     assert edit is None or text != source, f"the edit no longer matches {parent}.py's text"
@@ -177,12 +178,15 @@ def same_tests_as(proc, fork: str, parent: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_one_step_off_policy_grpo_passes_the_shared_tests(tmp_path):
-    root = project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", "grpo", *SHARED_QUICK)  # grpo and offgrpo
+def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests(tmp_path):
+    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
+    project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)  # in the same copy
+    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)  # grpo, offgrpo, dapo
     assert proc.returncode == 0, proc.stdout[-4000:]
+    same_tests_as(proc, DAPO, "grpo")
     same_tests_as(proc, OFF_POLICY, "grpo")
-    proc = pytest_in(root, "-rA", *SHARED_OFF_POLICY_SLOW)
+    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
+    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and not {DAPO}")
     assert proc.returncode == 0, proc.stdout[-4000:]
     same_tests_as(proc, OFF_POLICY, "grpo")
 
