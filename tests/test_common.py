@@ -151,23 +151,19 @@ def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
     assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
 
 
-def fast_recipe(monkeypatch):
-    """The 3-step recipe in this process: recipes.TINY_WARMSTART changed and its new key in TINY_KEYS."""
-    fast = dict(recipes.TINY_WARMSTART, max_steps=3, probe_every=1, probe_size=8)
-    monkeypatch.setattr(recipes, "TINY_WARMSTART", fast)
-    monkeypatch.setitem(common.TINY_KEYS, "tiny", recipes.checkpoint_key("tiny"))
-    return common.TINY_KEYS["tiny"]
-
-
 @pytest.mark.slow
-def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_state_alone(tmp_path, monkeypatch):
-    """A changed recipe: refused in one line naming the build command, then built by it; no random stream moves."""
+def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_whole(tmp_path, monkeypatch):
+    """A changed recipe (3 SFT steps, its own key): refused in one line naming the build command, then built by it
+    with no random stream moved; --force replaces it only once the new build is complete."""
     import random
 
     import build_checkpoints
 
     monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
-    key = fast_recipe(monkeypatch)
+    monkeypatch.setattr(recipes, "TINY_WARMSTART", dict(recipes.TINY_WARMSTART, max_steps=3, probe_every=1,
+                                                        probe_size=8))  # fmt: skip
+    key = recipes.checkpoint_key("tiny")
+    monkeypatch.setitem(common.TINY_KEYS, "tiny", key)
     with pytest.raises(common.UsageError, match=r"tiny: its checkpoint tiny-qwen3-\w+ is neither shipped") as e:
         common.tiny_checkpoint()
     assert str(e.value).endswith("build it with: python tools/build_checkpoints.py tiny") and "\n" not in str(e.value)
@@ -180,30 +176,16 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_leaving_the_random_s
     assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
     assert common.tiny_checkpoint() == str(tmp_path / key)  # built here, now, under the recipe's key
     assert [p.name for p in tmp_path.iterdir()] == [key]  # and nothing half-built left beside it
-
-
-@pytest.mark.slow
-def test_force_rebuild_replaces_the_checkpoint_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
-    """tools/build_checkpoints.py --force: a build that fails half-way leaves the old checkpoint as it
-    was; one that succeeds replaces it, leaving nothing else beside it."""
-    import build_checkpoints
-
-    monkeypatch.setenv("RLREF_CACHE", str(tmp_path))
-    key = fast_recipe(monkeypatch)
-    build_checkpoints.main(["tiny"])
     weights = (tmp_path / key / "model.safetensors").read_bytes()
-
-    def crash(name, recipe=None):
-        raise RuntimeError("killed mid-build")
-
-    with monkeypatch.context() as m:
-        m.setattr(build_checkpoints, "_warm_start_tiny", crash)
-        with pytest.raises(RuntimeError, match="killed mid-build"):
+    with monkeypatch.context() as m:  # --force, killed mid-build: the old checkpoint as it was
+        m.setattr(build_checkpoints, "_warm_start_tiny", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError, match="killed"):
             build_checkpoints.main(["tiny", "--force"])
-    assert (tmp_path / key / "model.safetensors").read_bytes() == weights
-    assert [p.name for p in tmp_path.iterdir()] == [key]
+    assert (tmp_path / key / "model.safetensors").read_bytes() == weights and [p.name for p in tmp_path.iterdir()] == [
+        key
+    ]
     (tmp_path / key / "marker").write_text("the old build")
-    build_checkpoints.main(["tiny", "--force"])
+    build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole
     assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == [key]
 
