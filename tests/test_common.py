@@ -177,13 +177,16 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_who
     assert common.tiny_checkpoint() == str(tmp_path / key)  # built here, now, under the recipe's key
     assert [p.name for p in tmp_path.iterdir()] == [key]  # and nothing half-built left beside it
     weights = (tmp_path / key / "model.safetensors").read_bytes()
+
+    def crash(name, recipe=None):
+        raise RuntimeError("killed mid-build")
+
     with monkeypatch.context() as m:  # --force, killed mid-build: the old checkpoint as it was
-        m.setattr(build_checkpoints, "_warm_start_tiny", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
-        with pytest.raises(RuntimeError, match="killed"):
+        m.setattr(build_checkpoints, "_warm_start_tiny", crash)
+        with pytest.raises(RuntimeError, match="killed mid-build"):
             build_checkpoints.main(["tiny", "--force"])
-    assert (tmp_path / key / "model.safetensors").read_bytes() == weights and [p.name for p in tmp_path.iterdir()] == [
-        key
-    ]
+    assert (tmp_path / key / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in tmp_path.iterdir()] == [key]
     (tmp_path / key / "marker").write_text("the old build")
     build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole
     assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
