@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,12 +386,14 @@ def test_a_forks_own_fixed_set_flag_gets_the_same_check(capsys):
     assert common.parse_args(ForkArgs, ["--advantage", "rloo"]).advantage == "rloo"
 
 
-@pytest.mark.slow
-def test_the_tools_parsers_refuse_abbreviations_too():
-    proc = subprocess.run([sys.executable, "tools/plan_memory.py", "--alg", "grpo"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: unrecognized argument --alg (did you mean --algo?)"
+def test_the_tools_parsers_refuse_abbreviations_too(capsys):
+    import plan_memory  # tools/plan_memory.py, its parser tools/cli.py's
+
+    with pytest.raises(SystemExit) as e:
+        plan_memory.plan_memory_cli(["--alg", "grpo"])
+    assert (
+        e.value.code == 2 and capsys.readouterr().err == "error: unrecognized argument --alg (did you mean --algo?)\n"
+    )
 
 
 # --- What a script logs stays true when a fork changes its loop (issue 46) ---
