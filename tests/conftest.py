@@ -21,12 +21,8 @@ import common  # noqa: E402
 # machine two threads contending with other jobs made a 10-token sample ~100x slower (5 s vs 0.05 s).
 torch.set_num_threads(int(os.environ.get("RLREF_TEST_THREADS", "1")))
 
-# Hypothesis profiles (issue 48). CI runs from a fresh clone without hypothesis' example database, so with
-# random draws a bug that one draw in many finds made CI pass or fail by chance and a red run could not be
-# replayed. Under CI (the CI variable set, as GitHub Actions and .ci/run do) every property draws the same
-# examples on every run, derived from the test's name (derandomize), and a failure prints the blob that
-# replays it (@reproduce_failure). Locally ("dev") each run draws anew and keeps exploring;
-# HYPOTHESIS_PROFILE=ci replays CI's draws here.
+# Hypothesis profiles (issue 48): under CI every property draws the same examples (derandomize), so a red run can be
+# replayed (HYPOTHESIS_PROFILE=ci); locally ("dev") each run draws anew.
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if in_ci() else "dev"))

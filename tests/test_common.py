@@ -248,9 +248,8 @@ def test_greedy_tokens_are_argmax_of_full_no_cache_forward(rand_model, prompts, 
 # --- 4. KV cache and padding invariance ---
 
 
-# The sampler's KV-cache decoders (prefill(), step(token) -> next-token logits [B, V]), each where it lives: the
-# hand-written one in common.py, the Hugging Face fallback (models outside its MODEL_TYPES) in extras/. Each must
-# match a full no-cache forward of every row. A decoder that moves is found at its new place or fails here.
+# The sampler's KV-cache decoders (prefill(), step(token) -> logits [B, V]), each where it lives: each must match
+# a full no-cache forward of every row.
 SAMPLER_DECODERS = {"_StaticKVDecoder": "common", "HFDecoder": "extras.hf_decoder"}
 
 

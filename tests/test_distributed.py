@@ -79,10 +79,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(tmp_path):
         "error: stopped because rank 1 failed (its error is above)\n",
     ):
         assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
-    # torchrun's summary of the failed ranks: each of them exited with status 2, none was killed by a
-    # signal. torchrun sends SIGTERM to the ranks still running once one has failed, and a rank that
-    # tore down with gloo's threads still alive could abort (SIGABRT): main() must end every rank
-    # with its own status.
+    # torchrun's summary: every rank exited with status 2, none killed by a signal (SIGTERM's teardown could abort)
     assert proc.stderr.count("exitcode  : 2") == WORLD, proc.stderr[-3000:]
     assert "SIGABRT" not in proc.stderr and "(SIGTERM)" not in proc.stderr, proc.stderr[-3000:]
 
