@@ -225,6 +225,16 @@ def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(cli_run):
     assert steps_s < summary["wall_time_s"] <= elapsed
 
 
+def test_wall_time_counts_from_the_scripts_start(tmp_path, monkeypatch):
+    """summary.json's wall_time_s counts from common.STARTED (the script's import), not from the Run's creation."""
+    monkeypatch.setattr(common, "STARTED", time.perf_counter() - 1000.0)
+    began = time.perf_counter()
+    train_in_process(gspo, "--steps", "1", "--out", tmp_path / "run")
+    took = time.perf_counter() - began
+    wall = json.loads((tmp_path / "run" / "summary.json").read_text())["wall_time_s"]
+    assert 1000.0 < wall <= 1000.0 + took + 1e-3
+
+
 def test_the_closing_lines_pieces():
     assert [common.duration(s) for s in (0.4, 44.6, 59.4, 137.2, 3599.4, 3780.0)] == [
         "0 s", "45 s", "59 s", "2 min 17 s", "59 min 59 s", "1 h 3 min"]  # fmt: skip
