@@ -176,9 +176,11 @@ AGGREGATE_F64 = {
     "sequence-mean": lambda ent: sum(sum(r) / len(r) for r in ent) / len(ent),
     "token-mean": lambda ent: sum(sum(r) for r in ent) / sum(len(r) for r in ent),
 }
-# each case's script, flags and aggregation (the extra case's id names no script: test_forks counts by "[<script>")
+# each case's script, flags and aggregation (the extra case's id names no script: test_forks counts by "[<script>"),
+# and its log-probs whole (None: the CPU's one chunk) or in chunks of 2 tokens, in turn: each aggregation both ways
 BONUS_CASES = {name: (name, [], traits(name).entropy_bonus) for name in SCRIPTS}
 BONUS_CASES["token-mean-grpo"] = ("grpo", ["--loss-agg", "token-mean"], "token-mean")
+BONUS_CASES = {case: (*value, (None, 2)[i % 2]) for i, (case, value) in enumerate(BONUS_CASES.items())}
 ZERO = "def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
 
 
@@ -196,14 +198,13 @@ class RecordingAdamW(torch.optim.AdamW):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("chunk_tokens", [None, 2])
 @pytest.mark.parametrize("case", BONUS_CASES)
-def test_the_entropy_bonus_gradient_equals_float64(tmp_path, capsys, monkeypatch, case, chunk_tokens):
+def test_the_entropy_bonus_gradient_equals_float64(tmp_path, capsys, monkeypatch, case):
     """train() with --entropy-coef 1, every reward 0 (so every advantage 0) and log-probs in chunks: the first
     update's loss and gradient are minus float64's through a plain loop's entropies, aggregated as the script does."""
     import inspect
 
-    name, flags, aggregation = BONUS_CASES[case]
+    name, flags, aggregation, chunk_tokens = BONUS_CASES[case]
     module, temperature = MODULES[name], 0.7
     model64, _ = common.load_model("tiny", torch.device("cpu"))  # the weights train() starts from
     if chunk_tokens is not None:  # chunk_tokens="auto" on a CPU: LOGITS_CHUNK_ELEMENTS // vocabulary
