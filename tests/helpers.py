@@ -1,9 +1,4 @@
-"""Shared helpers for tests/test_gspo.py and tests/test_grpo.py.
-
-Reference computations here are plain Python loops over float64 (Python floats), written from the
-papers' equations (GRPO: arXiv 2402.03300; GSPO: arXiv 2507.18071), never from the code under test.
-Hypothesis strategies draw small batches (a few rows, a few tokens) so the suites stay light on a shared 2-core machine.
-"""
+"""Shared helpers: float64 plain-loop references from the papers' equations, tolerances, strategies, SCRIPTS."""
 
 from __future__ import annotations
 
@@ -11,7 +6,7 @@ import copy
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,15 +30,13 @@ class Traits:
     grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
-    own_choices: dict = field(default_factory=dict)  # its own fixed-set flags and their values (test_fork_traps)
     entropy_bonus: str = "sequence-mean"  # how --entropy-coef's bonus averages at the defaults: or "token-mean"
 
 
-AGGS, SCALES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), ("std", "none")  # grpo.py's
 TRAITS = {
     "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
-    "grpo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"loss_agg": AGGS, "scale_rewards": SCALES}),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True, own_choices={"variant": ("sequence", "token")}),
+    "grpo": Traits(grouped=True, skips_zero_advantage=True),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True),
 }
 
 
@@ -63,9 +56,7 @@ def t64(rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=F64)
 
 
-# ----------------------------------------------------------------------------------------------
-# Hypothesis strategies
-# ----------------------------------------------------------------------------------------------
+# --- Hypothesis strategies ---
 
 
 @st.composite
@@ -91,9 +82,7 @@ def batches(
     return dict(B=B, T=T, mask=mask, old=old, logp=logp, adv=adv)
 
 
-# ----------------------------------------------------------------------------------------------
-# Plain-loop references (float64)
-# ----------------------------------------------------------------------------------------------
+# --- Plain-loop references (float64) ---
 
 
 def loop_seq_ratio(logp, old, mask):
@@ -233,24 +222,10 @@ def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
     return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# Subprocess smoke runs
-# ----------------------------------------------------------------------------------------------
+# --- Subprocess smoke runs ---
 
-SMOKE_ARGS = [
-    "--steps",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--minibatches",
-    "2",
-    "--eval-size",
-    "16",
-    "--eval-every",
-    "1",
-]
+SMOKE_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-size", "16",
+              "--eval-every", "1"]  # fmt: skip
 # metrics.jsonl and summary.json round floats to 6 decimals (common.rounded): a summary's mean of the steps,
 # rounded, against the mean of the rounded steps differs by at most two half-units of the 6th decimal (and a few
 # float64 roundings)
@@ -407,9 +382,7 @@ def group_advantage_tol(group, scale="std", eps=1e-6) -> float:
     return (dev_err + math.sqrt(G) * std_err) / (std + eps) + unit_roundoff(torch.float32) * math.sqrt(G)
 
 
-# ----------------------------------------------------------------------------------------------
-# CI (issue 48): what may skip locally must fail there
-# ----------------------------------------------------------------------------------------------
+# --- CI (issue 48): what may skip locally must fail there ---
 
 
 def in_ci() -> bool:
@@ -434,6 +407,15 @@ def torchrun_cmd() -> list[str]:
     if not _has_torchrun():
         pytest.fail("this torch has no torch.distributed.run (torchrun), and CI must run the torchrun tests")
     return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for torchrun's --master_port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def needs_torchrun(test):

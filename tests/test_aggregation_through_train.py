@@ -1,15 +1,11 @@
-"""Each --loss-agg of grpo.py through its own train(), not through a copy of its lines: one on-policy update of a
-fixed rollout (rows of unequal length, some cut without EOS, the padded width below --max-new-tokens where no row
-is cut), with --mask-truncated on and off, and the gradient the optimizer is stepped with equals the closed form,
-computed here in float64 from a plain loop over the tokens:
+"""Each --loss-agg of grpo.py through its own train(), with --mask-truncated on and off: the gradient stepped with
+equals the closed form, in float64 from a plain loop (on-policy: g = -sum_i sum_t w_it A_i grad log pi(y_it)):
 
-    g = -sum_i sum_t w_it A_i grad log pi(y_it)          (on-policy: every ratio 1, none clipped)
     seq-mean-token-mean      w_it = m_it / (B n_i)      n_i = sum_t m_it, the row's tokens in the loss
     token-mean               w_it = m_it / sum_jt m_jt  the batch's tokens in the loss
     seq-mean-token-sum-norm  w_it = m_it / (B Tmax)     Tmax = --max-new-tokens, not the padded width
 
-with m the completion mask, less the rows cut at --max-new-tokens under --mask-truncated (they stay in B). A
-denominator taken from the unmasked mask, from the padded width, or a train() that ignores --loss-agg, fails here."""
+m is the completion mask, less the rows cut at --max-new-tokens under --mask-truncated (they stay in B)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro: Args instances share
-no mutable default; --resume takes the checkpoint's flags as defaults; a list flag takes
-several values. A fork whose Args lacks a recipe field stops at start-up."""
+"""The scripts' command lines (every script in helpers.SCRIPTS), each Args read by tyro."""
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +22,6 @@ def test_two_args_instances_share_no_list(name):
     assert b.reward == [] and b.reward_weights == []
     assert "lm_head" not in b.lora_targets and "lm_head" not in common.LORA_TARGETS
     assert a.lora_targets is not common.LORA_TARGETS and b.lora_targets is not common.LORA_TARGETS
-    assert b.lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -81,19 +77,10 @@ def train(args):
 if __name__ == "__main__":
     common.main(train, Args)
 """
-RECIPE_FIELDS = {
-    "steps": "int = 3",
-    "prompts_per_step": "int = 4",
-    "group_size": "int = 2",
-    "max_new_tokens": "int = 4",
-    "temperature": "float = 1.0",
-    "lr": "float = 1e-3",
-    "weight_decay": "float = 0.0",
-    "max_grad_norm": "float = 1.0",
-    "anneal_lr": "bool = True",
-    "minibatches": "int = 1",
-    "epochs": "int = 1",
-}
+RECIPE_FIELDS = {"steps": "int = 3", "prompts_per_step": "int = 4", "group_size": "int = 2",
+                 "max_new_tokens": "int = 4", "temperature": "float = 1.0", "lr": "float = 1e-3",
+                 "weight_decay": "float = 0.0", "max_grad_norm": "float = 1.0", "anneal_lr": "bool = True",
+                 "minibatches": "int = 1", "epochs": "int = 1"}  # fmt: skip
 
 
 def write_fork(tmp_path, fields: dict):
@@ -101,16 +88,6 @@ def write_fork(tmp_path, fields: dict):
     body = "\n".join(f"    {name}: {decl}" for name, decl in fields.items()) or "    pass"
     (tmp_path / "fork.py").write_text(FORK.format(fields=body))
     return tmp_path / "fork.py"
-
-
-def run_fork(tmp_path, fields: dict, *argv):
-    """`python fork.py ARGV` in its own process, importing common (as a user runs it)."""
-    import os
-
-    write_fork(tmp_path, fields)
-    env = {**os.environ, "PYTHONPATH": str(common.SHIPPED_CHECKPOINTS.parent)}
-    return subprocess.run([sys.executable, "fork.py", *argv], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
 
 
 def fork_in_process(tmp_path, fields: dict, capsys, *argv):
@@ -129,9 +106,7 @@ def test_each_recipe_field_is_required(tmp_path, capsys, missing):
     assert status == 2 and f"lacks the recipe field {common._flag(missing)}:" in err, err
 
 
-@pytest.mark.slow  # a subprocess
-def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path):
-    proc = run_fork(tmp_path, {**RECIPE_FIELDS, "beta": "float | None = None"}, "--lr", "0.5",
-                    "--beta", "none", "--no-anneal-lr")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "lr=0.5" in proc.stdout and "beta=None" in proc.stdout and "anneal_lr=False" in proc.stdout
+def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path, capsys):
+    fields = {**RECIPE_FIELDS, "beta": "float | None = None"}
+    status, out, err = fork_in_process(tmp_path, fields, capsys, "--lr", "0.5", "--beta", "none", "--no-anneal-lr")
+    assert status == 0 and "lr=0.5" in out and "beta=None" in out and "anneal_lr=False" in out, err

@@ -1,12 +1,5 @@
-"""A script's own train() on 2 gloo ranks against one process, beyond the default flags (slow tier, torchrun):
-grpo.py at token-mean and seq-mean-token-sum-norm with --mask-truncated, ppo.py and gspo.py with a non-default flag
-each, and each script with an --entropy-coef bonus (grpo at token-mean and seq-mean-token-mean), also with
---lora-rank and under --fsdp (the recorder gathers FSDP's shards where the optimizer is stepped); and grpo, gspo and
-ppo with pi_old offset from the starting weights (--old-logp rollout), so that the one update clips. The rollout is
-test_distributed's fixed one (completions fixed by each prompt, so both runs train the same rows), with every third
-row of a prompt cut at --max-new-tokens without an EOS, so --mask-truncated has rows to leave out and the ranks hold
-unequal numbers of loss tokens (checked): a denominator taken per rank (each rank's own token count) gives each
-rank's tokens another weight than one process does, and fails here."""
+"""A script's own train() on 2 gloo ranks against one process on the same rollout, beyond the default flags (torchrun);
+the ranks hold unequal numbers of loss tokens (checked), so a denominator taken per rank fails here."""
 
 from __future__ import annotations
 
@@ -21,20 +14,82 @@ from helpers import (
     LOGGED_TOL,
     assert_within,
     forward_roundings,
+    free_port,
     needs_torchrun,
     probable_gamma,
     torchrun_cmd,
     unit_roundoff,
 )
-from test_distributed import FIXED_ROLLOUT_RUN, ROOT, WORLD, _free_port
+from test_distributed import ROOT, WORLD
 from test_real_checkpoints import graded_reward
 
 import common
 
 pytestmark = pytest.mark.slow
 
+# Runs `<algo>.py`'s own train() through common.main, changing two things from outside: the Sampler returns
+# completions fixed by each prompt (so 2 ranks and 1 process train on the same rollout, whatever the ranks'
+# sampling streams), and every AdamW saves the gradients it is stepped with, and the weights before and after
+# (under --fsdp gathered whole on every rank).
+FIXED_ROLLOUT_RUN = """
+import importlib, os, sys, zlib
+import torch
+sys.path.insert(0, {root!r})
+import common
+
+algo = importlib.import_module(sys.argv[1])
+OUT, RANK = os.environ["RECORD_DIR"], int(os.environ.get("RANK", "0"))
+
+
+class FixedSampler(common.Sampler):
+    def sample(self, prompts, generator):
+        completions, seen = [], {{}}
+        for p in prompts:  # G rows per prompt; the k-th of a prompt's rows gets the k-th fixed completion
+            k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+            g = torch.Generator().manual_seed(zlib.crc32(repr(p).encode()) * 64 + k % self.args.group_size)
+            n = int(torch.randint(1, self.args.max_new_tokens, (1,), generator=g))
+            completions.append(torch.randint(2, 97, (n,), generator=g).tolist() + [self.eos_ids[0]])
+        roll = common.Rollout.from_lists(prompts, completions, self.pad_id)
+        with torch.no_grad():  # the sampling distribution's entropy, which sample() records (--fsdp: via its root)
+            roll.entropy = common.completion_logprobs(self.model, roll, self.args.temperature)[1]
+        roll.seconds, roll.sampled_tokens = 1.0, int(roll.completion_mask.sum())  # what tokens_per_s reads
+        return roll
+
+
+def whole(t):  # --fsdp: a parameter or gradient is this rank's shard of a DTensor; every rank gathers it whole
+    if t is None:  # (--lora-rank: a frozen weight has no gradient)
+        return None
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    made = 0
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.id, self.steps = RecordingAdamW.made, 0
+        RecordingAdamW.made += 1
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        record = dict(grads=[whole(p.grad) for p in params], before=[whole(p) for p in params],
+                      sharded=any(hasattr(p, "full_tensor") for p in params))
+        out = super().step(closure)
+        record["after"] = [whole(p) for p in params]
+        torch.save(record, os.path.join(OUT, f"opt{{self.id}}-step{{self.steps}}-rank{{RANK}}.pt"))
+        self.steps += 1
+        return out
+
+
+common.Sampler = FixedSampler
+torch.optim.AdamW = RecordingAdamW
+common.main(algo.train, algo.Args, argv=sys.argv[2:])
+"""
+
+
 MAX_NEW_TOKENS = 8
-# test_distributed's sampler with every third row of a prompt cut (MAX_NEW_TOKENS tokens, no EOS), and each rank's
+# FIXED_ROLLOUT_RUN's sampler with every third row of a prompt cut (MAX_NEW_TOKENS tokens, no EOS), and each rank's
 # rollout written down: (its completion tokens, those of rows that end with an EOS)
 ENDS = "completions.append(torch.randint(2, 97, (n,), generator=g).tolist() + [self.eos_ids[0]])"
 CUT = """cut = k % 3 == 2
@@ -74,11 +129,13 @@ CASES = {
     "gspo+entropy": ("gspo", ["--entropy-coef", "0.5"]),
     "ppo+entropy": ("ppo", ["--entropy-coef", "0.5"]),
 }
-# --lora-rank: the same updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
-# first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices
-# (one case a script: the adapters are script-independent; grpo's by --loss-agg token-mean)
-CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in list(CASES.items())
-          if case.endswith("+entropy") and case != "grpo-seq-mean-token-mean+entropy"}  # fmt: skip
+# --lora-rank: the bonus's updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
+# first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices; the same flags without LoRA run
+# under --fsdp below (FSDP_CASES), so each script's bonus is checked on 2 ranks both ways
+FSDP_CASES = ["grpo-token-mean+entropy", "gspo+entropy", "ppo+entropy"]  # (sharded alike whatever --loss-agg)
+DDP_CASES = {case: CASES[case] for case in CASES if case not in FSDP_CASES}
+DDP_CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in CASES.items()
+              if case in FSDP_CASES}  # fmt: skip
 
 # peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
 # that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do
@@ -101,12 +158,19 @@ common.add_lora = nonzero_lora
 MAIN = "common.main(algo.train"
 
 
+RUNS = {}  # the arguments of a run -> its record directory: each run made once (test_distributed_metrics reuses)
+
+
 def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
-    """One update of `algo`'s train() with `flags` on the fixed rollout of 4 prompts x 4; nproc 0: one plain
-    process, else torchrun's, given `torchrun_flags` too; `offset` a number: pi_old the sampler's log-probs
-    (--old-logp rollout), OFF_POLICY_PI_OLD's with that offset. Returns the record directory (each optimizer step's
-    gradients and weights, each rank's tokens), record-{nproc}{name}, beside the run's out-{nproc}{name}."""
-    assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))  # (test_distributed's sampler, as read here)
+    key = (algo, tuple(flags), nproc, tuple(torchrun_flags), offset, name)
+    if key not in RUNS:
+        RUNS[key] = launch(tmp_path, algo, flags, nproc, torchrun_flags, offset, name)
+    return RUNS[key]
+
+
+def launch(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
+    """One update on the fixed rollout (nproc 0: one process, else torchrun's): its record-{nproc}{name} directory."""
+    assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))
     script = tmp_path / f"fixed_cut_rollout_run{name}.py"
     pi_old = "" if offset is None else OFF_POLICY_PI_OLD.replace("{offset}", repr(float(offset)))
     text = FIXED_ROLLOUT_RUN.replace(ENDS, CUT).replace(RETURN, pi_old + RECORD).format(root=str(ROOT))
@@ -114,7 +178,7 @@ def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
     record = tmp_path / f"record-{nproc}{name}"
     record.mkdir()
     flags = [*flags, *(() if offset is None else ("--old-logp", "rollout"))]
-    launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(_free_port())] if nproc else []
+    launcher = [*torchrun_cmd(), "--nproc_per_node", str(nproc), "--master_port", str(free_port())] if nproc else []
     cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
            "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
@@ -127,14 +191,13 @@ def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
 
 
 @needs_torchrun
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(DDP_CASES))
 def test_script_update_with_flags_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
-    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, *CASES[case])
+    assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, *DDP_CASES[case])
 
 
 # --fsdp (FSDP2: each rank holds a shard of every weight, gradient and AdamW moment; the gradients reduce-scattered):
 # each script with its entropy bonus (ppo's critic sharded too), gathered whole where the optimizer is stepped
-FSDP_CASES = ["grpo-token-mean+entropy", "gspo+entropy", "ppo+entropy"]  # (sharded alike whatever --loss-agg)
 
 
 @needs_torchrun
@@ -156,15 +219,11 @@ MIN_CLIPPED = 0.1  # the least share clipped that a case accepts (rows of a grou
 @needs_torchrun
 @pytest.mark.parametrize("case", sorted(OFF_POLICY_CASES))
 def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, case):
-    """pi_old offset from the starting weights (--old-logp rollout, OFF_POLICY_PI_OLD): the one update clips at least
-    MIN_CLIPPED of its tokens (GSPO: sequences), as metrics.jsonl counts them, the same share on 2 ranks, and its
-    gradients on 2 ranks are one process's to the bound above. They differ from the on-policy update's (offset 0:
-    nothing clipped) by more than that bound, in every tensor with a gradient: the comparison is of another update."""
+    """pi_old offset (OFF_POLICY_PI_OLD): the update clips, 2 ranks equal one process, and differ from on-policy."""
     algo, flags = OFF_POLICY_CASES[case]
-    single, _, records = assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, offset=OFFSET)
+    single, ddp, records = assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, offset=OFFSET)
     on_policy = run(tmp_path, algo, flags, 0, offset=0.0, name="-on-policy")
-    one, two, on = (json.loads((tmp_path / f"out-{o}" / "metrics.jsonl").read_text().splitlines()[0])
-                    for o in (0, WORLD, "0-on-policy"))  # fmt: skip
+    one, two, on = (first_row(r) for r in (single, ddp, on_policy))
     key = "clip_frac_seqs" if "clip_frac_seqs" in one else "clip_frac"  # GSPO's sequence ratio: a share of sequences
     assert one[key] >= MIN_CLIPPED and on[key] == 0, (key, one[key], on[key])
     # the same tokens clipped: a count, equal unless a ratio lies within rounding of a clip bound (test_distributed_
@@ -175,6 +234,12 @@ def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, cas
         off, on = (torch.load(d / f"{r}-rank0.pt")["grads"] for d in (single, on_policy))
         moved = [bool((a - b).abs().max() > tol * a.abs().max()) for a, b in zip(off, on) if a is not None and a.any()]
         assert moved and all(moved), (r, moved)
+
+
+def first_row(record) -> dict:
+    """The first metrics.jsonl row of the run whose record directory is `record`."""
+    out = record.with_name(record.name.replace("record-", "out-", 1))
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
 def gradient_tol(tiny_path):
@@ -190,9 +255,7 @@ ONE_PROCESS = {}  # (algo, flags, offset) -> a one-process run's record director
 
 
 def assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, torchrun_flags=(), offset=None):
-    """The gradient each optimizer is stepped with, on each of 2 ranks given `torchrun_flags` and in one process, on
-    the same rollout (`offset`: pi_old offset from it, as `run`'s): the same on both ranks, and the one process's to
-    rounding. Returns the two runs' record directories and the records compared."""
+    """Each optimizer's gradient on each of 2 ranks equals one process's on the same rollout, to rounding."""
     key = (algo, tuple(flags), offset)  # one process's run, the same under --fsdp: made once
     single = ONE_PROCESS.get(key) or ONE_PROCESS.setdefault(key, run(tmp_path, algo, flags, 0, offset=offset))
     ddp = run(tmp_path, algo, flags, WORLD, torchrun_flags, offset=offset)

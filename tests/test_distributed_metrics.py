@@ -1,14 +1,7 @@
-"""The logged update statistics of 2 gloo ranks with unequal token counts against one process on the same rollout
-(slow tier, torchrun; docs/metrics.md, "How the updates' statistics are pooled"). The rollout is
-test_distributed_flags' fixed one (every third row of a prompt cut, so the ranks hold unequal numbers of tokens),
-and its pi_old is the sampler's log-prob (--old-logp rollout) set to the model's own plus a fixed offset per token,
-so that the one update, at the starting weights in both runs, has ratios away from 1 and clips: its ratio and
-clip statistics are then functions of the rollout and the starting weights alone, which both runs share, up to
-the forward's rounding (logprob_tol). A mean over ranks of each rank's mean (before issue 53) differs."""
+"""The logged update statistics of 2 gloo ranks with unequal token counts against one process (docs/metrics.md)."""
 
 from __future__ import annotations
 
-import json
 import math
 import types
 
@@ -16,7 +9,7 @@ import pytest
 import torch
 from helpers import LOGGED_TOL, logit_scale, logprob_tol, needs_torchrun, sum_gamma, unit_roundoff
 from test_distributed import WORLD
-from test_distributed_flags import OFFSET
+from test_distributed_flags import OFF_POLICY_CASES, OFFSET, first_row
 from test_distributed_flags import run as flags_run
 
 pytestmark = pytest.mark.slow
@@ -25,11 +18,10 @@ KEYS = ("clip_frac", "ratio_outside_grpo_clip", "ratio_mean", "ratio_max_dev", "
 
 
 def run(tmp_path, nproc):
-    """grpo.py's train() for one step of one update on test_distributed_flags' fixed rollout, pi_old offset by OFFSET
-    (--old-logp rollout), with --mask-truncated; nproc 0: one plain process. Returns (its first metrics row, the
-    record directory: each rank's tokens and rollout)."""
-    record = flags_run(tmp_path, "grpo", ["--mask-truncated"], nproc, offset=OFFSET)
-    return json.loads((tmp_path / f"out-{nproc}" / "metrics.jsonl").read_text().splitlines()[0]), record
+    """grpo.py's one update on test_distributed_flags' fixed rollout, pi_old offset by OFFSET: the clipped update's
+    run there (made once): (its first metrics row, its record directory: each rank's tokens and rollout)."""
+    record = flags_run(tmp_path, *OFF_POLICY_CASES["grpo-token-mean"], nproc, offset=OFFSET)
+    return first_row(record), record
 
 
 @needs_torchrun

@@ -1,21 +1,4 @@
-"""Evaluation, what the model writes, and where the metrics go:
-
-  - pass@k (Chen et al. 2021) against a brute-force enumeration of every k-subset of n samples;
-    evaluate()'s eval_pass@1 / eval_pass@n on a constructed precondition (which samples are correct
-    is fixed by the row, not by what the model samples);
-  - --eval-data: training uses all of --data, evaluation the other file (GSM8K's form too), and
-    prompts found in both are counted and warned about;
-  - samples.jsonl: the first evaluation prompts at every evaluation, their greedy completions (the
-    last step's checked against Hugging Face generate on the final weights), rewards and answers;
-  - --report-to tensorboard: the event files hold exactly the values of metrics.jsonl; a resumed run
-    continues the curves without duplicated steps (purge_step), and samples.jsonl is cut back to
-    the checkpoint's step;
-  - --mask-truncated: a hand case for GRPO's and GSPO's losses (truncated rows get zero gradient, the
-    denominator is what the aggregation says), and end to end: with every completion marked
-    truncated the weights do not move, while without the flag they do.
-
-Runs are in-process and tiny (4 prompts x 2 samples, 6 new tokens, 8 evaluation prompts).
-"""
+"""Evaluation (pass@k, --eval-data), samples.jsonl, the closing line, TensorBoard, and --mask-truncated end to end."""
 
 from __future__ import annotations
 
@@ -59,9 +42,7 @@ def rows(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-# ---------------------------------------------------------------------------------------------
-# pass@k and evaluate()
-# ---------------------------------------------------------------------------------------------
+# --- pass@k and evaluate() ---
 
 
 @given(n=st.integers(1, 9), data=st.data())
@@ -83,9 +64,8 @@ def test_pass_at_k_hand_cases():
 
 
 def test_evaluate_reports_pass_at_1_and_pass_at_n(tiny_path, monkeypatch):
-    """Which completions are correct is fixed by the row: greedy [1, 0, 1]; the 4 samples of each
-    prompt [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0] (c = 2, 0, 1), so pass@1 = (2/4 + 0 + 1/4) / 3
-    and pass@4 = (1 + 0 + 1) / 3."""
+    """Correct by row: greedy [1, 0, 1], samples [1, 1, 0, 0], [0] * 4, [1, 0, 0, 0]:
+    pass@1 = (2/4 + 0 + 1/4) / 3, pass@4 = 2 / 3."""
     fixed = {3: [1, 0, 1], 12: [1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]}
 
     def by_row(tok, roll, answers, parser="exact"):
@@ -107,9 +87,7 @@ def test_evaluate_reports_pass_at_1_and_pass_at_n(tiny_path, monkeypatch):
     assert [s["rewards"] for s in result["samples"]] == [{"exact": 1.0}, {"exact": 0.0}]
 
 
-# ---------------------------------------------------------------------------------------------
-# --eval-data
-# ---------------------------------------------------------------------------------------------
+# --- --eval-data ---
 
 
 def write_jsonl(path, records):
@@ -153,20 +131,36 @@ def test_eval_data_errors_name_the_flag(tmp_path):
         setup_with("--eval-samples", "1", "--out", tmp_path / "run")
 
 
-# ---------------------------------------------------------------------------------------------
-# samples.jsonl
-# ---------------------------------------------------------------------------------------------
+# --- samples.jsonl ---
+
+
+LR = 1.234567891e-4  # more digits than a rounding to 6 decimals keeps
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """gspo.py run as a user runs it, 2 steps, an evaluation at each, two rewards: (out, its process, its seconds)."""
+    import os
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("cli")
+    rewards = tmp / "task_rewards.py"
+    rewards.write_text("def prompt_len(prompts, completions, **kwargs):\n    return [len(p) % 3 for p in prompts]\n")
+    out = tmp / "run"
+    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", "2", "--eval-every", "1", "--lr", repr(LR), "--reward",
+           "exact", f"{rewards}:prompt_len", "--reward-weights", "1", "2", "--out", str(out)]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RLREF_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc, time.perf_counter() - started
 
 
 @pytest.mark.slow
-def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path):
+def test_samples_jsonl_holds_each_evaluation_s_first_prompts(cli_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rewards = tmp_path / "task_rewards.py"
-    rewards.write_text("def prompt_len(prompts, completions, **kwargs):\n    return [len(p) % 3 for p in prompts]\n")
-    out = tmp_path / "run"
-    train_in_process(gspo, "--steps", "2", "--eval-every", "1", "--reward", "exact", f"{rewards}:prompt_len",
-                     "--reward-weights", "1", "2", "--out", out)  # fmt: skip
+    out = cli_run[0]
     samples = rows(out / "samples.jsonl")
     eval_set = common.arith_split()[1][:3]
     assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -186,9 +180,7 @@ def test_samples_jsonl_holds_each_evaluation_s_first_prompts(tmp_path, tiny_path
     assert [s["truncated"] for s in samples[-3:]] == [bool((row != tok.eos_token_id).all()) for row in new]
 
 
-# ---------------------------------------------------------------------------------------------
-# The end of a run: the closing line, transformers' bars, the progress bar's field, summary.json
-# ---------------------------------------------------------------------------------------------
+# --- The end of a run: the closing line, transformers' bars, the progress bar's field, summary.json ---
 
 
 def floats_in(value):
@@ -202,25 +194,12 @@ def floats_in(value):
     return []
 
 
-@pytest.mark.slow  # a subprocess run of gspo.py
-def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
-    """A script run as a user runs it: its last stdout line says held-out before -> after, the time and
-    what is in --out (checked against summary.json, metrics.jsonl and the directory); transformers'
-    "Loading weights" / "Writing model shards" bars are gone; the bar's held-out field is named eval_acc
-    and shows the last evaluation; summary.json's numbers are rounded as metrics.jsonl's are, the flags
-    exact, and its wall_time_s covers more than the steps (model loading, evaluations) within the
-    process's own lifetime."""
-    import os
+@pytest.mark.slow
+def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(cli_run):
+    """A subprocess run: one closing line, true to summary.json and --out; no transformers bars; rounded numbers."""
     import re
-    import subprocess
 
-    out, lr = tmp_path / "run", 1.234567891e-4  # more digits than a rounding to 6 decimals keeps
-    cmd = [sys.executable, "gspo.py", *SMALL, "--steps", "2", "--eval-every", "1", "--lr", repr(lr), "--out", str(out)]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "RLREF_THREADS": "1"})  # fmt: skip
-    elapsed = time.perf_counter() - started
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, proc, elapsed = cli_run
     summary, metrics = json.loads((out / "summary.json").read_text()), rows(out / "metrics.jsonl")
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     assert after == metrics[-1]["eval_accuracy"]  # bit for bit: both rounded alike
@@ -241,14 +220,13 @@ def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(tmp_path):
 
     measured = {k: v for k, v in summary.items() if k != "args"}
     assert all(round(x, 6) == x for x in floats_in(measured)), measured
-    assert summary["args"]["lr"] == lr  # the flags as given, not rounded
+    assert summary["args"]["lr"] == LR  # the flags as given, not rounded
     steps_s = sum(r["step_time_s"] for r in metrics)
     assert steps_s < summary["wall_time_s"] <= elapsed
 
 
 def test_wall_time_counts_from_the_scripts_start(tmp_path, monkeypatch):
-    """summary.json's wall_time_s is measured from common.STARTED (set when the script imports common),
-    not from the Run's creation after the model loaded: a start 1000 s back shows in it."""
+    """summary.json's wall_time_s counts from common.STARTED (the script's import), not from the Run's creation."""
     monkeypatch.setattr(common, "STARTED", time.perf_counter() - 1000.0)
     began = time.perf_counter()
     train_in_process(gspo, "--steps", "1", "--out", tmp_path / "run")
@@ -272,9 +250,7 @@ def test_the_closing_line_says_reward_where_the_task_has_no_accuracy(tmp_path):
     assert line == f"ppo: held-out reward 0.250 -> 0.500 in 1 min 15 s; wrote {tmp_path} (summary.json, checkpoint/)"
 
 
-# ---------------------------------------------------------------------------------------------
-# TensorBoard
-# ---------------------------------------------------------------------------------------------
+# --- TensorBoard ---
 
 
 def tensorboard_scalars(log_dir) -> dict:
@@ -330,9 +306,7 @@ def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_pat
     assert all(s["prompt"] != "stale" for s in samples)
 
 
-# ---------------------------------------------------------------------------------------------
-# --mask-truncated
-# ---------------------------------------------------------------------------------------------
+# --- --mask-truncated ---
 
 
 def hand_batch():  # (grpo.py's aggregations with --mask-truncated: test_aggregation_through_train.py)
@@ -353,12 +327,9 @@ def test_mask_truncated_gspo_hand_case():
     assert loss.item() == 0.25
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("module", [gspo])  # grpo's, every aggregation: test_aggregation_through_train.py
-def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(module, tmp_path, monkeypatch, tiny_path):
-    """Rewards alternate by row (every advantage nonzero) and every completion is marked truncated:
-    with --mask-truncated no row is left in the loss and the weights stay the initial ones bit for
-    bit; without it the same run moves them."""
+@pytest.mark.slow  # grpo's, every aggregation: test_aggregation_through_train.py
+def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(tmp_path, monkeypatch, tiny_path, module=gspo):
+    """Every advantage nonzero, every completion cut: with --mask-truncated the weights stay; without it they move."""
     rewards = tmp_path / "rows.py"
     rewards.write_text(ROWS)
     monkeypatch.setattr(common, "completion_ends", lambda roll, eos_ids: torch.zeros(len(roll), dtype=torch.bool))
@@ -369,7 +340,6 @@ def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(module, tmp_p
     assert row["truncated_frac"] == 1.0 and row["reward"] == 0.5 and row["skipped_updates"] == 0
     masked = load_file(str(tmp_path / "masked" / "final" / "model.safetensors"))
     assert all(torch.equal(masked[k], initial[k]) for k in initial)
-    if module is gspo:  # the precondition: the same step without the flag does train
-        train_in_process(module, *flags, "--out", tmp_path / "plain")
-        plain = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
-        assert any(not torch.equal(plain[k], initial[k]) for k in initial)
+    train_in_process(module, *flags, "--out", tmp_path / "plain")  # the precondition: without the flag it trains
+    plain = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    assert any(not torch.equal(plain[k], initial[k]) for k in initial)

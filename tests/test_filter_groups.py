@@ -1,19 +1,10 @@
-"""--filter-groups (DAPO's dynamic sampling, issue 47) in grpo.py and gspo.py, and the Rollout that composes.
-
-Quick tier: filter_groups.concat against its parts (the rows' tokens by plain loops; completion log-probs and
-entropies through the model, to the forward's rounding bound), the selection (`keep_groups`,
-`groups_to_train`) against plain loops, extras/filter_groups.fill on hand-worked rounds, the advantages of kept groups
-against those of the whole batch and a float64 loop, bad input, and one small in-process run whose every
-trained group has signal and whose metrics read everything sampled. Full tier: two ranks under torchrun
-(one rank keeping nothing in some rounds) and --resume.
-"""
+"""--filter-groups (DAPO's dynamic sampling) in grpo.py and gspo.py, and filter_groups.concat, which joins rounds."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +17,7 @@ from helpers import (
     ROOT,
     assert_within,
     entropy_tol,
+    free_port,
     group_advantage_tol,
     logit_scale,
     logprob_tol,
@@ -40,7 +32,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import common
 import grpo
 import gspo
-import ppo
 from extras import filter_groups
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -56,9 +47,7 @@ def model():
     return Qwen3ForCausalLM(config).eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# filter_groups.concat
-# ---------------------------------------------------------------------------------------------
+# --- filter_groups.concat ---
 
 tokens = st.lists(st.integers(1, 39), min_size=1, max_size=6)
 part = st.lists(st.tuples(tokens, tokens), min_size=0, max_size=3)  # (prompt, completion) rows; a part may be empty
@@ -140,9 +129,7 @@ def test_concat_completion_logprobs_and_entropies_equal_the_parts_row_for_row(mo
             i += 1
 
 
-# ---------------------------------------------------------------------------------------------
-# The selection: keep_groups, groups_to_train
-# ---------------------------------------------------------------------------------------------
+# --- The selection: keep_groups, groups_to_train ---
 
 VALUES = [0.0, 1.0, 0.5, 0.1 + 0.2, 0.3, -1.0]  # 0.1 + 0.2 != 0.3: a group of the two differs
 
@@ -177,9 +164,7 @@ def test_groups_to_train_is_the_most_that_fit_the_share_and_split_into_minibatch
     assert filter_groups.groups_to_train(agreed, share, G, minibatches) == expected
 
 
-# ---------------------------------------------------------------------------------------------
-# filter_groups.fill on hand-worked rounds (one process)
-# ---------------------------------------------------------------------------------------------
+# --- filter_groups.fill on hand-worked rounds (one process) ---
 
 
 def fake_round(rewards, width, seconds, tag):
@@ -239,9 +224,7 @@ def test_at_the_cap_it_trains_what_it_has_and_with_nothing_the_first_round():
     assert sampled[0] is flat[0] and sampled[1] is flat[2]
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages on the kept groups
-# ---------------------------------------------------------------------------------------------
+# --- Advantages on the kept groups ---
 
 
 @settings(max_examples=100, deadline=None)
@@ -263,9 +246,7 @@ def test_the_kept_groups_advantages_equal_those_the_whole_batch_gives_their_rows
         assert kept[g * G : (g + 1) * G].any()  # a kept group has signal
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad input
-# ---------------------------------------------------------------------------------------------
+# --- Bad input ---
 
 
 @pytest.mark.parametrize("module", [grpo, gspo])
@@ -277,7 +258,7 @@ def test_the_kept_groups_advantages_equal_those_the_whole_batch_gives_their_rows
         (
             ["--filter-groups", "--group-size", "1"],
             "error: --filter-groups keeps groups whose rewards differ: --group-size must be >= 2, got 1",
-        ),
+        ),  # fmt: skip
     ],
 )
 def test_bad_filter_flags_are_one_line_exit_2_nothing_written(tmp_path, capsys, module, argv, expected):
@@ -287,16 +268,7 @@ def test_bad_filter_flags_are_one_line_exit_2_nothing_written(tmp_path, capsys, 
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", ["--filter-groups", "--max-sample-rounds"])
-def test_ppo_refuses_the_flags_as_any_unknown_flag(tmp_path, capsys, flag):
-    status, _, err = main_in_process(ppo, [flag, "2", "--out", tmp_path / "out"], capsys)
-    assert status == 2 and f"error: unrecognized argument {flag}" in err
-    assert not (tmp_path / "out").exists()
-
-
-# ---------------------------------------------------------------------------------------------
-# A small run: every trained group has signal; the metrics read everything sampled
-# ---------------------------------------------------------------------------------------------
+# --- A small run: every trained group has signal; the metrics read everything sampled ---
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "4",
          "--eval-size", "8", "--eval-every", "0", "--steps", "3", "--filter-groups"]  # fmt: skip
@@ -345,9 +317,7 @@ def test_a_filtered_run_trains_only_groups_with_signal_and_measures_all_it_sampl
     assert {t["groups_in_step"] for t in traces} == {t["groups_with_signal"] for t in traces} == {last["groups_kept"]}
 
 
-# ---------------------------------------------------------------------------------------------
-# Full tier: torchrun, --resume
-# ---------------------------------------------------------------------------------------------
+# --- Full tier: torchrun, --resume ---
 
 # rewards 0, 1, 0, 1, ... along the rows (every group has signal), except on rank 1 every other training batch,
 # which gets all 0 (that rank keeps nothing in the round)
@@ -376,12 +346,6 @@ def recording(rewards, *a, **k):
 script.group_advantages = recording
 common.main(script.train, script.Args)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -428,8 +392,7 @@ def untimed(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "gspo"])
-def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, algo):
+def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, algo="gspo"):  # the rounds: shared
     flags = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "6",
              "--eval-size", "8", "--eval-every", "3", "--no-anneal-lr", "--filter-groups"]  # fmt: skip
     run_script(algo, *flags, "--steps", "5", "--out", tmp_path / "full")

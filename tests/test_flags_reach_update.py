@@ -1,18 +1,5 @@
-"""Every flag reaches the update, for every script in tests/helpers.py's SCRIPTS: for each field of its Args (its
-recipe, its own flags and SharedArgs'), one step in this process with a value other than the default, against one
-step at the default, and the update must differ: the gradients each AdamW is stepped with, or the weights after it,
-compared bit for bit (a run on this CPU is deterministic: the check that repeats the default run asserts it). A flag
-that train() never reads leaves them bit-identical and fails here (a dual-clip constant hard-coded, --kl-coef,
---scale-rewards or --loss-agg ignored), unless it is declared not to touch the update in common.NOT_IN_UPDATE (or a
-script's own NOT_IN_UPDATE beside its Args), with the reason; those declared flags that run in one process are
-checked the other way: their value leaves the update bit-identical.
-
-A flag that matters only beside another gets it as a companion, given to both runs (--is-cap needs
---is-correction, --mask-truncated a completion cut at --max-new-tokens, --lora-alpha an adapter, ...), and a value
-chosen so that it can act on one step of a tiny batch: a clip range small enough that the second minibatch's
-(off-policy) ratios leave it, a dual-clip constant just above 1, a gradient-norm threshold below the gradient's.
-A flag a fork adds gets a generic other value (a bool flipped, every other choice, a number changed); if that
-value cannot reach the update in one step, add its case to CASES below with a companion."""
+"""Every field of every script's Args, set to another value, changes one step's gradients or weights (bit for bit),
+unless common.NOT_IN_UPDATE (or the script's own) declares it does not: then it must leave them bit-identical."""
 
 from __future__ import annotations
 

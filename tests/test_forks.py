@@ -1,25 +1,5 @@
-"""A fork registered in tests/helpers.py is checked by every shared test (issue 46), tried on docs/forks.md's forks.
-
-In a copy of the project, a script is copied to a fork and registered as a user would (docs/forks.md): its
-name added to SCRIPTS and its parent's line copied in TRAITS, with what the fork changes. The forks are made from
-that page's own text, so that the page and these tests cannot drift apart (a page whose recipe no longer
-applies fails the quick tier here):
-  - gspo.py copied to rloo.py: the unchanged copy passes the shared quick tier; a copy whose loss returns a bare
-    tensor (no info) fails it (the smoke run); a copy that keeps its sampling generator out of `state` fails the
-    shared resume test, since the resumed run then samples from a reseeded generator and ends with other weights;
-  - a DAPO-style grpo.py (docs/forks.md's DAPO defaults in its recipe, its TRAITS line changed as docs/forks.md says):
-    it passes the shared quick tier;
-  - grpo.py made one-step off-policy by docs/forks.md's code block (the batch trained at step t was sampled at step
-    t-1, as verl's one-step off-policy trainer does; pi_old taken right after sampling and carried with the
-    batch): it passes the shared quick tier, and the slow shared tests that read pi_old and the trace; with
-    --routing-replay each update replays its own (older) batch's experts (a fork that replays the last pi_old
-    forward's, another batch's, fails test_routing_replay_through_train); the same fork taking pi_old from the
-    current weights when it trains (the defining mistake of such a fork) fails tests/test_pi_old.py in the quick
-    tier, saying so.
-Each check runs pytest in the copy, in a subprocess (a minute or more each on 2 cores): slow tier. The quick
-tier keeps the cheap half: every name in SCRIPTS has its TRAITS line and its file, and docs/forks.md's recipes
-still apply to grpo.py.
-"""
+"""A fork registered in tests/helpers.py is checked by every shared test (issue 46): docs/forks.md's forks, made from
+that page's text in a copy of the project, pass the shared tests, and the forks with a planted mistake fail them."""
 
 from __future__ import annotations
 
@@ -62,13 +42,11 @@ def fork_section() -> str:
 
 
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
-    """A copy of the project with fork.py = edit(parent.py's text) (None: unchanged but for its loss's name, as
-    docs/forks.md says: `<fork>_loss`), registered in the copy's tests/helpers.py: its name added to SCRIPTS and its
-    parent's TRAITS line copied, with `traits` (a field's new value, "name=value") changed, by lines appended after
-    both are defined, so that it works however the SCRIPTS line is written."""
+    """A copy of the project with fork.py = edit(parent.py), registered in the copy's SCRIPTS and TRAITS."""
     root = tmp_path / "project"
     ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
-    shutil.copytree(ROOT, root, ignore=ignore)
+    if not root.exists():  # (a second fork joins the first's copy)
+        shutil.copytree(ROOT, root, ignore=ignore)
     source = (root / f"{parent}.py").read_text()
     text = source if edit is None else edit(source)
     assert edit is None or text != source, f"the edit no longer matches {parent}.py's text"
@@ -118,11 +96,7 @@ def off_policy_recipe() -> list[str]:
 
 
 def one_step_off_policy(source: str, broken: bool = False) -> str:
-    """grpo.py made one-step off-policy by docs/forks.md's code block: each step samples a batch and takes its pi_old
-    at once (steps 1-5, the weights that sampled it), carries it, and trains the batch the previous step sampled;
-    the first step samples two (both with the initial weights) and trains the first, as verl's one-step off-policy
-    trainer starts. The block's lines are the fork's, steps 1-5 of grpo.py (indented) where it says so.
-    `broken`: pi_old retaken from the current weights when the carried batch is trained."""
+    """grpo.py made one-step off-policy by docs/forks.md's code block (`broken`: pi_old from the current weights)."""
     recipe = off_policy_recipe()
     at = lambda prefix: next(i for i, line in enumerate(recipe) if line.strip().startswith(prefix))  # noqa: E731
     loop, steps, rest = at("for _ in range("), at("...  # steps 1-5"), at("...  # steps 6-8")
@@ -195,19 +169,6 @@ def test_a_copy_whose_loss_returns_a_bare_tensor_fails_them(tmp_path):
     assert all(f"[{FORK}" in line for line in proc.stdout.splitlines() if line.startswith("FAILED"))
 
 
-@pytest.mark.slow
-def test_a_copy_that_keeps_its_generator_out_of_the_checkpoint_fails_the_resume_test(tmp_path):
-    def unsaved_generator(source: str) -> str:
-        return source.replace("stream=stream, sampling_gen=rng,", "stream=stream,", 1)
-
-    root = project_with_fork(tmp_path, unsaved_generator)
-    proc = pytest_in(root, "-rA", "tests/test_reliability.py", "-k", "resume_equals_uninterrupted")
-    passed, failed = fork_results(proc)
-    assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
-    others = [line for line in proc.stdout.splitlines() if line.startswith("PASSED")]
-    assert len(others) == len(SCRIPTS), proc.stdout[-4000:]  # ppo, grpo and gspo still resume exactly
-
-
 def same_tests_as(proc, fork: str, parent: str) -> None:
     """The fork passed every test its parent passed (by test, not only by count) and failed none."""
     passed, failed = fork_results(proc, fork)
@@ -217,20 +178,15 @@ def same_tests_as(proc, fork: str, parent: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_dapo_style_grpo_passes_the_quick_tier(tmp_path):
+def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests(tmp_path):
     root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)
+    project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)  # in the same copy
+    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)  # grpo, offgrpo, dapo
     assert proc.returncode == 0, proc.stdout[-4000:]
     same_tests_as(proc, DAPO, "grpo")
-
-
-@pytest.mark.slow
-def test_a_one_step_off_policy_grpo_passes_the_shared_tests(tmp_path):
-    root = project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", "grpo", *SHARED_QUICK)  # grpo and offgrpo
-    assert proc.returncode == 0, proc.stdout[-4000:]
     same_tests_as(proc, OFF_POLICY, "grpo")
-    proc = pytest_in(root, "-rA", *SHARED_OFF_POLICY_SLOW)
+    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
+    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and not {DAPO}")
     assert proc.returncode == 0, proc.stdout[-4000:]
     same_tests_as(proc, OFF_POLICY, "grpo")
 

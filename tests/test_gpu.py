@@ -1,13 +1,5 @@
-"""The gpu tier: the real CUDA paths, wherever a GPU is visible (`python -m pytest -q -m gpu`).
-
-It is the first thing `bash benchmarks/gpu.sh` runs, and it is meant to take under 3 minutes on one H200:
-the script runs (each script 3 steps at tiny and at Qwen2.5-0.5B's shape with random weights, a stop and
-resume, torchrun on one process with and without --fsdp) are launched together, as concurrent processes
-on the one GPU, by one fixture; the tests then read what each run left. Elsewhere (CI has no GPU) every
-test skips with one reason line. RLREF_GPU_TIER_DEVICE=cpu runs the tier's own logic on a CPU (at small
-shapes, a few minutes on 2 cores): a check of the tests, not of CUDA. tests/test_gpu_paths.py reaches
-each CUDA-only branch on a CPU.
-"""
+"""The gpu tier (`python -m pytest -q -m gpu`): the real CUDA paths where a GPU is visible, one reason line elsewhere.
+RLREF_GPU_TIER_DEVICE=cpu runs the tier's own logic on a CPU at small shapes (a check of the tests, not of CUDA)."""
 
 import copy
 import json
@@ -123,9 +115,7 @@ def test_torchrun_on_one_process(runs, name):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-# ---------------------------------------------------------------------------------------------
-# in process: the sampler against HF generate, and the bf16-autocast training forward
-# ---------------------------------------------------------------------------------------------
+# --- in process: the sampler against HF generate, and the bf16-autocast training forward ---
 
 
 @pytest.fixture(scope="module")
@@ -152,12 +142,8 @@ def test_greedy_samples_equal_hf_generate_in_float32(tiny):
 
 
 def test_greedy_samples_in_bf16_part_from_hf_generate_only_at_near_ties(tiny):
-    """In bfloat16 (the sampler's copy on a GPU) the fused kernels' roundings may flip a near-tie, so a row of
-    common.sample's greedy completions may part from generate's. Where one does, the two tokens chosen at the
-    first step they differ are a near-tie: under a float32 forward of the shared prefix their logits are within
-    what each bf16 forward's rounding allows (each picked its token, so the exact logits differ by at most twice
-    one forward's error, logit_tol at bfloat16 capped at half the logit scale, plus the float32 forward's own). Rows
-    that agree need no check. A decode step that hides its own slot from the new token fails it (planted)."""
+    """Where a bf16 greedy row parts from generate's, the two tokens are a near-tie: their float32 logits within
+    twice logit_tol at bfloat16 (capped at half the logit scale) plus float32's own."""
     model, tok = tiny
     prompts, ours, theirs = greedy_against_generate(copy.deepcopy(model).to(torch.bfloat16), tok)
     roll = common.Rollout.from_lists(prompts, ours, tok.pad_token_id, device=model.device)

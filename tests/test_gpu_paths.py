@@ -1,13 +1,4 @@
-"""The code paths that run only on CUDA, reached on a CPU (tests/README.md lists each with its test).
-
-A CPU test cannot run a CUDA kernel, but it can feed the CUDA branch what CUDA would give it: the fused
-attention kernel (which a CPU has too) and its strided output, the unfused projections, a bf16 autocast
-forward (CPU autocast), and torch.cuda's functions replaced by stand-ins that record what they are given
-(RNG states, peak memory, device counts, the NCCL backend, DDP's device_ids). The real thing runs in the
-`gpu` tier (tests/test_gpu.py) wherever a GPU is visible. Also here: the decode loop's reads of the
-device on CUDA's schedule, counted on a CPU, proof that reading less often changes no token, draw or width,
-and that a CPU, which reads every token, decodes no step past the last row's end.
-"""
+"""The code paths that run only on CUDA, reached on a CPU by feeding them what CUDA would (tests/README.md)."""
 
 import types
 
@@ -26,7 +17,6 @@ from helpers import (
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import common
 from extras import distributed as distributed_extra
@@ -38,19 +28,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def model(char_tok):
-    """A small random Qwen3 with peaked next-token distributions (initializer_range 0.3), so that greedy
-    choices are not near-ties decided by rounding (as test_common.py's)."""
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(char_tok), pad_token_id=char_tok.pad_token_id,
-                         eos_token_id=char_tok.eos_token_id, bos_token_id=None, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, max_position_embeddings=256, initializer_range=0.3,
-                         tie_word_embeddings=False)  # fmt: skip
-    m = Qwen3ForCausalLM(config).eval()
-    m.generation_config = GenerationConfig(eos_token_id=[char_tok.eos_token_id], pad_token_id=char_tok.pad_token_id,
-                                           do_sample=False)  # fmt: skip
-    return m
+def model(rand_model):
+    return rand_model  # conftest's
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +54,11 @@ def cuda_decoder(monkeypatch):
     monkeypatch.setattr(common, "_attention", lambda *a: as_cuda_lays_it_out(attention(*a, fused=True)))
 
 
-# ---------------------------------------------------------------------------------------------
-# the decoder: any attention layout, the fused kernel, the unfused projections
-# ---------------------------------------------------------------------------------------------
+# --- the decoder: any attention layout, the fused kernel, the unfused projections ---
 
 
 def test_decoder_samples_the_same_whatever_layout_the_attention_output_has(model, prompts, char_tok, monkeypatch):
-    """The first GPU run crashed here: `out.view(...)` of SDPA's strided output. Greedy and sampled
-    completions with the attention output laid out as CUDA's kernel lays it out equal those with it
-    contiguous, token for token."""
+    """SDPA's strided output (the first GPU run crashed on its view) samples as the contiguous one."""
     pad, eos, T = char_tok.pad_token_id, [char_tok.eos_token_id, 40], 20
     runs = {}
     for layout in ("contiguous", "strided"):
@@ -113,9 +88,7 @@ def test_cuda_decoder_branches_sample_greedily_as_hf_generate(model, prompts, ch
 @example(M=6, N=40, masked=0.7, seed=1)
 @settings(max_examples=30, deadline=None)
 def test_fused_attention_equals_the_matmul_path_and_float64(M, N, masked, seed):
-    """Both branches of _attention against float64: scores err by sum_gamma(D) of sum |q_i k_i| scale, which
-    moves each softmax weight by at most twice that (relatively) plus the softmax's own roundings
-    (sum_gamma(N) and an exp), and the output, a convex mix of v, by that times max |v| plus sum_gamma(N)."""
+    """Both branches of _attention against float64, to bounds from sum_gamma of the scores and the softmax."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv, D, scale = 2, 2, 8, 8**-0.5
     q, k, v = (torch.randn(B, Hkv, n, D, generator=g) * 2 for n in (M, N, N))
@@ -132,9 +105,7 @@ def test_fused_attention_equals_the_matmul_path_and_float64(M, N, masked, seed):
         assert_within(out.double(), exact, bound, f"fused={fused}")
 
 
-# ---------------------------------------------------------------------------------------------
-# the decode loop's reads of the device
-# ---------------------------------------------------------------------------------------------
+# --- the decode loop's reads of the device ---
 
 # every scalar read (.item(), int(), bool() of a tensor) ends in _local_scalar_dense; the others' output size
 # depends on the values
@@ -143,9 +114,7 @@ SYNCING_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim",
 
 
 def count_host_reads(monkeypatch, fn) -> int:
-    """Reads of the device that `fn` makes: the ops whose result the host must wait for on a GPU (a
-    scalar read, nonzero's or unique's output size), counted by torch.profiler, and the decode loop's own
-    reads (common._host: .tolist(), which on a CPU dispatches no op to count)."""
+    """Reads of the device `fn` makes: torch.profiler's syncing ops and the decode loop's own common._host reads."""
     calls = []
     host = common._host
     monkeypatch.setattr(common, "_host", lambda x: calls.append(1) or host(x))
@@ -162,21 +131,9 @@ def cuda_reads(monkeypatch):
     monkeypatch.setattr(common, "READS_EACH_TOKEN_ON", ())
 
 
-def test_the_read_schedule_is_every_token_on_a_cpu_and_sparse_on_a_gpu():
-    """decode_reads, hand-listed: a CPU reads after every token; CUDA (and any device whose reads wait for
-    its queue) after 4, 8, 16, 32 and 48 of 64 tokens."""
-    assert common.decode_reads("cpu", 64) == [True] * 64
-    for device_type in ("cuda", "mps"):
-        reads = common.decode_reads(device_type, 64)
-        assert len(reads) == 64 and [t + 1 for t, r in enumerate(reads) if r] == [4, 8, 16, 32, 48, 64]
-    assert common.decode_reads("cuda", 3) == [False] * 3
-
-
 @pytest.mark.slow  # two 64-token rollouts under torch.profiler: the quick tier's longest test (~20 s)
 def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, char_tok, monkeypatch, cuda_reads):
-    """The first GPU run's decode loop read the device twice a token (126 reads in 64 tokens), each read
-    a wait for every queued kernel. Now, on CUDA's schedule: after 4, 8, 16, 32 and 48 tokens, and once for
-    the width."""
+    """On CUDA's schedule: reads after 4, 8, 16, 32, 48 tokens and one for the width (126 at ae2de67)."""
     pad, T = char_tok.pad_token_id, 64
     repeated = [p for p in prompts[:4] for _ in range(4)]  # prompts shared by groups: prefilled once
     for kw in (dict(greedy=True), dict(temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(0))):
@@ -192,10 +149,7 @@ def test_a_64_token_rollout_reads_the_device_at_most_6_times(model, prompts, cha
 
 
 def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, monkeypatch):
-    """Where a read costs nothing (a CPU) the loop reads every token, so it decodes no step past the last
-    row's end (width - 1 steps after the prefill) and drops finished rows as soon as half the batch has
-    ended; on CUDA's schedule the same rollout decodes on to the next read. Counted through the decoder's
-    steps and the rows each is given."""
+    """A CPU reads every token: no decode step past the last row's end, finished rows dropped once half have ended."""
     pad, T = char_tok.pad_token_id, 40
     free = common.sample(model, prompts, T, [], pad, greedy=True).completion_lists()
     eos = sorted({c[5] for c in free})  # every row ends by its 6th token, some sooner: between the reads at 4 and 8
@@ -230,11 +184,7 @@ def test_on_a_cpu_the_loop_stops_at_the_last_rows_end(model, prompts, char_tok, 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, char_tok, monkeypatch, seed, T,
                                                                 temperature, top_p):  # fmt: skip
-    """Rows that end between two reads decode padding until the next one: the completions, masks, the width
-    and the generator's state afterwards (the next rollout's draws) are those of a loop that reads the device
-    after every token and stops as soon as every row has ended. The entropies and log-probs are too, to the
-    rounding of a batch of another size (finished rows are dropped at other steps): within entropy_tol and
-    logprob_tol of the logits' scale."""
+    """CUDA's sparse reads change no token, mask, width or generator state; entropies and log-probs to rounding."""
     pad, eos = char_tok.pad_token_id, [char_tok.eos_token_id, 40, 41, 42]
     batch = [p for p in prompts for _ in range(2)]
     results = []
@@ -256,17 +206,11 @@ def test_reading_every_16_tokens_changes_no_token_draw_or_width(model, prompts, 
         assert_within(x, y, tol(model.config, length, max_logit), field)
 
 
-# ---------------------------------------------------------------------------------------------
-# the training forward under bf16 autocast, and its cache rule
-# ---------------------------------------------------------------------------------------------
+# --- the training forward under bf16 autocast, and its cache rule ---
 
 
 def test_training_forward_under_bf16_autocast_is_float32_to_bf16_precision(model, prompts, char_tok):
-    """completion_hidden_states' CUDA branch (bf16 autocast over float32 weights), run under a CPU's bf16
-    autocast. Not derivable as the float32 bounds are (bfloat16's probable gamma over the forward's
-    roundings exceeds 1): the float32 log-prob bound recomputed with bfloat16's roundoff in place of
-    float32's, logprob_tol(..., torch.bfloat16), capped; the check that autocast ran at all is that the
-    result is not the float32 one."""
+    """The bf16-autocast training forward on a CPU: not float32's, and within logprob_tol at bfloat16 of it."""
     roll = common.sample(model, prompts, 12, [char_tok.eos_token_id], char_tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(2))  # fmt: skip
     base, head = model.get_decoder(), model.get_output_embeddings().weight
@@ -303,9 +247,7 @@ def test_autocast_caches_its_casts_unless_the_weights_are_sharded(model, prompts
     assert seen == [("cpu", True, True), ("cpu", True, False), ("cpu", False, False)]
 
 
-# ---------------------------------------------------------------------------------------------
-# torch.cuda's state and settings, through stand-ins
-# ---------------------------------------------------------------------------------------------
+# --- torch.cuda's state and settings, through stand-ins ---
 
 
 def test_cuda_rng_state_round_trips_through_a_checkpoint(monkeypatch, tmp_path):
@@ -349,10 +291,7 @@ def loop_chunk_elements(memory: int) -> int:
 
 
 def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
-    """On CUDA the "auto" log-prob chunk grows with the GPU (few large chunks where memory is plentiful): a
-    power of two whose peak is 1/32 of the GPU, never below a CPU's 2**24 logits. Hand-worked: 139 GiB (an
-    H200) / 512 bytes = 291,504,128 -> 2**28, 80 GiB -> 2**27, 24 GiB -> 2**25; 8 GiB -> 2**24 exactly, 4 GiB
-    -> the floor 2**24. A CPU's chunk is 2**24 whatever memory it has, and reads no GPU property."""
+    """CUDA's 'auto' chunk: the power of two whose peak is 1/32 of the GPU, at least 2**24 (hand-worked sizes)."""
     for gib, hand in ((139, 2**28), (80, 2**27), (24, 2**25), (8, 2**24), (4, 2**24), (0.001, 2**24)):
         asked = gpu_of(monkeypatch, gib)
         assert common.logits_chunk_elements(torch.device("cuda:1")) == hand == loop_chunk_elements(int(gib * 2**30))
@@ -365,11 +304,7 @@ def test_log_prob_chunks_are_sized_to_the_gpus_memory(monkeypatch):
 
 @pytest.mark.numeric
 def test_log_probs_are_the_same_whatever_chunk_a_gpu_gets(monkeypatch):
-    """logprobs_from_hidden's "auto" chunk as CUDA would size it (logits_chunk_elements on a 'cuda' device of a
-    given memory, scaled down: a CPU chunk of 2**12 logits, a vocabulary of 1,000) and as a CPU sizes it: the
-    chunks are the sizes that memory (or the CPU) gives, and the log-probs, entropies and gradients equal
-    float64's within log_softmax_bounds and the unchunked float32 computation's within twice that, as
-    test_common.py's chunked tests bound them."""
+    """'auto' chunks as a GPU of each memory sizes them: the sizes, and values and gradients against float64."""
     V, H, n, temperature = 1000, 8, 40, 0.9
     monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", 2**12)  # 4 tokens a chunk on a CPU
     g = torch.Generator().manual_seed(0)
@@ -454,9 +389,7 @@ def test_device_flag_counts_visible_gpus(monkeypatch):
         common.check_common_args(args, needs_group=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# torchrun on GPUs: NCCL, DDP's device_ids, FSDP's bf16 gathering
-# ---------------------------------------------------------------------------------------------
+# --- torchrun on GPUs: NCCL, DDP's device_ids, FSDP's bf16 gathering ---
 
 
 def test_nccl_collectives_run_on_the_gpu_and_gloo_ones_on_the_cpu(monkeypatch):

@@ -1,6 +1,4 @@
-"""Group advantages, for every grouped script of tests/helpers.py's SCRIPTS (grpo.py and gspo.py each define their
-own `group_advantages`, and a fork its own): (R - group mean) / (group std + eps), or R - mean, against a float64
-loop; a constant group exactly 0; a group of one refused."""
+"""Each grouped script's group_advantages against a float64 loop; a constant group exactly 0; a group of one refused."""
 
 import importlib
 import math

@@ -1,12 +1,5 @@
-"""Which divergence grpo.py's KL term optimises, by exact enumeration on a small categorical policy: no sampling,
-every outcome y weighted by its probability, float64.
-
-pi = softmax(theta) over K outcomes, a fixed reference ref. k3(y) = ref/pi - log(ref/pi) - 1 (grpo.kl_k3). Its
-value, averaged over y ~ pi, is KL(pi || ref): the estimator is unbiased for that divergence. As a loss term, the
-samples' distribution is not differentiated (the loss is a sum over sampled tokens), so the gradient it gives is
-E_{y~pi}[grad k3(y)] = sum_y pi(y) (1 - ref(y)/pi(y)) grad log pi(y) = sum_y (pi - ref)(y) grad log pi(y)
-= -sum_y ref(y) grad log pi(y) (sum_y pi grad log pi = grad sum_y pi = 0), which is grad KL(ref || pi): the reverse
-direction, not grad KL(pi || ref) = sum_y pi(y) log(pi(y)/ref(y)) grad log pi(y). The two differ unless pi = ref."""
+"""Which divergence grpo.py's k3 term optimises, by exact enumeration in float64: its value averaged over y ~ pi is
+KL(pi || ref), and its gradient as a loss, sum_y (pi - ref)(y) grad log pi(y), is grad KL(ref || pi)."""
 
 from __future__ import annotations
 

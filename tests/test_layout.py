@@ -1,30 +1,15 @@
-"""The layout of issue 39 ("The core and its extras"), tested as a reader, a forker and a user would meet it:
-
-  - hidden extras: a copy of the project without extras/ still trains (gspo.py, 2 steps), and each
-    optional capability's flag then stops with exit status 2 and one line naming the missing module;
-  - forks: gspo.py copied to rloo.py unchanged is "rloo" everywhere (its --out, summary.json, a
-    checkpoint of gspo.py refused); a fork that deletes the clip flags still runs (shared code reads
-    no algorithm flag);
-  - every script at the root that calls common.main( is in tests/helpers.py's SCRIPTS;
-  - the fixes of issue 39's section 4: MoE with --old-logp rollout, --routing-replay's refusal,
-    constant_groups, losses returning (loss, info), no trace= and no load_model dtype.
-
-The subprocess runs are tiny (4 prompts x 2 samples, 6 new tokens, 8 eval prompts, 2 steps), one core
-each (RLREF_THREADS=1), offline, as in tests/test_reliability.py; each copy of the tree is made once per
-module. On a 2-core machine each run costs a few seconds, most of it importing torch.
-"""
+"""The core and its extras (issue 39): a tree without extras/ trains and refuses each capability in one line; forks."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,9 +22,10 @@ if str(ROOT) not in sys.path:
 
 import importlib  # noqa: E402
 
-from helpers import LIGHT, SCRIPTS, traits  # noqa: E402
+from helpers import LIGHT, SCRIPTS, main_in_process, traits  # noqa: E402
 
 import common  # noqa: E402
+import extras  # noqa: E402
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
          "--minibatches", "2", "--eval-every", "0"]  # fmt: skip
@@ -90,56 +76,18 @@ def copy_tree(dest: Path, skip: str | None = None) -> Path:
     return dest
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. Hidden extras: the core runs without them; each capability's flag names what is missing
-# ---------------------------------------------------------------------------------------------
+# --- 1. Hidden extras: the core runs without them; each capability's flag names what is missing ---
 
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
-    """A copy of the project without extras/ (checkpoints/ kept), with a data file and a reward file."""
+    """A copy of the project without extras/ (checkpoints/ kept)."""
     tree = copy_tree(tmp_path_factory.mktemp("bare"), skip="extras")
     assert not (tree / "extras").exists() and (tree / "checkpoints").is_dir() and (tree / "gspo.py").is_file()
-    (tree / "some.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    (tree / "some_file.py").write_text("def fn(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
-    (tree / "a-run").mkdir()
     return tree
 
 
 DEFAULT_RUN = ["--steps", "2", "--eval-every", "0", "--eval-size", "16", "--prompts-per-step", "8"]
-
-# flag -> the extras module it needs. The refusal comes before any model is loaded (the whole of stderr is
-# the one line); --model tiny-moe's from its config.json (common.declares_experts).
-CAPABILITIES = {
-    ("--lora-rank", "4"): "lora",
-    ("--rollout-dtype", "bfloat16"): "rollout_precision",
-    ("--old-logp", "rollout"): "rollout_precision",
-    ("--is-correction", "tis"): "rollout_precision",
-    ("--fsdp",): "fsdp",
-    ("--model", "tiny-moe"): "moe",
-    ("--model", "tiny-qwen3"): "qwen3_tokenizer",
-    ("--reward-model", "tiny-rm"): "reward_model",
-    ("--trace-every", "1"): "traces",
-    ("--data", "some.jsonl"): "data_files",
-    ("--reward", "some_file.py:fn"): "reward_functions",
-    ("--resume", "a-run"): "resume",
-    ("--eval-samples", "4"): "pass_at_k",
-    ("--filter-groups",): "filter_groups",
-    ("--report-to", "tensorboard"): "tensorboard_log",
-    ("--model", "Qwen/Qwen2.5-0.5B"): "hub",
-}
-# extras that no flag of a single-process run on the shipped checkpoints switches on
-NOT_FLAG_SWITCHED = {
-    "distributed": "torchrun (WORLD_SIZE) imports it",
-    "hf_decoder": "a --model outside the hand-written decoder's Llama family (tiny-moe is one) samples through it",
-}
-
-
-def test_every_extras_module_has_a_refusal_case():
-    """A new module in extras/ gets its flag in CAPABILITIES (or says in NOT_FLAG_SWITCHED why none)."""
-    modules = {p.stem for p in (ROOT / "extras").glob("*.py") if p.stem != "__init__"}
-    covered = set(CAPABILITIES.values()) | set(NOT_FLAG_SWITCHED)
-    assert modules == covered, f"extras/ without a case: {sorted(modules - covered)}; gone: {sorted(covered - modules)}"
 
 
 @pytest.mark.slow
@@ -153,138 +101,59 @@ def test_without_extras_the_default_run_trains(bare):
     assert not traces.exists() or not traces.read_text().strip()
 
 
-@pytest.fixture(scope="module")
-def refusals(bare):
-    """flag -> (future of its completed process, its --out): every case of CAPABILITIES, two at a time (each
-    process mostly imports torch), all started when the first test asks for one."""
-    with ThreadPoolExecutor(2) as pool:
-        cases = {}
-        for i, flag in enumerate(CAPABILITIES):
-            out = bare / "runs" / f"refused-{i}"
-            cases[flag] = pool.submit(run, bare, "gspo", *DEFAULT_RUN, *flag, "--out", out, timeout=120), out
-        yield cases
+# (flag, the extras module it needs). The refusal comes before any model is loaded; --model tiny-moe's from its
+# config.json (common.declares_experts), and tiny-moe (qwen3_moe) samples through extras/hf_decoder.py.
+CAPABILITIES = [
+    (("--lora-rank", "4"), "lora"),
+    (("--rollout-dtype", "bfloat16"), "rollout_precision"),
+    (("--old-logp", "rollout"), "rollout_precision"),
+    (("--is-correction", "tis"), "rollout_precision"),
+    (("--fsdp",), "fsdp"),
+    (("--model", "tiny-moe"), "moe"),
+    (("--model", "tiny-moe"), "hf_decoder"),
+    (("--model", "tiny-qwen3"), "qwen3_tokenizer"),
+    (("--reward-model", "tiny-rm"), "reward_model"),
+    (("--trace-every", "1"), "traces"),
+    (("--data", "some.jsonl"), "data_files"),
+    (("--reward", "some_file.py:fn"), "reward_functions"),
+    (("--resume", "a-run"), "resume"),
+    (("--eval-samples", "4"), "pass_at_k"),
+    (("--filter-groups",), "filter_groups"),
+    (("--report-to", "tensorboard"), "tensorboard_log"),
+    (("--model", "Qwen/Qwen2.5-0.5B"), "hub"),
+]
+NOT_FLAG_SWITCHED = {"distributed": "torchrun (WORLD_SIZE) imports it"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "flag",
-    list(CAPABILITIES),
-    ids=lambda f: " ".join(f),
-)
-def test_without_extras_each_capability_is_refused_in_one_line(refusals, flag):
-    module = CAPABILITIES[flag]
-    future, out = refusals[flag]
-    proc = future.result()
-    one_line_refusal(proc, f"extras/{module}.py", flag[0])
-    assert "Traceback" not in proc.stderr
-    assert not out.exists(), "a refused run left an output directory"
+def test_every_extras_module_has_a_refusal_case():
+    """A new module in extras/ gets its flag in CAPABILITIES (or says in NOT_FLAG_SWITCHED why none)."""
+    modules = {p.stem for p in (ROOT / "extras").glob("*.py") if p.stem != "__init__"}
+    covered = {module for _, module in CAPABILITIES} | set(NOT_FLAG_SWITCHED)
+    assert modules == covered, f"extras/ without a case: {sorted(modules - covered)}; gone: {sorted(covered - modules)}"
 
 
-@pytest.mark.slow
-def test_a_model_outside_the_llama_family_without_hf_decoder_is_refused_before_loading(tmp_path):
-    """tiny-moe (qwen3_moe) samples through extras/hf_decoder.py: a copy that has extras/moe.py but not
-    it stops in one line before any weights load (its config.json tells), not at the first rollout."""
-    tree = copy_tree(tmp_path / "tree")
-    (tree / "extras" / "hf_decoder.py").unlink()
-    proc = run(tree, "gspo", *DEFAULT_RUN, "--model", "tiny-moe", "--out", tmp_path / "out", timeout=120)
-    one_line_refusal(proc, "extras/hf_decoder.py", "--model tiny-moe")
-    assert "Loading weights" not in proc.stderr and not (tmp_path / "out").exists()
+@pytest.mark.parametrize("flag, module", CAPABILITIES, ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
+def test_without_its_extras_module_each_capability_is_refused_in_one_line(tmp_path, capsys, monkeypatch, flag, module):
+    """In this process, extras/<module>.py made unimportable (as in a copy without it): exit 2, one line naming it."""
+    monkeypatch.setitem(sys.modules, f"extras.{module}", None)
+    monkeypatch.delattr(extras, module, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "some_file.py").write_text("def fn(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    (tmp_path / "a-run").mkdir()
+    status, _, err = main_in_process(MODULES["gspo"], [*DEFAULT_RUN, *flag, "--out", tmp_path / "out"], capsys)
+    line = one_line_refusal(SimpleNamespace(returncode=status, stderr=err), f"extras/{module}.py", flag[0])
+    assert "Loading weights" not in err and not (tmp_path / "out").exists(), line
 
 
-# ---------------------------------------------------------------------------------------------
-# Runs in a full copy of the project, with two forks of gspo.py beside the scripts (each made once)
-# ---------------------------------------------------------------------------------------------
-
-
-def without_clip_flags(source: str) -> str:
-    """gspo.py's text as a fork that drops --eps-low / --eps-high would write it: no fields, no
-    Args.check (which only checked them), fixed clip values passed to the loss."""
-    edits = [
-        # the two fields, each a line and its docstring's line
-        (r"\n    eps_low: float = [^\n]*\n    \"\"\"[^\n]*\n    eps_high: float = [^\n]*\n    \"\"\"[^\n]*\n", "\n"),
-        (r"\n    def check\(self\):\n(?:        [^\n]*\n)+", "\n"),  # the method, every line indented under it
-        (r"eps_low=args\.eps_low,\s*eps_high=args\.eps_high,", "eps_low=3e-4, eps_high=4e-4,"),  # the loss's clip
-    ]
-    for pattern, new in edits:
-        source, n = re.subn(pattern, new, source)
-        assert n == 1, f"gspo.py no longer has the text the fork edits ({pattern!r} matched {n} times)"
-    assert "eps_low" not in source.split("def gspo_loss")[0].split("class Args")[1], "a clip field is left"
-    assert "args.eps_" not in source and "def check(self)" not in source
-    return source
-
-
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    """A full copy of the project with rloo.py (gspo.py, unchanged) and noclip.py (without the clip flags)."""
-    root = copy_tree(tmp_path_factory.mktemp("tree"))
-    shutil.copy2(root / "gspo.py", root / "rloo.py")
-    (root / "noclip.py").write_text(without_clip_flags((root / "gspo.py").read_text()))
-    return root
-
-
-@pytest.fixture(scope="module")
-def runs(tree):
-    """runs(name) -> (out dir, completed process): each run made once, in the tree's cwd."""
-    kinds = {
-        "gspo": ("gspo", "--steps", "2", "--save-every", "2", "--out", "runs/gspo-seq"),  # resumable
-        "rloo": ("rloo", "--steps", "2"),  # no --out: its default, runs/rloo
-        "noclip": ("noclip", "--steps", "2"),
-        "grpo-moe": ("grpo", "--steps", "2", "--model", "tiny-moe", "--old-logp", "rollout", "--out", "runs/gm"),
-    }
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            script, *argv = kinds[name]
-            proc = ok(run(tree, script, *SMALL, *argv))
-            out = argv[argv.index("--out") + 1] if "--out" in argv else f"runs/{script}"
-            cache[name] = tree / out, proc
-        return cache[name]
-
-    return get
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Forks: the name comes from the file; shared code needs no algorithm flag
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_a_fork_is_named_by_its_file(runs):
-    out, _ = runs("rloo")
-    assert out.name == "rloo" and out.parent.name == "runs"  # --out's default, in the cwd
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["algo"] == "rloo" and summary["steps"] == 2
-    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
-
-
-@pytest.mark.slow
-def test_a_fork_refuses_the_checkpoint_of_the_script_it_came_from(tree, runs):
-    source, _ = runs("gspo")
-    assert (source / "checkpoint").is_dir(), "the gspo run saved no checkpoint to resume"
-    proc = run(tree, "rloo", "--resume", source, "--steps", "4", timeout=120)
-    one_line_refusal(proc, "gspo.py", "rloo.py")
-
-
-@pytest.mark.slow
-def test_a_fork_without_the_clip_flags_runs(runs):
-    out, _ = runs("noclip")
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["algo"] == "noclip" and summary["steps"] == 2
-    assert "eps_low" not in summary["args"] and "eps_high" not in summary["args"]
-    assert len(jsonl(out / "metrics.jsonl")) == 2
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. The scripts the shared tests run are listed in one place
-# ---------------------------------------------------------------------------------------------
+# --- The scripts the shared tests run are listed in one place ---
 
 
 def scripts_at_root(root: Path) -> set[str]:
     return {p.stem for p in root.glob("*.py") if "common.main(" in p.read_text()}
 
 
-def test_every_script_at_the_root_is_in_SCRIPTS():
+def test_every_script_at_the_root_is_in_SCRIPTS(tmp_path):
     found = scripts_at_root(ROOT)
     assert {"ppo", "grpo", "gspo"} <= found, f"the scan found {sorted(found)}: does it still see the scripts?"
     missing = sorted(found - set(SCRIPTS))
@@ -293,35 +162,28 @@ def test_every_script_at_the_root_is_in_SCRIPTS():
         "add it there, so that the shared reliability, argument and trace tests run it"
     )
     assert all((ROOT / f"{s}.py").is_file() for s in SCRIPTS), f"SCRIPTS names a file that is gone: {SCRIPTS}"
+    (tmp_path / "rloo.py").write_text((ROOT / "gspo.py").read_text())  # and the scan sees an unregistered fork
+    assert scripts_at_root(tmp_path) == {"rloo"}
+
+
+# --- The fixes of issue 39, section 4 ---
 
 
 @pytest.mark.slow
-def test_the_scan_sees_an_unregistered_fork(tree):
-    """The test above fails for a fork that is not in SCRIPTS (the tree holds rloo.py and noclip.py)."""
-    assert scripts_at_root(tree) - set(SCRIPTS) == {"rloo", "noclip"}
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. The fixes of issue 39, section 4
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo-moe"])  # the records are common.py's, whichever script
-def test_moe_with_rollout_old_logp_runs(runs, name):
+def test_moe_with_rollout_old_logp_runs(tmp_path, capsys):
     """tiny-moe and --old-logp rollout (no pi_old forward to record routes from) used to stack Nones."""
-    out, _ = runs(name)
-    rows = jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(math.isfinite(r["loss"]) for r in rows)
+    argv = [*SMALL, "--steps", "2", "--model", "tiny-moe", "--old-logp", "rollout", "--out", tmp_path]
+    status, _, err = main_in_process(MODULES["grpo"], argv, capsys)
+    assert status == 0, err
+    rows = jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
 
-@pytest.mark.slow
-def test_routing_replay_refuses_rollout_old_logp(tree):
-    proc = run(tree, "grpo", *SMALL, "--steps", "2", "--routing-replay", "--old-logp", "rollout",
-               "--model", "tiny-moe", "--out", tree / "runs" / "refused", timeout=120)  # fmt: skip
-    one_line_refusal(proc, "--routing-replay", "--old-logp rollout")
-    assert not (tree / "runs" / "refused").exists()
+def test_routing_replay_refuses_rollout_old_logp(tmp_path, capsys):
+    argv = [*SMALL, "--routing-replay", "--old-logp", "rollout", "--model", "tiny-moe", "--out", tmp_path / "out"]
+    status, _, err = main_in_process(MODULES["grpo"], argv, capsys)
+    one_line_refusal(SimpleNamespace(returncode=status, stderr=err), "--routing-replay", "--old-logp rollout")
+    assert not (tmp_path / "out").exists()
 
 
 def loop_constant_groups(rewards, group_size):
@@ -334,22 +196,15 @@ REWARDS = st.sampled_from([0.0, 1.0, 0.1, 0.2, 0.3, 0.1 + 0.2, 1 / 3, -0.5, 1e-8
 @LIGHT
 @given(group_size=st.integers(1, 4), n_groups=st.integers(1, 4), data=st.data())
 def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
-    """One definition of a constant group: common.constant_groups (zero_std_frac), a plain loop, and the
-    groups whose every advantage each script's group_advantages sets to exactly 0."""
+    """One constant group: common.constant_groups (zero_std_frac), a plain loop's, and group_advantages' exact 0s."""
     flat = data.draw(st.lists(REWARDS, min_size=group_size * n_groups, max_size=group_size * n_groups))
     if data.draw(st.booleans()):  # ties: whole groups of one repeated value (0.1 x G: its float32 mean is not 0.1)
         flat = [flat[i - i % group_size] for i in range(len(flat))]
     rewards = torch.tensor(flat, dtype=torch.float32)  # as the reward functions return them
     expected = loop_constant_groups(rewards.tolist(), group_size)
     assert common.constant_groups(rewards, group_size).tolist() == expected
-    grouped = [name for name in SCRIPTS if traits(name).grouped]
-    assert grouped and all(hasattr(MODULES[name], "group_advantages") for name in grouped), grouped
-    for name, scale in [(name, scale) for name in grouped for scale in ("std", "none")]:
-        if (
-            group_size == 1
-        ):  # every group of one is constant, and group_advantages refuses it (test_group_advantages.py)
-            assert all(expected)
-            continue
+    grouped = [name for name in SCRIPTS if traits(name).grouped]  # (a group of one is refused: test_group_advantages)
+    for name, scale in [(name, scale) for name in grouped for scale in ("std", "none") if group_size > 1]:
         adv = MODULES[name].group_advantages(rewards, group_size, scale).view(-1, group_size)
         assert (adv == 0).all(1).tolist() == expected, (name, scale, flat)
 

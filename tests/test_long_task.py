@@ -1,7 +1,4 @@
-"""The long `sums` task: its generator, its defaults and checkpoint,
-the ratio statistics every script logs, the on-policy check of the staleness
-sweep, and the sweep's per-run reductions (collapse, gradient-norm spikes) on hand-made curves.
-Reference values are plain Python loops or hand-worked numbers, never the code under test."""
+"""The long `sums` task, the ratio statistics, and the staleness sweep's reductions on hand-made curves."""
 
 import math
 
@@ -16,9 +13,7 @@ import grpo
 import gspo
 import ppo
 
-# ----------------------------------------------------------------------------------------------
-# The generator
-# ----------------------------------------------------------------------------------------------
+# --- The generator ---
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +54,7 @@ def test_every_reference_completion_works_the_sum_and_parses_to_the_answer(split
 
 
 def test_length_distribution_as_documented(split):
-    """docs/staleness.md: 12-46 characters, mean 36.2; by number of terms 2..6 the means are 12.9,
-    20.5, 28.3, 36.3, 44.3; prompts are distinct, so all 100 two-term and all 1,000 three-term
-    prompts occur and the rest have 4-6 terms."""
+    """docs/staleness.md's figures: 12-46 characters, mean 36.2; per term count 12.9, 20.5, 28.3, 36.3, 44.3."""
     lengths = {}
     for ex in split[0] + split[1]:
         lengths.setdefault(ex["prompt"].count("+") + 1, []).append(len(sums_task.sums_reference(ex["prompt"])))
@@ -94,9 +87,7 @@ def test_the_checkpoint_has_its_own_key_and_starts_in_the_band(split):
     assert 0.15 <= common.evaluate(model, tok, split[1], max_new_tokens=64)["accuracy"] <= 0.50
 
 
-# ----------------------------------------------------------------------------------------------
-# The ratio statistics (common.token_ratio_stats), against a hand-worked case
-# ----------------------------------------------------------------------------------------------
+# --- The ratio statistics (common.token_ratio_stats), against a hand-worked case ---
 
 
 @pytest.mark.numeric
@@ -120,16 +111,11 @@ def test_ratio_statistics_hand_worked():
     assert empty == {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
 
 
-# ----------------------------------------------------------------------------------------------
-# The on-policy cell of the sweep: ratios 1, GSPO's gradient = GRPO seq-mean-token-mean's
-# ----------------------------------------------------------------------------------------------
+# --- The on-policy cell of the sweep: ratios 1, GSPO's gradient = GRPO seq-mean-token-mean's ---
 
 
 def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop(split):
-    """One real rollout of the task from tiny-sums, and its first (on-policy) update, as the sweep's
-    1-minibatch, 1-epoch cell makes it: every ratio is exactly 1, and the gradients of GSPO's loss
-    (sequence and token variants) and of GRPO's seq-mean-token-mean loss both equal the gradient of
-    -1/B sum_i A_i * (1/|y_i|) sum_t logp_it, the sum taken by a Python loop in float64."""
+    """The sweep's on-policy cell: GSPO's gradients (both variants) equal GRPO's and a float64 loop's."""
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-sums", torch.device("cpu"))
     examples = split[0][:4]
@@ -179,9 +165,7 @@ def test_on_policy_update_on_the_task_gspo_gradient_equals_grpo_and_a_plain_loop
         assert ((g - g_ref.float()).abs() <= tol).all(), ((g - g_ref.float()).abs().max() / tol).item()
 
 
-# ----------------------------------------------------------------------------------------------
-# The sweep's reductions on hand-made curves (experiments/staleness_sweep.py)
-# ----------------------------------------------------------------------------------------------
+# --- The sweep's reductions on hand-made curves (experiments/staleness_sweep.py) ---
 
 
 @pytest.mark.parametrize(

@@ -1,26 +1,8 @@
-"""LoRA (--lora-rank): peft adapters on a frozen base model.
-
-Every equality here is checked with adapters made non-zero first: peft starts lora_B at 0, where
-the adapted model equals the base and every comparison would pass for a sampler or a reference
-that ignored the adapters. The merged model the sampler and the log-probs are compared with is
-built in this file, W + (alpha / r) B A from the adapter tensors, not by peft's merge or ours.
-
-  - the reference (the policy with adapters disabled) gives the base model's log-probs;
-  - the sampler's greedy output and the training log-probs equal the hand-merged model's;
-  - a PPO run changes only the adapters (policy and critic) and the critic's head; its merged
-    checkpoint holds W + (alpha / r) B A and loads with from_pretrained, equal to peft's own
-    loading of the saved adapter; --resume with LoRA equals the uninterrupted run bit for bit;
-  - a 2-process gspo.py run completes (each script's update with LoRA on 2 ranks against one process:
-    tests/test_distributed_flags.py);
-  - bad LoRA flags exit 2 with one line.
-"""
+"""LoRA (--lora-rank): every equality with non-zero adapters, against W + (alpha / r) B A merged here by hand."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,13 +20,13 @@ from helpers import (  # noqa: E402
     logit_scale,
     logit_tol,
     logprob_tol,
-    needs_torchrun,
-    torchrun_cmd,
+    main_in_process,
 )
-from test_distributed import WORLD, _free_port  # noqa: E402
-from test_reliability import ROOT, SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
+from test_reliability import SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
 
 import common  # noqa: E402
+import gspo  # noqa: E402
+import ppo  # noqa: E402
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -142,9 +124,7 @@ def test_sampler_and_logprobs_see_the_adapters(lora_and_merged):
     torch.testing.assert_close(entropy[mask], entropy_merged[mask], rtol=0, atol=tol)
 
 
-# ---------------------------------------------------------------------------------------------
-# PPO runs with LoRA: what trains, --merge-lora, --resume
-# ---------------------------------------------------------------------------------------------
+# --- PPO runs with LoRA: what trains, --merge-lora, --resume ---
 
 # --no-anneal-lr: "part" extended from 3 steps to 6 equals "full" only at a constant learning rate
 LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lora", "--lr", "3e-3", "--no-anneal-lr"]
@@ -216,46 +196,21 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
     assert_same_weights(torch.load(resumed / "final" / "critic.pt"), torch.load(full / "final" / "critic.pt"))
 
 
-# ---------------------------------------------------------------------------------------------
-# torchrun with LoRA
-# ---------------------------------------------------------------------------------------------
-
-
-@needs_torchrun
-def test_torchrun_two_processes_complete_with_lora(tmp_path, tiny_path):
-    out = tmp_path / "gspo"
-    cmd = [*torchrun_cmd(), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()), str(ROOT / "gspo.py"),
-           "--lora-rank", "4", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2",
-           "--max-new-tokens", "4", "--eval-size", "2", "--device", "cpu", "--save-every", "2",
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert (out / "final" / "adapter_model.safetensors").is_file()
-    assert (out / "checkpoint" / "policy" / "adapter_model.safetensors").is_file()
-
-
-# ---------------------------------------------------------------------------------------------
-# Bad flags
-# ---------------------------------------------------------------------------------------------
+# --- Bad flags ---
 
 
 @pytest.mark.parametrize(
     "script, argv, expected",
     [  # (a flag's bound: test_reliability's bad input sweeps one kind of each check)
-        ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
+        (ppo, ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
         (
-            "gspo",
+            gspo,
             ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
             "--lora-targets: qwen3 has no module named qkv",
         ),
     ],
 )
-def test_bad_lora_flags_exit_2_with_one_line(tmp_path, script, argv, expected):
-    out = tmp_path / "out"
-    proc = run(script, *SMALL, "--steps", "2", *argv, "--out", out)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr[-2000:]
-    assert not out.exists()
+def test_bad_lora_flags_exit_2_with_one_line(tmp_path, capsys, script, argv, expected):
+    status, _, err = main_in_process(script, [*SMALL, "--steps", "2", *argv, "--out", tmp_path / "out"], capsys)
+    assert status == 2 and err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert expected in err and not (tmp_path / "out").exists()

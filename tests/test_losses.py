@@ -1,9 +1,5 @@
-"""Properties every script's clipped loss must have, one test each over all of them: grpo.py's `grpo_loss` (each
-aggregation, with a k3 KL term), gspo.py's `gspo_loss` (both variants) and ppo.py's `ppo_policy_loss` (with and
-without its dual clip). On-policy the gradient is REINFORCE's under the loss's own aggregation; padding, whatever
-it holds, changes nothing; a row with no token counts only where the aggregation divides by B; log-ratios past
-float32's exp overflow stay finite. Each script's own formulas are checked against a plain loop in its own file.
-"""
+"""Properties every script's clipped loss must have, one test each over all of them (LOSSES); each script's own
+formulas are checked against a plain loop in its own file."""
 
 import math
 
@@ -106,9 +102,7 @@ def test_padding_columns_change_nothing(name, b, k, with_ref, data):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_an_empty_row_adds_nothing_but_its_place_in_b(name):
-    """Row 1 has no token, and -inf log-probs with huge advantages there: its gradient is 0, nothing is NaN, and the
-    loss is row 0's alone, halved where the aggregation divides by B = 2 (a row's mean, or sum-norm's B max_len),
-    whole where it divides by the number of tokens. A batch of nothing but empty rows: loss 0, no clip decision."""
+    """A row with no token (-inf log-probs, huge A) adds nothing but its place in B; all-empty: loss 0."""
     logp, old = t64([[-1.1, -1.9, -3.0], [-math.inf] * 3]), t64([[-1.0, -2.0, -3.0], [-math.inf] * 3])
     mask, adv, ref = t64([[1, 1, 0], [0, 0, 0]]), t64([0.7, -1e6]), t64([[-1.0, -1.5, 0.0], [0.0] * 3])
     kw = dict(max_len=3) if name.startswith("grpo") else {}
@@ -130,9 +124,7 @@ def test_an_empty_row_adds_nothing_but_its_place_in_b(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_extreme_log_ratios_are_finite(name, dtype):
-    """Log-ratios of +-100, and rows whose mean log-ratio is +-100 (GSPO's), beyond float32's exp overflow (exp(x)
-    = inf from x ~ 88.72): without the log-ratio clamps the float32 loss or gradient is inf or nan (an advantage 0
-    times inf: nan). GRPO's KL term meets reference log-ratios of +-200."""
+    """Log-ratios of +-100 (past float32's exp overflow at ~88.7), KL log-ratios of +-200: finite loss and gradient."""
     old = torch.zeros(4, 3, dtype=dtype)
     logp = torch.tensor([[100.0] * 3, [-100.0] * 3, [100.0, -100.0, 100.0], [-100.0, 100.0, 0.0]], dtype=dtype)
     assert dtype != torch.float32 or torch.isinf(logp.exp()).any()  # (beyond the overflow, where it applies)
@@ -149,9 +141,7 @@ def test_extreme_log_ratios_are_finite(name, dtype):
 @LIGHT
 @given(b=batches(), eps=st.sampled_from([(0.2, 0.2), (0.2, 0.28)]), data=st.data())
 def test_info_holds_each_tokens_ratio_and_clip_decision(name, b, eps, data):
-    """What a trace keeps of a per-token loss: info["ratio"] [B, T], each real token's exp(logp - old), and
-    info["clipped"] [B, T], the clip rule written out (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low;
-    PPO's dual clip is counted apart), False on padding, both detached; clip_frac counts those decisions."""
+    """info's per-token ratio and clipped (the rule written out, False on padding), detached; clip_frac counts them."""
     adv = [[data.draw(st.floats(-2.0, 2.0, allow_nan=False)) for _ in range(b["T"])] for _ in range(b["B"])]
     real = [(i, t) for i, row in enumerate(b["mask"]) for t, m in enumerate(row) if m]
     ratios = {(i, t): math.exp(b["logp"][i][t] - b["old"][i][t]) for i, t in real}
