@@ -332,9 +332,12 @@ def check_clip(eps_low: float, eps_high: float):
         raise UsageError(f"--eps-low must be < 1 (the ratio's lower clip is 1 - eps_low), got {eps_low}")
 
 
+EXTRAS = Path(__file__).resolve().parent / "extras"  # one module per optional capability
+
+
 def extra(name: str, flag: str):
     """extras/<name>.py, the optional capability that `flag` switches on; missing, a UsageError naming it."""
-    if not (Path(__file__).parent / "extras" / f"{name}.py").is_file():
+    if not (EXTRAS / f"{name}.py").is_file():
         raise UsageError(f"{flag} needs extras/{name}.py, which this copy of the project does not have "
                          "(copy it from the project's extras/ folder, or drop the flag)")  # fmt: skip
     return importlib.import_module(f"extras.{name}")
@@ -1562,7 +1565,7 @@ def trace_due(args, step: int) -> bool:
     if args.trace_every is not None:
         return bool(args.trace_every) and step % args.trace_every == 0
     evaluates = bool(args.eval_every and step % args.eval_every == 0) or step == args.steps
-    return evaluates and (Path(__file__).parent / "extras" / "traces.py").is_file()
+    return evaluates and (EXTRAS / "traces.py").is_file()
 
 
 def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,

@@ -137,6 +137,12 @@ def test_without_its_extras_module_each_capability_is_refused_in_one_line(tmp_pa
     """In this process, extras/<module>.py made unimportable (as in a copy without it): exit 2, one line naming it."""
     monkeypatch.setitem(sys.modules, f"extras.{module}", None)
     monkeypatch.delattr(extras, module, raising=False)
+    copy = tmp_path / "extras"  # the folder as such a copy has it: every module's file but this one's
+    copy.mkdir()
+    for path in common.EXTRAS.glob("*.py"):
+        if path.stem != module:
+            (copy / path.name).touch()
+    monkeypatch.setattr(common, "EXTRAS", copy)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "some.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     (tmp_path / "some_file.py").write_text("def fn(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
