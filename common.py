@@ -88,7 +88,7 @@ NOT_IN_UPDATE = {
     "eval_samples": "what evaluation samples", "report_to": "where metrics go", "trace_every": "when to trace",
     "trace_groups": "what a trace keeps", "out": "where outputs go", "overwrite": "whether --out may be replaced",
     "save_every": "when to checkpoint", "resume": "where a run starts (resume is exact: test_reliability.py)",
-    "device": "where, not what",
+    "device": "where, not what", "cuda_graph": "how a step runs, not what it samples (tests/test_cuda_graph.py)",
     "grad_checkpointing": "recomputes the same activations in backward", "merge_lora": "writes a merged copy",
     "fsdp": "shards what DDP replicates (the same update: test_fsdp.py)",
 }  # fmt: skip
@@ -146,6 +146,8 @@ class SharedArgs:
     """continue the run in this --out directory (or its checkpoint/); its flags are reused, --steps may grow"""
     device: str = "auto"
     """auto, cpu or cuda"""
+    cuda_graph: bool = False
+    """replay each decode step as one CUDA graph (CUDA device, hand-written decoder only); not yet run on a GPU"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and AdamW state over the ranks (FSDP2), not a copy on each"""
     lora_rank: int = 0
@@ -172,9 +174,6 @@ class SharedArgs:
     @property
     def algo(self) -> str:  # the script's name: what its checkpoints, summary and traces are labelled with
         return script_name(type(self))
-
-    def check(self):
-        """The script's own flags' range checks (raise UsageError naming the flag); setup() calls it first."""
 
 
 def _flag(name: str) -> str:
@@ -315,6 +314,7 @@ def check_common_args(args, needs_group: bool):
         ("rollout_precision", "--rollout-dtype / --old-logp / --is-correction",
          (args.rollout_dtype, args.old_logp, args.is_correction, args.is_cap) != ("float32", "recompute", "none", 2.0)),
         ("fsdp", "--fsdp", args.fsdp),
+        ("cuda_graph", "--cuda-graph", args.cuda_graph),
         ("traces", "--trace-every", args.trace_every),  # (the default, none: at each evaluation, if traces.py is there)
         ("tensorboard_log", "--report-to tensorboard", args.report_to == "tensorboard"),
     ]  # fmt: skip
@@ -413,7 +413,7 @@ def setup(args, needs_group: bool = True) -> Setup:
     """Everything a run needs before its model, each failure a one-line error before anything is written: the
     flags' checks, torchrun's process group, the data, the --reward functions, --resume's checkpoint, the device
     and the seeds. `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
-    args.check()  # the script's own flags
+    getattr(args, "check", lambda: None)()  # the script's own flags' range checks (its Args.check: UsageError)
     check_common_args(args, needs_group)
     rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
@@ -770,13 +770,14 @@ def decode_reads(device_type: str, max_new_tokens: int) -> list[bool]:
 
 def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
-           record_logp: bool = False) -> Rollout:  # fmt: skip
+           record_logp: bool = False, cuda_graph: bool = False) -> Rollout:  # fmt: skip
     """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n samples). A row
     stops at the first of any EOS id, the EOS token inside the completion mask, padding after it. Greedy output
     equals `model.generate`'s (tests/test_common.py). record_logp: also keep each token's log-prob under the
     distribution it was drawn from and under the untruncated one (Rollout.sample_logp*, extras/rollout_precision.py).
     Finished rows are dropped when a read of the device finds half of the batch done; whatever the read schedule
-    (`decode_reads`), the tokens, the draws left in `generator` and the width are a per-token loop's."""
+    (`decode_reads`), the tokens, the draws left in `generator` and the width are a per-token loop's. cuda_graph: the
+    hand-written decoder's steps replayed as one CUDA graph, the batch fixed (extras/cuda_graph.py)."""
     lora = _loaded("lora")
     if lora is not None:  # LoRA: the transformers model whose projections apply the adapters
         model = lora.lora_base(model)
@@ -793,6 +794,9 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
     # --fsdp: whole weights while sampling (gathered outside inference mode: FSDP2 reuses their storage)
     with gathered(model), torch.inference_mode():  # no autograd bookkeeping at all; `out` and `mask` stay normal
         decoder, logits = _prefill(model, roll, prompts, pad_id, max_new_tokens)
+        graphed = cuda_graph and isinstance(decoder, _StaticKVDecoder)  # only the model forward is in the graph
+        step = extra("cuda_graph", "--cuda-graph").GraphedStep(decoder) if graphed else decoder.step
+        drops = isinstance(decoder, _StaticKVDecoder) and not graphed  # a graph's batch is fixed
         rows = torch.arange(B, device=device)  # the batch rows still decoded, in the decoder's order
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         alive = torch.ones(B, dtype=torch.bool, device=device)  # per decoded row: no EOS yet
@@ -818,11 +822,11 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
                 if not any(alive_now):
                     break
                 draws.clear()
-                if isinstance(decoder, _StaticKVDecoder) and 2 * sum(alive_now) <= len(rows):  # drop finished rows
+                if drops and 2 * sum(alive_now) <= len(rows):  # drop finished rows
                     keep = torch.tensor([i for i, a in enumerate(alive_now) if a], device=device)
                     decoder.keep(keep)
                     rows, alive, token = rows[keep], alive[keep], token[keep]
-            logits = decoder.step(token)
+            logits = step(token)
         width = _host(width)  # every row had ended by then: the completions' width
     rewind = dict(draws).get(width)  # undo the draws past the last row's end, as if the loop had stopped there
     if rewind is not None:
@@ -961,8 +965,9 @@ class _StaticKVDecoder:
         return self._forward(self.prompt_ids, 0, bias.repeat(1, 1, self.heads // self.kv_heads, 1))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row [B]; next-token logits [B, V] (float32)."""
-        if self.slot == self.k[0].shape[2]:  # the cache is full: GROW more slots (up to P + T), a layer at a time
+        """Feed one token per row [B]; next-token logits [B, V] (float32). The slot is an int, or a [1] tensor that
+        a CUDA graph's step advances in place over a whole cache (extras/cuda_graph.py)."""
+        if isinstance(self.slot, int) and self.slot == self.k[0].shape[2]:  # full: GROW more slots (up to P + T)
             more = (0, 0, 0, min(self.GROW, self.bias.shape[-1] - self.slot))
             for i in range(len(self.k)):
                 self.k[i], self.v[i] = F.pad(self.k[i], more), F.pad(self.v[i], more)
@@ -980,9 +985,10 @@ class _StaticKVDecoder:
     def _forward(self, ids, first, bias):
         """`ids` [B, S] into slots first..first+S-1, attending with `bias` [B, 1, G * S or 1, N]: the last's logits."""
         h = self.base.embed_tokens(ids)
-        rope = self.cos[:, first : first + ids.shape[1], None], self.sin[:, first : first + ids.shape[1], None]
+        at = slice(first, first + ids.shape[1]) if isinstance(first, int) else first  # the slots (a [1] tensor: one)
+        rope = self.cos[:, at, None], self.sin[:, at, None]
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.base.layers, self.k, self.v)):
-            h = _layer_forward(layer, self.weights[i], h, rope, k_cache, v_cache, first, bias, i == len(self.k) - 1)
+            h = _layer_forward(layer, self.weights[i], h, rope, k_cache, v_cache, at, bias, i == len(self.k) - 1)
         return self.lm_head(self.base.norm(h[:, -1])).float()  # the module itself: its hooks run
 
 
@@ -999,9 +1005,9 @@ def _layer_weights(layer, heads: int, kv_heads: int, fuse: bool) -> tuple:
     return heads, qkv, gate_up, qk_norm
 
 
-def _layer_forward(layer, weights, h, rope, k_cache, v_cache, first: int, bias, last: bool):
-    """One decoder layer on hidden states `h` [B, S, hidden], its keys and values written into cache slots
-    first..first+S-1; the last layer (`last`), once they are cached, runs for the last token only."""
+def _layer_forward(layer, weights, h, rope, k_cache, v_cache, at, bias, last: bool):
+    """One decoder layer on hidden states `h` [B, S, hidden], its keys and values written into the cache slots `at`
+    (a slice, or a [1] tensor); the last layer (`last`), once they are cached, runs for the last token only."""
     (H, qkv, gate_up, qk_norm), attn = weights, layer.self_attn
     (B, S, _), D, Hkv, N = h.shape, attn.head_dim, k_cache.shape[1], bias.shape[-1]
     x = _rms_norm(h, layer.input_layernorm)
@@ -1013,8 +1019,8 @@ def _layer_forward(layer, weights, h, rope, k_cache, v_cache, first: int, bias, 
     if qk_norm is not None:
         qk = qk_norm * F.rms_norm(qk.float(), (D,), eps=attn.q_norm.variance_epsilon).to(qk.dtype)
     qk = torch.addcmul(qk * rope[0], qk.roll(D // 2, -1), rope[1])
-    k_cache[:, :, first : first + S].copy_(qk[:, :, H:].transpose(1, 2))
-    v_cache[:, :, first : first + S].copy_(v.unflatten(-1, (Hkv, D)).transpose(1, 2))
+    k_cache[:, :, at] = qk[:, :, H:].transpose(1, 2)
+    v_cache[:, :, at] = v.unflatten(-1, (Hkv, D)).transpose(1, 2)
     # query heads h*G .. h*G+G-1 share KV head h (HF's repeat_kv order): [B, Hkv, G * S, D]
     q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, H // Hkv * S, D)
     if S > 1 and last:  # its keys and values are cached: the rest matters for the last token only
@@ -1363,7 +1369,9 @@ class Sampler:
         flags = (a.max_new_tokens, self.eos_ids, self.pad_id, a.temperature, a.top_p)
         with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
             with self.copy.cast_from(self.model) if self.copy else contextlib.nullcontext(self.model) as policy:
-                roll = sample(policy, prompts, *flags, generator=generator, record_logp=self.records)
+                roll = sample(
+                    policy, prompts, *flags, generator=generator, record_logp=self.records, cuda_graph=a.cuda_graph
+                )
         roll.seconds, roll.sampled_tokens, roll.draws = time.perf_counter() - t0, int(roll.completion_mask.sum()), 1
         return roll
 

@@ -113,7 +113,7 @@ def evaluation(model, tok):
 
 def bf16_sampler(model, tok):
     args = SimpleNamespace(rollout_dtype="bfloat16", old_logp="recompute", is_correction="none",
-                           max_new_tokens=6, temperature=1.0, top_p=1.0)  # fmt: skip
+                           max_new_tokens=6, temperature=1.0, top_p=1.0, cuda_graph=False)  # fmt: skip
     return common.Sampler(model, tok, args)
 
 

@@ -109,6 +109,7 @@ CAPABILITIES = [
     (("--old-logp", "rollout"), "rollout_precision"),
     (("--is-correction", "tis"), "rollout_precision"),
     (("--fsdp",), "fsdp"),
+    (("--cuda-graph",), "cuda_graph"),
     (("--model", "tiny-moe"), "moe"),
     (("--model", "tiny-moe"), "hf_decoder"),
     (("--model", "tiny-qwen3"), "qwen3_tokenizer"),
