@@ -22,7 +22,9 @@ runs; a row with under MIN_ROW_S seconds of the budget left is skipped. In order
      it (FSDP2's fully_shard; until the scripts have the flag, that row shows their usage error).
  (c) one subprocess on the same model: rollouts of --batch (64) rows x --new-tokens (256) after
      left-padded random prompts of --prompt-len/2 .. --prompt-len (128) tokens, by common.sample
-     (greedy, and at temperature 1, the training setting) and HF model.generate (greedy), EOS disabled
+     (greedy, and at temperature 1, the training setting; greedy again with --cuda-graph, each decode step
+     one replayed CUDA graph, against the eager step: on CUDA only, unmeasured so far) and HF model.generate
+     (greedy), EOS disabled
      so that every row makes --new-tokens tokens; the median of --repeats (2) after one warm-up, and
      how many greedy rows generate makes identical to common.sample's (bf16 kernels can break
      near-ties differently: a few differing rows are not a bug). Then one training step of each loss
@@ -249,6 +251,11 @@ def measure_in_process(args, checkpoint: str):
             common.sample(model, prompts, T, [], pad, temperature=1.0, generator=gen).completion_ids
         ),
     }
+    graphed = "common.sample, --cuda-graph"  # the greedy rollout again, each decode step one replayed CUDA graph
+    if device.type == "cuda":  # (--cpu-smoke: no such row)
+        samplers[graphed] = lambda: (
+            common.sample(model, prompts, T, [], pad, greedy=True, cuda_graph=True).completion_ids
+        )
     if not args.skip_generate:
         batch = common.Rollout.from_lists(prompts, [[]] * B, pad, device)
 
@@ -274,6 +281,11 @@ def measure_in_process(args, checkpoint: str):
     if "common.sample" in outputs and "HF model.generate" in outputs:
         same = int((outputs["HF model.generate"] == outputs["common.sample"]).all(1).sum())
         generate_row.note = f"{same}/{B} greedy rows as common.sample's"
+    if graphed in outputs and "common.sample" in outputs and rollout_rows["common.sample"].tokens_per_s:
+        same = int((outputs[graphed] == outputs["common.sample"]).all(1).sum())
+        speedup = rollout_rows[graphed].tokens_per_s / rollout_rows["common.sample"].tokens_per_s
+        note = f"{speedup:.2f}x the eager step, {same}/{B} rows as its"
+        rollout_rows[graphed].note = "; ".join(filter(None, [note, rollout_rows[graphed].note]))
     for row in rollout_rows.values():
         emit(row)
     if "common.sample" not in outputs:

@@ -6,8 +6,9 @@
 # 2. the benchmark table (see benchmarks/gpu.py): gspo/grpo/ppo end to end on the tiny model and at
 #    Qwen2.5-0.5B's shape (exit status, wall time, steps/s, rollout tokens/s, peak GPU memory against
 #    tools/plan_memory.py), gspo.py under torchrun with and without --fsdp, and the sampler against HF
-#    generate with one training step per loss, bounded by GPU_BENCH_SECONDS (360): gpu.py plans its rows
-#    into 30 s less and is stopped 10 s before the end; then, only if at least 75 s are left,
+#    generate (and greedy with --cuda-graph against the eager step: unmeasured so far) with one training step
+#    per loss, bounded by GPU_BENCH_SECONDS (360): gpu.py plans its rows into 30 s less and is stopped 10 s
+#    before the end; then, only if at least 75 s are left,
 #    benchmarks/rollout_dtype.py (bf16 against float32 rollouts) runs in what remains.
 # Extra arguments go to gpu.py:
 #   bash benchmarks/gpu.sh --skip-generate --modes chunked

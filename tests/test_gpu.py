@@ -141,6 +141,20 @@ def test_greedy_samples_equal_hf_generate_in_float32(tiny):
     assert ours == theirs
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="--cuda-graph records a CUDA graph")
+def test_cuda_graph_samples_what_the_eager_step_samples(tiny):
+    """--cuda-graph with a real CUDA graph (tests/test_cuda_graph.py runs a CPU stand-in): from the same seed, the tiny
+    checkpoint's completions at temperature 1, rows stopping at different steps, are the eager step's."""
+    model, tok = tiny
+    prompts = common.encode_prompts(tok, common.arith_split()[0][:32])
+    eos, pad = common.eos_token_ids(model, tok), tok.pad_token_id
+    rolls = [common.sample(model, prompts, 24, eos, pad, generator=torch.Generator(DEVICE).manual_seed(0),
+                           cuda_graph=graphed) for graphed in (False, True)]  # fmt: skip
+    lengths = rolls[0].completion_mask.sum(1)
+    assert lengths.min() < lengths.max(), "fixture: rows stop at different steps"
+    assert rolls[1].completion_lists() == rolls[0].completion_lists()
+
+
 def test_greedy_samples_in_bf16_part_from_hf_generate_only_at_near_ties(tiny):
     """Where a bf16 greedy row parts from generate's, the two tokens are a near-tie: their float32 logits within
     twice logit_tol at bfloat16 (capped at half the logit scale) plus float32's own."""
