@@ -1978,7 +1978,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; kill, a
 # may change only within its type (a CPU checkpoint resumes on CPU; extras/resume.py refuses CPU <-> CUDA)
 RESUME_MAY_CHANGE = (
     "steps", "save_every", "eval_every", "device", "out", "overwrite", "resume", "report_to", "merge_lora",
-    "trace_every", "trace_groups",
+    "trace_every", "trace_groups", "cuda_graph",
 )  # fmt: skip
 
 
