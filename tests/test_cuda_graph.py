@@ -3,7 +3,7 @@ samples what the eager step samples, over buffers that keep their addresses; on 
 
 import pytest
 import torch
-from helpers import main_in_process
+from helpers import entropy_tol, logit_scale, logprob_tol, main_in_process
 from test_layout import DEFAULT_RUN, MODULES
 from test_speed import encode, random_model
 
@@ -55,7 +55,8 @@ def test_graphed_step_samples_what_the_eager_step_samples(char_tok, graphs, monk
     """Same seed: the eager sampler's tokens and draws left in the generator, with rows ending at different times and,
     at 40 tokens, across the eager cache's growth (the graphed one is whole from the start). Reading the device after
     each token (CPU's schedule), the eager loop drops ended rows, and its log-probs and entropies, computed on fewer
-    rows, round differently: equal within float32 rounding. Never reading (a batch as fixed as the graph's): equal."""
+    rows, round differently: equal within the float32 forward's bounds (helpers.logprob_tol, entropy_tol). Never
+    reading (a batch as fixed as the graph's): bit for bit."""
     if reads == "none":
         monkeypatch.setattr(common, "decode_reads", lambda device_type, max_new_tokens: [False] * max_new_tokens)
     model = random_model("qwen3", char_tok, seed=1)
@@ -74,12 +75,17 @@ def test_graphed_step_samples_what_the_eager_step_samples(char_tok, graphs, monk
     assert ours.completion_lists() == eager.completion_lists()
     assert torch.equal(ours.completion_mask, eager.completion_mask)
     assert torch.equal(g_ours.get_state(), g_eager.get_state())
-    for name in ("sample_logp", "sample_logp_full", "entropy"):
+    length, scale = logit_scale(model, eager, 1.3)
+    bound = logprob_tol(model.config, length, scale)
+    for name, tol in (("sample_logp", bound), ("sample_logp_full", bound),
+                      ("entropy", entropy_tol(model.config, length, scale))):  # fmt: skip
         a, b = getattr(ours, name), getattr(eager, name)
-        if reads == "none":
-            assert (a is None and b is None) or torch.equal(a, b), name
-        elif a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+        if a is None or b is None:
+            assert a is None and b is None and greedy and name == "entropy", name
+        elif reads == "none":
+            assert torch.equal(a, b), name
+        else:
+            assert (a - b).abs().max() <= tol, f"{name}: {(a - b).abs().max():.3g} > {tol:.3g}"
     assert all(a == graphs[0].addresses[0] for a in graphs[0].addresses), "a buffer moved between replays"
 
 
