@@ -63,11 +63,12 @@ def one(name: str, dtype: str, device: str, repeats: int) -> dict:
                                       eos_token_id=tok.eos_token_id, **BIG)  # fmt: skip
         model = AutoModelForCausalLM.from_config(config).to(dev)
     new_tokens, eos_on = MODELS[name]
-    flags = types.SimpleNamespace(rollout_dtype=dtype, old_logp="recompute", is_correction="tis")  # mu recorded
-    sampler = common.Sampler(model, flags)
+    flags = types.SimpleNamespace(rollout_dtype=dtype, old_logp="recompute", is_correction="tis",  # mu recorded
+                                  max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, cuda_graph=False)  # fmt: skip
+    sampler = common.Sampler(model, tok, flags)
+    sampler.eos_ids = sampler.eos_ids if eos_on else []  # without EOS: every row samples new_tokens
     examples = common.arith_split()[0][:64]
     prompts, _ = common.prompts_and_records(tok, examples, 4, "")
-    eos = common.eos_token_ids(model, tok) if eos_on else []
     g = torch.Generator(dev).manual_seed(0)
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -78,7 +79,7 @@ def one(name: str, dtype: str, device: str, repeats: int) -> dict:
     rates = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        roll = sampler.sample(prompts, new_tokens, eos, tok.pad_token_id, 1.0, 1.0, g)
+        roll = sampler.sample(prompts, g)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         if i:  # the first is the warm-up
