@@ -1,18 +1,5 @@
 """common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm, as plain functions each script's
-train() calls where they act.
-
-   1. Command line     SharedArgs read by tyro, one-line errors (exit 2), main()
-   2. Setup            setup(): checks, torchrun, data, --reward functions, --resume, device and seeds
-   3. Data             the built-in `arith` task, the prompt stream, prompts as token ids
-   4. Models           load_model, EOS ids, the embedded tiny checkpoints (shipped in checkpoints/)
-   5. Sampling         sample(): batched generation with a KV cache -> Rollout
-   6. Rewards, eval    Rewards: built-ins (exact, boxed, format) and your own functions; evaluate
-   7. Log-probs        completion_logprobs(): per-token log-probs and entropy, float32, chunked
-  7b. The sampler      Sampler: the policy as the rollout samples it
-   8. Updates          minibatches, the non-finite guard, the step's metrics (update_terms, pool, group_metrics)
-   9. The run          start_run, log_step (evaluations, warnings, metrics.jsonl), finish (final/, summary.json)
-  10. Checkpoints      atomic save, SIGINT / SIGTERM / SIGHUP
-  11. torchrun         DDP wrapping, all-reduce helpers (their input itself in one process)
+train() calls where they act, in numbered sections from the command line (1) to torchrun (11).
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported through
 `extra(name, flag)` only when asked for (a missing one is a one-line error naming it). tools/, experiments/ and
@@ -306,7 +293,8 @@ def check_common_args(args, needs_group: bool):
     for failed, message in problems:
         if failed:
             raise UsageError(message)
-    check_model_name(args.model)
+    if args.model not in (*TINY_MODELS, TINY_QWEN3):  # a checkpoint directory, or a hub id's shape
+        extra("hub", f"--model {args.model}").check_model_name(args.model)
     switched_on = [  # each optional capability, imported only when one of its flags is set, checks its own flags
         ("pass_at_k", "--eval-samples", args.eval_samples),
         ("lora", "--lora-rank", args.lora_rank or args.merge_lora or args.lora_alpha is not None
@@ -354,15 +342,6 @@ def _describe(e: Exception, first_sentence: bool = True) -> str:
     return f"{e.__class__.__name__}: {line.split('. ')[0] if first_sentence else line}"
 
 
-def check_model_name(model: str):
-    """'tiny' (an embedded checkpoint), an existing Hugging Face checkpoint directory, or a hub id's shape."""
-    if model not in TINY_MODELS and model != TINY_QWEN3:
-        extra("hub", f"--model {model}").check_model_name(model)
-
-
-EXIT_USAGE, EXIT_NON_FINITE = 2, 3  # and 128 + the signal's number after SIGINT (130), SIGTERM (143) or SIGHUP (129)
-
-
 def main(train, args_cls, argv=None):
     """The scripts' entry point. Exit status: 0 done; 2 bad input (one line on stderr); 3 stopped by the non-finite
     guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP after the step and its checkpoint (see --resume)."""
@@ -374,7 +353,7 @@ def main(train, args_cls, argv=None):
     try:
         train(parse_args(args_cls, argv))
     except (UsageError, NonFiniteError) as e:
-        die(str(e), EXIT_NON_FINITE if isinstance(e, NonFiniteError) else EXIT_USAGE)
+        die(str(e), 3 if isinstance(e, NonFiniteError) else 2)
     except Interrupted as e:
         die(str(e), 128 + _stop["signum"], signal.Signals(_stop["signum"]).name)
     except KeyboardInterrupt:  # the second SIGINT / SIGTERM
@@ -410,12 +389,13 @@ class Setup:
 
 
 def setup(args, needs_group: bool = True) -> Setup:
-    """Everything a run needs before its model, each failure a one-line error before anything is written: the
-    flags' checks, torchrun's process group, the data, the --reward functions, --resume's checkpoint, the device
-    and the seeds. `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
+    """Everything a run needs before its model, each failure a one-line error before anything is written.
+    `needs_group`: the advantage compares a prompt's completions (--group-size >= 2)."""
     getattr(args, "check", lambda: None)()  # the script's own flags' range checks (its Args.check: UsageError)
     check_common_args(args, needs_group)
-    rank, world, local_rank = init_distributed(args.device)  # (0, 1, 0) without torchrun
+    rank, world, local_rank = 0, 1, 0
+    if "WORLD_SIZE" in os.environ:  # torchrun's: its process group joined
+        rank, world, local_rank = extra("distributed", "torchrun").init_distributed(args.device)
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
     needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
     pin_mmap_threshold()  # before the first large tensor: freed activations leave RSS
@@ -455,9 +435,8 @@ def setup(args, needs_group: bool = True) -> Setup:
 
 
 def check_out(args, resume_from: Path | None) -> str | None:
-    """The earlier run in --out that --overwrite replaces whole (start_run does, on rank 0), or None: nothing to
-    replace, or the run --resume continues. Without --overwrite a run there is a UsageError; a non-empty directory
-    that holds no run is one with --overwrite too (never deleted)."""
+    """The earlier run in --out that --overwrite replaces whole (start_run does), or None: nothing to replace, or
+    the run --resume continues; else a UsageError (extras/resume.py: a directory that holds no run is never deleted)."""
     out = Path(args.out)
     if resume_from is not None and out.resolve() == resume_from.resolve().parent:
         return None  # --resume continues the run in its own directory
@@ -1637,12 +1616,12 @@ SHOWN = ("clip_frac", "clip_frac_seqs")  # printed beside each evaluation, with 
 
 
 def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
-    """Before the first step: the reward tried on the run's shapes (`check_rewards`), then --resume's checkpoint
-    loaded into `model`, each `state` object and the RNG states (extras/resume.py), or else step 0 evaluated; only
-    then the run in --out replaced (--overwrite) and OUT opened. Resume is exact only if `state` holds all that moves
-    during the run (a generator, a scheduler, a carried batch: tests/test_reliability.py)."""
-    for name, obj in state.items():
-        if not checkpointable(obj):
+    """Before the first step: the reward tried on the run's shapes, then --resume's checkpoint loaded into `model`,
+    each `state` object and the RNG states, or else step 0 evaluated; only then --out replaced and opened. Resume is
+    exact only if `state` holds all that moves during the run (a generator, a scheduler, a carried batch)."""
+    for name, obj in state.items():  # each restored in place on --resume
+        instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        if not (instance or isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict")):
             raise ValueError(f"start_run: state {name}={type(obj).__name__} cannot be checkpointed: pass a "
                              "generator, an object with load_state_dict(), or a list, dict or dataclass")  # fmt: skip
     progress, samples = state["progress"], []
@@ -2049,17 +2028,9 @@ def _state_of(obj):
     return extra("resume", "a list, dict or dataclass in a run's state").plain_value(obj)
 
 
-def checkpointable(obj) -> bool:
-    """A generator, an object with load_state_dict(), or a list, dict or dataclass (restored in place)."""
-    dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-    return isinstance(obj, (torch.Generator, list, dict)) or hasattr(obj, "load_state_dict") or dataclass_instance
-
-
 def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
     """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
-    whether one came, which makes this step the last. Written atomically (into checkpoint.tmp/, then a rename):
-    policy/ (Hugging Face format), trainer.pt (each `state` object's state and the RNG states; under torchrun
-    rank<r>.pt, each rank's own), metrics.jsonl, samples.jsonl, traces.jsonl so far, and meta.json."""
+    whether one came, which makes this step the last. Written into checkpoint.tmp/, then renamed (atomic)."""
     stopping = on_any_rank(_stop["signum"] is not None)
     if not stopping and not (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
         return False
@@ -2089,7 +2060,8 @@ def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int)
             os.rename(final, old)
         os.rename(tmp, final)  # only now does --resume see the new checkpoint
         shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    if env.world > 1:
+        torch.distributed.barrier()
     return stopping
 
 
@@ -2102,13 +2074,6 @@ def _torchrun():
     """extras/distributed.py when this process is one of torchrun's (its process group is up), else None."""
     dist = torch.distributed
     return extra("distributed", "torchrun") if dist.is_available() and dist.is_initialized() else None
-
-
-def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """(rank, world, local_rank): under torchrun the process group joined; without, (0, 1, 0)."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1, 0
-    return extra("distributed", "torchrun").init_distributed(device)
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, args=None) -> torch.nn.Module:
@@ -2151,11 +2116,6 @@ def checkpointed(state: dict, model) -> dict:
     """A run's `state` as a checkpoint saves it (--fsdp: sharded modules and optimizers gathered when saved)."""
     fsdp = _loaded("fsdp")
     return fsdp.checkpointed(state, model) if fsdp is not None else state
-
-
-def barrier():
-    if _torchrun() is not None:
-        torch.distributed.barrier()
 
 
 def on_any_rank(flag: bool) -> bool:

@@ -1,9 +1,6 @@
 """extras/data_files.py: --data and --eval-data, JSONL files of {prompt, answer, ...} records or GSM8K's
-{question, answer: "... #### N"}, read with one-line errors naming the file and the line (docs/running.md).
-
-Imported by common.load_task only when a file is given: the built-in arith task needs none; also the
-check that a tokenizer with an unknown token can represent every character of the files and --system-prompt.
-"""
+{question, answer: "... #### N"}, read with one-line errors naming the file and the line (docs/running.md); and
+the check that a tokenizer with an unknown token can represent every character of the files and --system-prompt."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from common import ARITH_EVAL_SEED, TINY_MODELS, UsageError, _clip, arith_split
 
 
 def jsonl_objects(path: str, flag: str = "--data"):
-    """(line number, JSON object) for each non-blank line of a JSONL file; a missing or unreadable
-    file, invalid JSON or a line that is not an object is a UsageError naming `flag`, file and line."""
+    """(line number, JSON object) for each non-blank line of a JSONL file: text_objects of the file's text."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
@@ -46,16 +42,15 @@ def text_objects(text: str, where: str):
 
 
 def gsm8k_final_answer(answer: str) -> str | None:
-    """The final answer of a GSM8K solution ("...reasoning...\n#### 1,080"): the text after its last
-    '####', stripped ("1,080"); None without one. load_jsonl and tools/gsm8k.py both read it here."""
+    """The final answer of a GSM8K solution ("...reasoning...\n#### 1,080"): the text after its last '####',
+    stripped ("1,080"); None without one."""
     return answer.rsplit("####", 1)[-1].strip() if "####" in answer else None
 
 
 def load_jsonl(path: str, flag: str = "--data", needs_answer: bool = True):
-    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"}, every other
-    field kept as it is (the reward functions get them by name). GSM8K's question becomes the
-    record's "prompt" and its answer the number after '####'. `needs_answer`: every record must
-    have an answer (the built-in rewards compare against it); otherwise it is optional."""
+    """Records {"prompt", "answer", ...} or GSM8K's {"question", "answer": "... #### N"} (its question the prompt,
+    its answer what follows '####'), every other field kept for the reward functions. `needs_answer`: every record
+    must have one (the built-in rewards compare against it)."""
     records = []
     for lineno, rec in jsonl_objects(path, flag):
         gsm8k = "question" in rec and "prompt" not in rec  # GSM8K: the gold is what follows '####'
@@ -121,9 +116,8 @@ def check_system_prompt(tok, model: str, system_prompt: str):
 
 
 def load_task(data: str | None, eval_data: str | None, eval_fraction: float = 0.1, needs_answer=True, check=None):
-    """common.load_task given a file: (train, eval) records. With --eval-data the evaluation set is that file
-    (training uses all of --data, or the arith task's training split); otherwise a fixed `eval_fraction` of
-    --data is held out, which never overlaps training. `check(where, records)` sees each file's records."""
+    """common.load_task given a file: (train, eval) records, the evaluation set --eval-data's, else a fixed
+    `eval_fraction` of --data held out (training: the rest, or the arith task's split without --data)."""
     check = check or (lambda where, records: None)
     held_out = load_jsonl(eval_data, "--eval-data", needs_answer) if eval_data else None
     if held_out is not None:

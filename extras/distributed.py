@@ -1,8 +1,5 @@
-"""extras/distributed.py: torchrun's process group, joined at the start of a run and left at its end.
-
-Imported by common.py only under torchrun (WORLD_SIZE set), with what its all-reduce helpers, DDP wrapping and
-checkpoints do there; without a process group common.py's helpers return their input.
-"""
+"""extras/distributed.py: under torchrun (WORLD_SIZE set), its process group joined and left, and what common.py's
+all-reduce helpers, DDP wrapping and checkpoints do there (without one, common.py's helpers return their input)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import torch
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, int]:
-    """common.init_distributed under torchrun: (rank, world, local_rank), the process group joined (NCCL on CUDA,
+    """common.setup under torchrun: (rank, world, local_rank), the process group joined (NCCL on CUDA,
     gloo on CPU) and cuda:local_rank made this process's GPU."""
     import torch.distributed as dist
 
@@ -29,11 +26,10 @@ def init_distributed(device: str = "auto") -> tuple[int, int, int]:
 
 
 def leave_process_group(exiting: BaseException | None):
-    """main()'s last step under torchrun: destroy the process group. A rank ending with an exit status (`exiting`,
-    its message already on stderr) first drops the tracebacks of the errors behind it, which hold train()'s frames
-    and through them the DDP model and the group (gloo's threads would live on into shutdown and can abort it), and
-    ignores SIGTERM, which torchrun sends once one rank failed (this rank would be reported killed). Then --fsdp's
-    roots (extras/fsdp.py) are let go and a collection frees what still holds the group."""
+    """main()'s last step under torchrun: destroy the process group. A rank ending with an exit status first drops
+    the tracebacks behind it, which hold train()'s frames and through them the model and the group (gloo's threads
+    would live on into shutdown and can abort it), and ignores the SIGTERM torchrun sends once one rank failed (this
+    rank would be reported killed)."""
     if isinstance(exiting, SystemExit) and exiting.code not in (None, 0):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         error, seen = exiting.__context__, set()
@@ -42,8 +38,8 @@ def leave_process_group(exiting: BaseException | None):
             error.__traceback__ = None
             error = error.__cause__ or error.__context__
     fsdp = sys.modules.get("extras.fsdp")
-    if fsdp is not None:  # --fsdp: the registry of roots holds the sharded model
-        fsdp.forget_roots()
+    if fsdp is not None:  # --fsdp: its registry of roots holds the sharded model (alive into shutdown: SIGABRT)
+        fsdp.LOGPROBS_ROOT.clear()
     gc.collect()  # whatever holds a process group in reference cycles (a finished run's FSDP model and its hooks)
     torch.distributed.destroy_process_group()
 
@@ -101,11 +97,9 @@ def save_rank_state(path, trainer: dict, state: dict):
     """common.save_checkpoint_if_due under torchrun: this rank's RNG states and each `state` object that is not the
     same on every rank (its generators, the stream, a carried batch) into checkpoint.tmp/rank<r>.pt, once rank 0 has
     made the directory; returns once every rank has written its own."""
-    from common import barrier
-
-    barrier()
+    torch.distributed.barrier()
     # modules and optimizers are the same on every rank (--fsdp gathers them): rank 0's trainer.pt holds them
     mine = [n for n, obj in state.items() if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))]
     own = {n: trainer["state"][n] for n in mine if not getattr(state[n], "same_on_every_rank", False)}
     torch.save({"rng": trainer["rng"], "state": own}, path)
-    barrier()
+    torch.distributed.barrier()

@@ -1,10 +1,5 @@
-"""extras/fsdp.py: --fsdp, PyTorch FSDP2 under torchrun (docs/running.md, "Models that do not fit one GPU").
-
-`shard` applies `fully_shard` to each decoder layer, then to the root (the policy's CompletionLogprobs wrapper, the
-critic, the reference); `gathered` holds a sharded model's weights whole for the sampler; the state helpers gather
-whole tensors for checkpoints and hand each rank its shards on --resume. common.py reaches it through `sharded`,
-`gathered`, `data_parallel` and the checkpoint functions: nothing in the scripts changes under --fsdp.
-"""
+"""extras/fsdp.py: --fsdp, PyTorch FSDP2 under torchrun (docs/running.md, "Models that do not fit one GPU"), reached
+through common.py's `sharded`, `gathered`, `data_parallel` and checkpoint functions: the scripts do not change."""
 
 from __future__ import annotations
 
@@ -17,8 +12,8 @@ import torch
 import common
 from common import CompletionLogprobs, UsageError
 
-# a model -> its CompletionLogprobs wrapper, its FSDP root (common.completion_logprobs), until `forget_roots`; and
-# the roots whose weights `gathered` holds whole right now
+# a model -> its CompletionLogprobs wrapper, its FSDP root (common.completion_logprobs), until the process group is
+# left (extras/distributed.py); and the roots whose weights `gathered` holds whole right now
 LOGPROBS_ROOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GATHERED: weakref.WeakSet = weakref.WeakSet()
 
@@ -39,12 +34,10 @@ def gathered_dtype(device: torch.device, args) -> torch.dtype:
 
 
 def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """--fsdp: FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module`, the root, whose forward
-    gathers what the layers leave (embeddings, final norm, output projection, a critic's head). Each rank keeps
-    1/world of every weight, gradient and AdamW moment; gradients are averaged as DDP's are; master weights stay
-    float32. Gathered weights are `dtype`: bf16 through a MixedPrecisionPolicy (gradients reduced in float32), or
-    float32 (the training forward then runs under bf16 autocast on CUDA, as without --fsdp). Returns `module`, now
-    the root; a CompletionLogprobs root is registered for its model."""
+    """--fsdp: FSDP2 (`fully_shard`) on each decoder layer of `module`, then on `module`, the root (its forward gathers
+    the rest: embeddings, final norm, output projection, a critic's head). Master weights stay float32; gathered ones
+    are `dtype`: bf16 through a MixedPrecisionPolicy (gradients reduced in float32), or float32 (the forward then runs
+    under bf16 autocast on CUDA, as without --fsdp). Returns `module`, now the root, registered for its model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = module.model if isinstance(module, CompletionLogprobs) else module
@@ -61,12 +54,6 @@ def shard(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.
     if isinstance(module, CompletionLogprobs):
         LOGPROBS_ROOT[module.model] = module
     return module
-
-
-def forget_roots():
-    """Drop every registered root, so that the sharded models and their process groups can be freed before the group
-    is destroyed (a sharded model alive into interpreter shutdown can abort a finished rank: SIGABRT)."""
-    LOGPROBS_ROOT.clear()
 
 
 def sharded(module) -> bool:

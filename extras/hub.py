@@ -1,9 +1,6 @@
-"""extras/hub.py: --model as a checkpoint directory or a hub id (every model but the embedded ones).
-
-Imported by common.py only for such a --model: its name checked before anything loads, a hub id's source found
-with one question to the hub, so that an offline machine fails fast (huggingface_hub's own retries take about
-50 s) or loads the cached snapshot, and a model that does not load reported in one line.
-"""
+"""extras/hub.py: --model as a checkpoint directory or a hub id (every model but the embedded ones): its name checked
+before anything loads, a hub id's source found with one question to the hub (an offline machine fails fast, or loads
+the cached snapshot, where huggingface_hub's own retries take about 50 s), a model that does not load one line."""
 
 from __future__ import annotations
 
@@ -51,10 +48,8 @@ def from_pretrained(auto, name: str, path: str, **kwargs):
 
 @functools.cache  # one question to the hub per model and process
 def hub_model_path(name: str) -> str:
-    """A hub id's source. `name` itself (transformers downloads it, or checks its cache against the hub)
-    when the hub answers one HEAD request within HUB_PROBE_S seconds, or under HF_HUB_OFFLINE=1
-    (transformers reads the cache and asks nothing). Otherwise its snapshot in the local cache, loaded
-    from disk; not cached, a UsageError saying how to use the hub offline."""
+    """A hub id's source: `name` itself when the hub answers one HEAD request within HUB_PROBE_S seconds, or under
+    HF_HUB_OFFLINE=1; else its snapshot in the local cache; not cached, a UsageError saying how to go offline."""
     from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.utils import get_session
 

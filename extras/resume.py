@@ -1,11 +1,6 @@
-"""extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume").
-
-Imported by common.py for --resume, for an --out that already holds files (`check_out`: what --overwrite replaces,
-or a one-line refusal), and by checkpoints of a state that holds a list, dict or dataclass (`plain_value`: a fork's).
-common.save_checkpoint_if_due writes the checkpoint (every --save-every steps, and on SIGINT / SIGTERM); this module
-finds and checks it before any model is loaded (`open_checkpoint`), takes its flags as the command line's defaults
-(`resumed_args`) and restores the weights, the optimizers, the streams and every random state (`load_checkpoint`),
-so that a resumed run equals an uninterrupted one bit for bit.
+"""extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume"): found and
+checked before any model loads, its flags the command line's defaults, then the weights, the optimizers, the streams
+and every random state restored. Also what --out may replace (`check_out`) and a fork's plain state (`plain_value`).
 """
 
 from __future__ import annotations
@@ -18,19 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import (
-    RESUME_MAY_CHANGE,
-    Rollout,
-    UsageError,
-    _describe,
-    _flag,
-    _loaded,
-    model_path,
-    model_signature,
-    resolve_device,
-    script_name,
-    sharded,
-)
+import common
+from common import RESUME_MAY_CHANGE, UsageError, _describe, _flag
 
 
 def set_rng_state(state: dict):
@@ -61,7 +45,7 @@ def _restore(obj, state, device):
 
 
 # the dataclasses a checkpoint can hold, by name (trainer.pt is loaded weights_only)
-STATE_DATACLASSES = {"Rollout": Rollout}
+STATE_DATACLASSES = {"Rollout": common.Rollout}
 
 
 def plain_value(x):
@@ -118,7 +102,7 @@ def resumed_args(args_cls, path: str, parse):
     """The flags of a resumed run: `parse(defaults)` with the checkpoint's flags as the defaults, so that those
     given on the command line override them; they may differ from the checkpoint's only for RESUME_MAY_CHANGE.
     The run continues in the checkpoint's run directory unless --out says otherwise."""
-    found, meta = find_checkpoint(path, script_name(args_cls))
+    found, meta = find_checkpoint(path, common.script_name(args_cls))
     names = {f.name for f in dataclasses.fields(args_cls)} - {"overwrite"}  # overwrite: this command's (check_out)
     saved = {**{k: v for k, v in meta["args"].items() if k in names}, "out": str(found.parent)}
     args = parse(args_cls(**saved))
@@ -131,14 +115,13 @@ def resumed_args(args_cls, path: str, parse):
 
 
 def open_checkpoint(args, algo: str, world: int = 1) -> Path:
-    """--resume, checked before any model is loaded: a checkpoint of `algo`, trained from this
-    --model (by name and by config), short of --steps, written by as many processes as this run has
-    (each rank continues its own sampling stream; --fsdp or not, the weights are saved whole). Returns
-    its directory."""
+    """--resume's checkpoint directory, checked before any model is loaded: of `algo`, from this --model (by name and
+    by config), short of --steps, written by as many processes as this run has (each rank resumes its own stream)."""
     from transformers import AutoConfig
 
     found, meta = find_checkpoint(args.resume, algo)
-    saved_world, saved_device, device = meta.get("world", 1), meta.get("device"), resolve_device(args.device).type
+    saved_world, saved_device = meta.get("world", 1), meta.get("device")
+    device = common.resolve_device(args.device).type
     ranks = lambda n: f"{n} process" + "es" * (n > 1)  # noqa: E731
     how = (f"torchrun --nproc_per_node {saved_world}" if saved_world > 1
            else "one (python, or torchrun --nproc_per_node 1)")  # fmt: skip
@@ -154,11 +137,11 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
         if failed:
             raise UsageError(f"--resume {args.resume}: {message}")
     try:
-        config = AutoConfig.from_pretrained(model_path(args.model))
+        config = AutoConfig.from_pretrained(common.model_path(args.model))
     except Exception as e:
         raise UsageError(f"--model {args.model}: cannot load its config ({_describe(e)})") from e
     saved = meta["config"]
-    diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model_signature(config).items() if saved.get(k) != v]
+    diff = [f"{k} {saved.get(k)} vs {v}" for k, v in common.model_signature(config).items() if saved.get(k) != v]
     if diff:
         raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
     if meta["step"] >= args.steps:
@@ -168,22 +151,20 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
 
 
 def load_checkpoint(found: Path, model, state: dict, rank: int = 0, world: int = 1, device="cpu"):
-    """Restore the policy weights, each object in `state` and the RNG states from a checkpoint
-    that open_checkpoint accepted (the inverse of save_checkpoint_if_due; every rank calls it). Under
-    --fsdp rank 0 reads the policy and hands each rank its shards; every rank maps trainer.pt (its
-    tensors are read as they are needed) and keeps its shards of the optimizer state; under torchrun each rank
-    then loads its own objects (rank<r>.pt). Tensors in a list, dict or dataclass go to `device`."""
+    """Restore the policy weights, each object in `state` and the RNG states from a checkpoint that open_checkpoint
+    accepted (the inverse of save_checkpoint_if_due; every rank calls it, and under torchrun loads its rank<r>.pt)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        lora = _loaded("lora")
+        lora = common._loaded("lora")
         if lora is not None and lora.is_lora(model):  # policy/ holds the adapters; the base is --model's, frozen
             lora.load_lora_weights(model, found / "policy")
-        elif sharded(model):  # rank 0 reads the policy; every rank receives its shards of it
-            _loaded("fsdp").load_policy(model, found / "policy", rank)
+        elif common.sharded(model):  # rank 0 reads the policy; every rank receives its shards of it
+            common._loaded("fsdp").load_policy(model, found / "policy", rank)
         else:
             saved_policy = AutoModelForCausalLM.from_pretrained(found / "policy", dtype=model.dtype)
             model.load_state_dict(saved_policy.state_dict())
+        # mapped under torchrun: each rank reads only the tensors it keeps (--fsdp: its shards of the optimizer state)
         saved = torch.load(found / "trainer.pt", map_location="cpu", weights_only=True, mmap=world > 1)
         if world > 1:  # this rank's own random streams and state objects
             own = torch.load(found / f"rank{rank}.pt", map_location="cpu", weights_only=True)
@@ -212,19 +193,6 @@ def copy_rows(found: Path, files: dict) -> int:
 RUN_MARKS = ("summary.json", "metrics.jsonl", "checkpoint", "checkpoint.old")  # what only a run's --out holds
 
 
-def run_scripts(out: Path) -> set:
-    """The scripts that summary.json and the checkpoint in `out` name."""
-    found = set()
-    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
-        try:
-            algo = json.loads((out / name).read_text()).get("algo")
-        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
-            continue
-        if isinstance(algo, str):
-            found.add(algo)
-    return found
-
-
 def check_out(args, resume_from: Path | None) -> str:
     """common.check_out for a non-empty --out that --resume does not continue: the earlier run --overwrite
     replaces, or a UsageError saying how to continue or replace it (a directory that holds no run: never deleted)."""
@@ -234,7 +202,14 @@ def check_out(args, resume_from: Path | None) -> str:
     if not any((out / name).exists() for name in RUN_MARKS):
         raise UsageError(f"--out {args.out} is a directory that holds no run (no summary.json, metrics.jsonl or "
                          "checkpoint/), so it is not replaced; choose another --out, or empty it")  # fmt: skip
-    scripts = run_scripts(out)
+    scripts = set()  # the scripts that summary.json and the checkpoint name
+    for name in ("summary.json", "checkpoint/meta.json", "checkpoint.old/meta.json"):
+        try:
+            algo = json.loads((out / name).read_text()).get("algo")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not an object
+            continue
+        if isinstance(algo, str):
+            scripts.add(algo)
     if not args.overwrite:
         others = sorted(scripts - {args.algo})
         if others:

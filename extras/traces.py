@@ -1,6 +1,5 @@
-"""extras/traces.py: --trace-every, every token of a few groups as sampled, scored and updated (docs/traces.md).
-A script's train() starts a Trace (common.start_trace), adds what each update's loss saw (`Trace.update`), and
-common.log_step writes the records to OUT/traces.jsonl (drawn by tools/show_traces.py)."""
+"""extras/traces.py: --trace-every, every token of a few groups as sampled, scored and updated (docs/traces.md):
+one Trace a traced step, written to OUT/traces.jsonl by common.log_step (drawn by tools/show_traces.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ from cli import ArgumentParser, number  # noqa: E402
 from common import (  # noqa: E402
     TINY_MODELS,
     UsageError,
-    check_model_name,
     die,
     eos_token_ids,
     sample,
@@ -33,6 +32,7 @@ from common import (  # noqa: E402
     tiny_checkpoint,
 )
 from extras.data_files import jsonl_objects  # noqa: E402
+from extras.hub import check_model_name  # noqa: E402
 from extras.reward_model import _tiny_attention, reward_model_scores  # noqa: E402
 
 
@@ -184,7 +184,8 @@ def main(argv=None):
     try:
         if a.steps < 1 or a.batch_size < 1 or not 0 < a.eval_frac < 1:
             raise UsageError("--steps and --batch-size must be >= 1 and --eval-frac in (0, 1)")
-        check_model_name(a.model)
+        if a.model not in TINY_MODELS:
+            check_model_name(a.model)
         pairs = load_pairs(a.data)
         result = train_reward_model(pairs, a.model, a.out, a.steps, a.batch_size, a.lr, a.eval_frac, a.seed)
     except UsageError as e:
