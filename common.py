@@ -344,7 +344,7 @@ def _describe(e: Exception, first_sentence: bool = True) -> str:
 
 def main(train, args_cls, argv=None):
     """The scripts' entry point. Exit status: 0 done; 2 bad input (one line on stderr); 3 stopped by the non-finite
-    guard; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP after the step and its checkpoint (see --resume)."""
+    guard; 128 + the signal's number (130, 143, 129) stopped by SIGINT / SIGTERM / SIGHUP after a checkpoint."""
     # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
@@ -1886,9 +1886,8 @@ class Progress:
 
 
 class RunLogger:
-    """Writes OUT's metrics.jsonl (a row a step), samples.jsonl, traces.jsonl (--trace-every), summary.json, final/
-    and with --report-to tensorboard tensorboard/ (a view of metrics.jsonl); rank 0 alone. Resumed, each .jsonl
-    starts with the checkpoint's rows and TensorBoard purges the later steps: a crash leaves no step twice."""
+    """OUT's metrics.jsonl, samples.jsonl, traces.jsonl and --report-to tensorboard's view of them, on rank 0.
+    Resumed, each starts with the checkpoint's rows (TensorBoard's later steps purged): a crash leaves no step twice."""
 
     def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
         self.out, self.enabled, self.tensorboard = Path(out), enabled, None
@@ -2124,8 +2123,7 @@ def on_any_rank(flag: bool) -> bool:
 
 
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
-    """Sum (op="MAX" / "MIN": elementwise maximum / minimum) of `x` over all ranks, a new tensor; without torchrun
-    `x` itself."""
+    """Sum (op "MAX" / "MIN": elementwise maximum / minimum) of `x` over the ranks; without torchrun `x` itself."""
     return x if _torchrun() is None else _torchrun().all_reduce(x, op)
 
 
