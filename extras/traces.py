@@ -15,6 +15,22 @@ def _values(x: torch.Tensor | None, n: int):
     return [float(f"{v:.8g}") for v in x[:n].tolist()]
 
 
+def groups_with_signal(advantages: torch.Tensor, mask: torch.Tensor, group_size: int) -> list[bool]:
+    """Per group of `group_size` consecutive rows: whether some row has a nonzero advantage on some token (the
+    group's gradient can be nonzero): rewards not all equal (GRPO, GSPO), or some nonzero GAE ([B, T], PPO)."""
+    nonzero = advantages != 0 if advantages.dim() == 1 else ((advantages != 0) & mask.bool()).any(1)  # [B]
+    return nonzero.view(-1, group_size).any(1).tolist()
+
+
+def traced_groups(signal: list[bool], n: int, seed: int, step: int) -> list[int]:
+    """The n groups a step's trace keeps (in rollout order): a random order of all groups, those with signal first,
+    from a generator of its own seeded by --seed and the step, so that training's random streams never move."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + 17)  # CPU, not the global one
+    order = torch.randperm(len(signal), generator=generator).tolist()
+    ranked = sorted(order, key=lambda g: not signal[g])  # stable: those with signal first, in draw order
+    return sorted(ranked[:n])
+
+
 class Trace:
     """One step's values for --trace-groups groups of this rank's rollout: what sampling, scoring and the no-grad
     passes computed, and what each update's loss used (`update`); `records()`: traces.jsonl's, one per group. It
@@ -25,16 +41,8 @@ class Trace:
         self.args, self.tok, self.eos_ids, self.step, self.roll, self.examples = args, tok, eos_ids, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
         G = args.group_size
-        # a group has signal if some row has a nonzero advantage on some token (its gradient can be nonzero): rewards
-        # not all equal (GRPO, GSPO), or some nonzero GAE ([B, T], PPO)
-        mask = roll.completion_mask.bool()
-        nonzero = advantages != 0 if advantages.dim() == 1 else ((advantages != 0) & mask).any(1)  # [B]
-        self.signal = nonzero.view(-1, G).any(1).tolist()  # [groups of this rank]
-        # the --trace-groups groups kept (in rollout order): a random order of all groups, those with signal first
-        # (stable), from a CPU generator of its own, so that training's random streams never move
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + 17)
-        order = torch.randperm(len(self.signal), generator=generator).tolist()
-        self.groups = sorted(sorted(order, key=lambda g: not self.signal[g])[: args.trace_groups])
+        self.signal = groups_with_signal(advantages, roll.completion_mask, G)  # [groups of this rank]
+        self.groups = traced_groups(self.signal, args.trace_groups, args.seed, step)
         self.rows = [g * G + i for g in self.groups for i in range(G)]  # the traced rows, in rollout order
         self.old_logp = old_logp[self.rows].detach().clone()  # [n, T], n = len(self.rows)
         self.has_old = [True] * len(self.rows) if has_old is None else has_old[self.rows].tolist()  # [n]
