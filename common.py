@@ -1606,8 +1606,7 @@ def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: i
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. The run: its start (--resume, or step 0's evaluation), each step's row (evaluation when due, the warnings,
-#    metrics.jsonl), checkpoints, and its end (final/, summary.json); each a function train() calls where it acts
+# 9. The run: its start (--resume, or step 0's evaluation), each step's row and warnings, its end (summary.json)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1951,9 +1950,7 @@ def finite_or(x: float, default: float = float("nan")) -> float:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; kill, a scheduler; the terminal closed
 
-# flags a resumed run may change; of them only --steps alters the training trajectory (the annealed learning
-# rate is a function of the step and --steps: a larger --steps stretches what is left of it), and --device
-# may change only within its type (a CPU checkpoint resumes on CPU; extras/resume.py refuses CPU <-> CUDA)
+# flags a resumed run may change: of them only --steps alters the trajectory; --device keeps its type (docs/running.md)
 RESUME_MAY_CHANGE = (
     "steps", "save_every", "eval_every", "device", "out", "overwrite", "resume", "report_to", "merge_lora",
     "trace_every", "trace_groups", "cuda_graph",
