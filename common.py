@@ -2026,7 +2026,8 @@ def _state_of(obj):
 
 def save_checkpoint_if_due(args, env: Setup, model, tok, state: dict, step: int) -> bool:
     """OUT/checkpoint/ every --save-every steps, after the last, and when a stop signal came (on any rank): returns
-    whether one came, which makes this step the last. Written into checkpoint.tmp/, then renamed (atomic)."""
+    whether one came, which makes this step the last. Written into checkpoint.tmp/, then renamed (atomic); what it
+    holds: docs/running.md, "Resume"."""
     stopping = on_any_rank(_stop["signum"] is not None)
     if not stopping and not (args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)):
         return False
