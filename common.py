@@ -167,13 +167,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _tyro_error(text: str) -> str:
-    """tyro's error box as one line: its first paragraph."""
-    lines = [re.sub(r"\x1b\[[\d;]*m", "", line).strip(" │|╭╮╰╯") for line in text.strip().splitlines()]
-    lines = ["" if re.fullmatch(r"[─-]*", line) else line for line in lines[1:]]  # the title, then the text
-    return " ".join(itertools.takewhile(bool, lines[1:] if lines and not lines[0] else lines))
-
-
 def _cli(args_cls, argv: list[str], defaults):
     """tyro.cli over `argv` with `defaults` (an Args instance): --help exits 0, a bad flag or value is one line."""
     import tyro
@@ -186,9 +179,13 @@ def _cli(args_cls, argv: list[str], defaults):
         with contextlib.redirect_stderr(err):
             return tyro.cli(args_cls, args=argv, default=defaults, description=description)
     except SystemExit as e:
-        if e.code:
-            raise UsageError(_tyro_error(err.getvalue()) or f"bad command line (python {sys.argv[0]} --help)") from None
-        raise
+        if not e.code:
+            raise
+        # tyro's error box as one line: its first paragraph, after the title
+        lines = [re.sub(r"\x1b\[[\d;]*m", "", line).strip(" │|╭╮╰╯") for line in err.getvalue().strip().splitlines()]
+        lines = ["" if re.fullmatch(r"[─-]*", line) else line for line in lines[1:]]
+        message = " ".join(itertools.takewhile(bool, lines[1:] if lines and not lines[0] else lines))
+        raise UsageError(message or f"bad command line (python {sys.argv[0]} --help)") from None
 
 
 def _choices(hint) -> tuple | None:
