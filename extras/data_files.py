@@ -13,7 +13,7 @@ from common import ARITH_EVAL_SEED, TINY_MODELS, UsageError, _clip, arith_split
 
 
 def jsonl_objects(path: str, flag: str = "--data"):
-    """(line number, JSON object) for each non-blank line of a JSONL file: text_objects of the file's text."""
+    """text_objects of a JSONL file; a missing or unreadable file is a UsageError naming `flag` and the file."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory, expected a JSONL file")
