@@ -14,9 +14,9 @@ from common import Rollout, all_reduce_sum, constant_groups
 
 
 def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
-    """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
-    completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
-    field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
+    """The rows of `rolls`, in order, as one Rollout, prompts re-padded on the left and completions on the right to
+    the widest; seconds, sampled_tokens and draws add up; a field some part lacks is None, and so is `experts`
+    (positions moved: the joined batch's pi_old forward records them)."""
     P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
 
     def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
@@ -39,9 +39,8 @@ def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
 
 
 def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) -> int:
-    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`
-    (its part of --prompts-per-step), less any that would leave --minibatches unable to split the rows
-    evenly. Every rank gets the same number, so each runs the same updates in step (DDP, FSDP)."""
+    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`, less any
+    that --minibatches could not split evenly; the same on every rank, so each runs the same updates (DDP, FSDP)."""
     n = min(agreed, share)
     while n and n * group_size % minibatches:
         n -= 1
