@@ -712,8 +712,7 @@ def tiny_checkpoint(name: str = "tiny") -> str:
 
 @dataclass
 class Rollout:
-    """A batch of prompts and completions. Prompts are left-padded, completions right-padded, so
-    prompt ++ completion is one contiguous sequence per row."""
+    """A batch of prompts (left-padded) and completions (right-padded): prompt ++ completion is contiguous per row."""
 
     prompt_ids: torch.Tensor  # [B, P]
     prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
@@ -751,9 +750,9 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# When the decode loop reads the device (is any row alive? which?). On a GPU a read waits for every queued kernel:
-# the loop reads after EARLY_READS tokens, then once per READ_EVERY; rows that end in between decode masked padding,
-# their draws rewound, so the output is a per-token loop's. On a CPU a read waits for nothing: after every token.
+# When the decode loop reads the device (is any row alive?). On a GPU a read waits for every queued kernel: after
+# EARLY_READS tokens, then once per READ_EVERY (rows that end in between decode masked padding, their draws rewound).
+# On a CPU a read waits for nothing: after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
 READS_EACH_TOKEN_ON = ("cpu",)
 
@@ -929,11 +928,11 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 
 
 class _StaticKVDecoder:
-    """Prefill and one-token steps of a Llama-family decoder (Qwen2, Qwen3, Llama) through the model's own modules, with
-    the HF forward's arithmetic (the attention's float rounding differs), over buffers of one `sample` call: k, v [B,
-    kv_heads, C, head_dim] per layer (slot s holds position s; C grows GROW slots at a time, so a step attends over
-    about the slots written), `bias` [B, 1, 1, P + T] (-inf on left padding and unwritten slots), cos/sin (RoPE from
-    each row's first real token). On CPU (FUSED_ON) q, k, v are one matmul, as are the MLP's gate and up."""
+    """Prefill and one-token steps of a Llama-family decoder through the model's own modules, with the HF forward's
+    arithmetic (the attention's rounding differs), over one `sample` call's buffers: k, v [B, kv_heads, C, head_dim]
+    per layer (slot s holds position s; C grows GROW slots at a time, so a step attends over about the slots
+    written), `bias` [B, 1, 1, P + T] (-inf on left padding and unwritten slots), cos/sin (RoPE from each row's first
+    real token). On CPU (FUSED_ON) q, k, v are one matmul, as are the MLP's gate and up."""
 
     GROW = 16
     FUSED_ON = ("cpu",)
@@ -980,8 +979,8 @@ class _StaticKVDecoder:
         return self._forward(self.prompt_ids, 0, bias.repeat(1, 1, self.heads // self.kv_heads, 1))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row [B]; next-token logits [B, V] (float32). The slot is an int, or a [1] tensor that
-        a CUDA graph's step advances in place over a whole cache (extras/cuda_graph.py)."""
+        """Feed one token per row [B]; next-token logits [B, V] (float32). The slot: an int, or a CUDA graph's [1]
+        tensor, advanced in place over a whole cache."""
         if isinstance(self.slot, int) and self.slot == self.k[0].shape[2]:  # full: GROW more slots (up to P + T)
             more = (0, 0, 0, min(self.GROW, self.bias.shape[-1] - self.slot))
             for i in range(len(self.k)):
@@ -1008,8 +1007,8 @@ class _StaticKVDecoder:
 
 
 def _layer_weights(layer, heads: int, kv_heads: int, fuse: bool) -> tuple:
-    """(heads, qkv, gate_up, qk_norm) of a decoder layer: with `fuse`, the q, k, v projections as one (weight, bias)
-    and a gated MLP's gate and up as one (else None); Qwen3's q_norm and k_norm weights as one [heads + kv_heads, D]."""
+    """(heads, qkv, gate_up, qk_norm) of a layer: with `fuse`, the q, k, v projections as one (weight, bias), a gated
+    MLP's gate and up as one (else None); Qwen3's q_norm and k_norm weights as one [heads + kv_heads, D]."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _concat_linears(attn.q_proj, attn.k_proj, attn.v_proj) if fuse else None
     gated = type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
@@ -1346,9 +1345,7 @@ def _logp_entropy_chunk(hidden, weight, targets, temperature: float, entropy_gra
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of x over mask == 1 (same mask in numerator and denominator); 0 where mask is empty."""
     mask = mask.to(x.dtype)
-    total = (x * mask).sum(dim) if dim is not None else (x * mask).sum()
-    count = mask.sum(dim) if dim is not None else mask.sum()
-    return total / count.clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1434,7 +1431,7 @@ def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tenso
 
 
 def check_filter_groups(args):
-    """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds (raises UsageError naming the flag)."""
+    """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds."""
     if args.max_sample_rounds < 1:
         raise UsageError(f"--max-sample-rounds must be >= 1, got {args.max_sample_rounds}")
     if args.filter_groups and args.group_size < 2:
@@ -1461,9 +1458,8 @@ POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"
 
 
 def update_stat_terms(numbers: dict, counts: dict) -> dict:
-    """One update's numbers as the sums `pool` adds up: {key: [weighted sum, weight]} (a std: [n * mean, n,
-    n * std^2, n * mean^2]; a max: [value]), weighted by `counts` (its "tokens", "minibatch tokens", ...). Raises
-    ValueError naming a key UPDATE_STAT_UNITS does not declare."""
+    """One update's numbers as the sums `pool` adds up, weighted by `counts` ("tokens", ...): {key: [weighted sum,
+    weight]} (a std: [n * mean, n, n * std^2, n * mean^2]; a max: [value]). An undeclared key: ValueError."""
     terms = {}
     for key, value in numbers.items():
         if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
@@ -1489,10 +1485,9 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
 
 
 def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
-    """One update's numbers as `pool` adds them up, after its optimizer step: the loss's `info` (its tensors left
-    out) and `token_ratio_stats` of `logp` against pi_old `old_logp` over the loss's `mask` [b, T] of the `forwarded`
-    rows, each weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the whole minibatch
-    (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out has advantage 0 and never clips."""
+    """One update's numbers for `pool`: the loss's `info` (not its tensors) and `token_ratio_stats` over the loss's
+    `mask` [b, T] of the `forwarded` rows, weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the
+    whole minibatch (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out never clips."""
     numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
     ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
     loss_tokens, mask = mask.sum().item(), mask.bool()
@@ -1575,8 +1570,7 @@ def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
     """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
-    (advantages exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every completion
-    failed, as a collapsing run has them; a learning run's are at the top); sample_rounds (`draws`),
+    (advantages 0), zero_std_low_frac, those all at the batch's lowest reward (a collapsing run's); sample_rounds,
     groups_sampled, and groups_kept, the groups trained (`rewards`) whose rewards differ. {} for --group-size 1."""
     if group_size < 2:
         return {}
