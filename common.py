@@ -1127,12 +1127,9 @@ def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, f
         text = extra("reward_functions", "--reward boxed").extract_boxed(completion)
     else:
         text = completion.rsplit("####", 1)[-1]
-    gold = normalize_number(answer)
-    if gold is None:  # non-numeric gold answers: exact string match after stripping
-        gold = answer.strip()
-        pred = text.strip() or None if text is not None else None
-    else:
-        pred = normalize_number(text) if text is not None else None
+    numeric = normalize_number(answer) is not None  # else an exact string match after stripping
+    gold = normalize_number(answer) if numeric else answer.strip()
+    pred = None if text is None else normalize_number(text) if numeric else text.strip() or None
     return float(pred is not None and pred == gold), float(pred is not None)
 
 
