@@ -107,13 +107,11 @@ def call(name, fn, records, tok, roll, columns) -> torch.Tensor:
         raise RewardError(f"--reward {name} returned {len(values)} values for {B} completions (one per completion)")
     for i, v in enumerate(values):
         if v is not None and not isinstance(v, numbers.Real):
-            raise RewardError(
-                f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a number or None"
-            )
+            raise RewardError(f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a "
+                              "number or None")  # fmt: skip
         if v is not None and not math.isfinite(v):
-            raise RewardError(
-                f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not applicable)"
-            )
+            raise RewardError(f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not "
+                              "applicable)")  # fmt: skip
     return torch.tensor([0.0 if v is None else float(v) for v in values])
 
 
