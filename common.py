@@ -688,20 +688,16 @@ def tiny_checkpoint(name: str = "tiny") -> str:
 
 @dataclass
 class Rollout:
-    """A batch of prompts and completions. Prompts are left-padded, completions right-padded, so
-    prompt ++ completion is one contiguous sequence per row."""
+    """A batch of prompts (left-padded) and completions (right-padded): prompt ++ completion is contiguous per row."""
 
     prompt_ids: torch.Tensor  # [B, P]
     prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
     completion_ids: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T] 1 on generated tokens, the EOS token included
     entropy: torch.Tensor | None = None  # [B, T] the sampling distribution's entropy at each token (sample())
-    # sample(record_logp=True): the behaviour policy mu's log-prob of each sampled token, as sampled (after
-    # temperature and top-p), and under its whole distribution (temperature only)
-    sample_logp: torch.Tensor | None = None  # [B, T] log mu
-    sample_logp_full: torch.Tensor | None = None  # [B, T]; equals sample_logp when top_p = 1
-    # Sampler.sample's seconds and completion tokens (tokens_per_s), over `draws` calls; rows picked out keep them
-    seconds: float | None = None
+    sample_logp: torch.Tensor | None = None  # [B, T] log mu of each token as drawn, after top-p (record_logp)
+    sample_logp_full: torch.Tensor | None = None  # [B, T] log mu before top-p (equal when top_p = 1)
+    seconds: float | None = None  # Sampler.sample's time and completion tokens, over `draws` calls (tokens_per_s)
     sampled_tokens: int | None = None
     draws: int | None = None
     # an MoE model's experts of each token in the pi_old forward (recording_experts): [layers, B, P + T, k]; it
@@ -730,9 +726,9 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-# When the decode loop reads the device (is any row alive? which?). On a GPU a read waits for every queued kernel:
-# the loop reads after EARLY_READS tokens, then once per READ_EVERY; rows that end in between decode masked padding,
-# their draws rewound, so the output is a per-token loop's. On a CPU a read waits for nothing: after every token.
+# When the decode loop reads the device (is any row alive?). On a GPU a read waits for every queued kernel: after
+# EARLY_READS tokens, then once per READ_EVERY (rows that end in between decode masked padding, their draws rewound).
+# On a CPU a read waits for nothing: after every token.
 READ_EVERY, EARLY_READS = 16, (4, 8)
 READS_EACH_TOKEN_ON = ("cpu",)
 
@@ -747,13 +743,11 @@ def decode_reads(device_type: str, max_new_tokens: int) -> list[bool]:
 def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], pad_id: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, generator=None,
            record_logp: bool = False, cuda_graph: bool = False) -> Rollout:  # fmt: skip
-    """Batched sampling with a KV cache. `prompts` are token-id lists (repeat a prompt n times for n samples). A row
-    stops at the first of any EOS id, the EOS token inside the completion mask, padding after it. Greedy output
-    equals `model.generate`'s (tests/test_common.py). record_logp: also keep each token's log-prob under the
-    distribution it was drawn from and under the untruncated one (Rollout.sample_logp*, extras/rollout_precision.py).
-    Finished rows are dropped when a read of the device finds half of the batch done; whatever the read schedule
-    (`decode_reads`), the tokens, the draws left in `generator` and the width are a per-token loop's. cuda_graph: the
-    hand-written decoder's steps replayed as one CUDA graph, the batch fixed (extras/cuda_graph.py)."""
+    """Batched sampling with a KV cache of token-id `prompts` (repeat a prompt n times for n samples). A row stops at
+    its first EOS id, the EOS inside the completion mask. Greedy output equals `model.generate`'s. record_logp: keep
+    mu's log-probs (Rollout.sample_logp*). Finished rows are dropped when a read of the device finds half the batch
+    done; whatever the read schedule (`decode_reads`), the tokens, the draws left in `generator` and the width are a
+    per-token loop's. cuda_graph: the decoder's steps replayed as one CUDA graph (extras/cuda_graph.py)."""
     lora = _loaded("lora")
     if lora is not None:  # LoRA: the transformers model whose projections apply the adapters
         model = lora.lora_base(model)
@@ -785,7 +779,8 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
             token = torch.where(alive, _next_token(logits, rows, B, temperature, top_p, greedy, generator), pad_id)
             out[rows, t], mask[rows, t] = token, alive.float()
             if not greedy:  # the entropy of logits / temperature before top-p, as completion_logprobs computes it
-                stats["entropy"][rows, t] = _entropy(logits.float() / temperature) * alive
+                scaled = logits.float() / temperature
+                stats["entropy"][rows, t] = (scaled.logsumexp(-1) - (scaled.softmax(-1) * scaled).sum(-1)) * alive
             if record_logp:  # mu's log-probs of the token, 0 where done
                 for name, value in precision.token_logps(logits, token, alive, temperature, top_p).items():
                     stats[name][rows, t] = value
@@ -811,9 +806,34 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[i
                    **{name: x[:, :width] for name, x in stats.items()})  # fmt: skip
 
 
+class Sampler:
+    """The policy as the rollout samples it, with the run's sampling flags. --rollout-dtype bfloat16: a bf16 copy cast
+    from it at every rollout (extras/rollout_precision.py; under --fsdp from the gathered weights: make the Sampler
+    before `data_parallel`). It records mu (Rollout.sample_logp) whenever anything reads it."""
+
+    def __init__(self, model, tok, args):
+        self.model, self.args, self.dtype = model, args, ROLLOUT_DTYPES[args.rollout_dtype]
+        self.eos_ids, self.pad_id = eos_token_ids(model, tok), tok.pad_token_id
+        self.records = (args.rollout_dtype, args.old_logp, args.is_correction) != ("float32", "recompute", "none")
+        self.copy = None
+        if self.dtype != torch.float32:
+            self.copy = extra("rollout_precision", "--rollout-dtype").LowPrecisionCopy(model, self.dtype)
+
+    def sample(self, prompts: list[list[int]], generator) -> Rollout:
+        a, t0 = self.args, time.perf_counter()
+        flags = (a.max_new_tokens, self.eos_ids, self.pad_id, a.temperature, a.top_p)
+        with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
+            with self.copy.cast_from(self.model) if self.copy else contextlib.nullcontext(self.model) as policy:
+                roll = sample(
+                    policy, prompts, *flags, generator=generator, record_logp=self.records, cuda_graph=a.cuda_graph
+                )
+        roll.seconds, roll.sampled_tokens, roll.draws = time.perf_counter() - t0, int(roll.completion_mask.sum()), 1
+        return roll
+
+
 def _prefill(model, roll: Rollout, prompts, pad_id: int, max_new_tokens: int):
-    """(decoder, next-token logits [B, V]): a Llama-family model through `_StaticKVDecoder`, a prompt repeated for
-    several samples prefilled once and its cache rows copied; any other through its own forward (extras/)."""
+    """(decoder, next-token logits [B, V]): a Llama-family model through `_StaticKVDecoder`, each distinct prompt
+    prefilled once; any other through its own forward (extras/hf_decoder.py)."""
     if not _StaticKVDecoder.supports(model):
         decoder = extra("hf_decoder", f"--model {type(model).__name__}").HFDecoder(model, roll, max_new_tokens)
         return decoder, decoder.prefill()
@@ -855,9 +875,8 @@ def _distinct_rows(prompts: list[list[int]], pad_id: int) -> tuple[list[int], li
 
 
 def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float, greedy: bool, generator):
-    """One token for each row in `rows` from its logits [len(rows), V]. Sampling is torch.multinomial's
-    own method (argmax of probs / Exp(1) noise), with the noise drawn for the whole batch, so a row's
-    random stream does not depend on which other rows have already finished."""
+    """One token for each row in `rows` from its logits [len(rows), V]: torch.multinomial's own method (argmax of
+    probs / Exp(1) noise), the noise drawn for the whole batch so that a row's draws do not depend on the others."""
     if greedy:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -865,11 +884,6 @@ def _next_token(logits, rows, batch_size: int, temperature: float, top_p: float,
         logits = _top_p_filter(logits, top_p)
     noise = torch.empty(batch_size, logits.shape[-1], device=logits.device).exponential_(generator=generator)
     return (logits.softmax(-1) / noise[rows]).argmax(-1)
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] -> [...]: the entropy of softmax(logits), log Z - sum p * logits."""
-    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -882,7 +896,7 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device):
-    """([B, P] ids left-padded with pad_id, [B, P] mask of the real tokens), one tensor call each."""
+    """([B, P] ids left-padded with pad_id, [B, P] mask of the real tokens)."""
     P = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
@@ -890,11 +904,11 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 
 
 class _StaticKVDecoder:
-    """Prefill and one-token steps of a Llama-family decoder (Qwen2, Qwen3, Llama) through the model's own modules, with
-    the HF forward's arithmetic (the attention's float rounding differs), over buffers of one `sample` call: k, v [B,
-    kv_heads, C, head_dim] per layer (slot s holds position s; C grows GROW slots at a time, so a step attends over
-    about the slots written), `bias` [B, 1, 1, P + T] (-inf on left padding and unwritten slots), cos/sin (RoPE from
-    each row's first real token). On CPU (FUSED_ON) q, k, v are one matmul, as are the MLP's gate and up."""
+    """Prefill and one-token steps of a Llama-family decoder through the model's own modules, with the HF forward's
+    arithmetic (the attention's rounding differs), over one `sample` call's buffers: k, v [B, kv_heads, C, head_dim]
+    per layer (slot s holds position s; C grows GROW slots at a time, so a step attends over about the slots
+    written), `bias` [B, 1, 1, P + T] (-inf on left padding and unwritten slots), cos/sin (RoPE from each row's first
+    real token). On CPU (FUSED_ON) q, k, v are one matmul, as are the MLP's gate and up."""
 
     GROW = 16
     FUSED_ON = ("cpu",)
@@ -941,8 +955,8 @@ class _StaticKVDecoder:
         return self._forward(self.prompt_ids, 0, bias.repeat(1, 1, self.heads // self.kv_heads, 1))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row [B]; next-token logits [B, V] (float32). The slot is an int, or a [1] tensor that
-        a CUDA graph's step advances in place over a whole cache (extras/cuda_graph.py)."""
+        """Feed one token per row [B]; next-token logits [B, V] (float32). The slot: an int, or a CUDA graph's [1]
+        tensor, advanced in place over a whole cache."""
         if isinstance(self.slot, int) and self.slot == self.k[0].shape[2]:  # full: GROW more slots (up to P + T)
             more = (0, 0, 0, min(self.GROW, self.bias.shape[-1] - self.slot))
             for i in range(len(self.k)):
@@ -969,8 +983,8 @@ class _StaticKVDecoder:
 
 
 def _layer_weights(layer, heads: int, kv_heads: int, fuse: bool) -> tuple:
-    """(heads, qkv, gate_up, qk_norm) of a decoder layer: with `fuse`, the q, k, v projections as one (weight, bias)
-    and a gated MLP's gate and up as one (else None); Qwen3's q_norm and k_norm weights as one [heads + kv_heads, D]."""
+    """(heads, qkv, gate_up, qk_norm) of a layer: with `fuse`, the q, k, v projections as one (weight, bias), a gated
+    MLP's gate and up as one (else None); Qwen3's q_norm and k_norm weights as one [heads + kv_heads, D]."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _concat_linears(attn.q_proj, attn.k_proj, attn.v_proj) if fuse else None
     gated = type(mlp).__name__ in ("Qwen2MLP", "Qwen3MLP", "LlamaMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
@@ -1089,12 +1103,9 @@ def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, f
         text = extra("reward_functions", "--reward boxed").extract_boxed(completion)
     else:
         text = completion.rsplit("####", 1)[-1]
-    gold = normalize_number(answer)
-    if gold is None:  # non-numeric gold answers: exact string match after stripping
-        gold = answer.strip()
-        pred = text.strip() or None if text is not None else None
-    else:
-        pred = normalize_number(text) if text is not None else None
+    numeric = normalize_number(answer) is not None  # else an exact string match after stripping
+    gold = normalize_number(answer) if numeric else answer.strip()
+    pred = None if text is None else normalize_number(text) if numeric else text.strip() or None
     return float(pred is not None and pred == gold), float(pred is not None)
 
 
@@ -1120,10 +1131,9 @@ def _clip(text, width: int = 40) -> str:
 
 class Rewards:
     """The run's reward, reward_i = sum_k w_k f_k(row i), over --reward f_1 .. f_K with --reward-weights w_k (default
-    1 each). The built-ins (BUILTIN_REWARDS) compare a final answer with the record's "answer", read by the run's
-    answer parser (boxed's with --reward boxed, else exact's); `accuracy` (that exact match) and `format_rate` are
-    reported whenever every record has an answer, so that "correct" means the same in training and in evaluation.
-    All but exact and format alone (your own functions have TRL's signature) load extras/reward_functions.py."""
+    1). The built-ins score the run's answer parser (`score`); `accuracy` and `format_rate` are reported whenever
+    every record has an answer, so that "correct" means the same in training and in evaluation. All but exact or
+    format alone load extras/reward_functions.py (docs/rewards.md)."""
 
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
         self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)
@@ -1169,12 +1179,10 @@ class Rewards:
 def evaluate(model, tok, examples, max_new_tokens: int, reward_fn: Rewards | None = None,
              system_prompt: str = SYSTEM_PROMPT, n_samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              generator=None, show: int = 0, batch_size: int = 256, thinking: str = "off") -> dict:  # fmt: skip
-    """What evaluation reports, on greedy completions of `examples`: reward (`reward_fn`'s, default exact), with
-    --reward-model its score alone (reward/reward_model), and, when records have answers, accuracy and format_rate
-    (reward_fn's answer parser); pass@1 and pass@n with n_samples = n >= 2 (n completions per prompt sampled at
-    `temperature`, `top_p` from `generator`: extras/pass_at_k.py); samples with show = k > 0 (the first k examples'
-    prompt, completion, rewards, answer, truncation). Under torchrun each rank evaluates every world-th example and
-    the means are over all ranks."""
+    """The means over greedy completions of `examples` of reward (`reward_fn`'s, default exact), reward/reward_model
+    (with --reward-model) and, when records have answers, accuracy and format_rate; pass@1 and pass@n with n_samples
+    = n >= 2 (extras/pass_at_k.py); with show = k > 0, the first k examples' "samples". Under torchrun each rank
+    evaluates every world-th example and the means are over all ranks."""
     reward_fn = reward_fn or Rewards()
     was_training = model.training
     model.eval()
@@ -1225,10 +1233,9 @@ def _described(tok, roll: Rollout, records, rewards, parts, eos) -> list[dict]:
 
 def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_tokens: int | str | None = "auto",
                         entropy_grad: bool = False):  # fmt: skip
-    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM); padding positions hold
-    finite values (multiply by `roll.completion_mask`). The entropy is a detached diagnostic unless `entropy_grad`
-    (--entropy-coef's loss term). Under --fsdp the call runs through the model's CompletionLogprobs root, whose own
-    forward gathers the weights it holds."""
+    """(logp [B, T], entropy [B, T]) of the completion tokens under `model` (a *ForCausalLM), finite on padding
+    (multiply by `roll.completion_mask`); the entropy detached unless `entropy_grad` (--entropy-coef). Under --fsdp
+    through the model's CompletionLogprobs root, whose forward gathers the weights it holds."""
     fsdp = _loaded("fsdp")
     forward = fsdp.LOGPROBS_ROOT.get(model) if fsdp is not None else None
     return (forward or CompletionLogprobs(model).forward)(roll, temperature, entropy_grad, chunk_tokens)
@@ -1236,8 +1243,8 @@ def completion_logprobs(model, roll: Rollout, temperature: float = 1.0, chunk_to
 
 class CompletionLogprobs(torch.nn.Module):
     """`completion_logprobs` as a module's forward, which the scripts wrap: DDP averages the gradients of what runs
-    through its wrapped module's forward, and FSDP2 gathers the weights its root holds in the root's forward. (Under
-    FSDP2 its outputs are views: change them only out of place.)"""
+    through its module's forward, FSDP2 gathers its root's weights there (its outputs are views: change them out of
+    place)."""
 
     def __init__(self, model):
         super().__init__()
@@ -1265,17 +1272,14 @@ def completion_hidden_states(backbone, roll: Rollout, bf16: bool | None = None) 
     return hidden[:, P - 1 : P + T - 1].float()  # the log-probs and the loss are float32
 
 
-# float32 logits per chunk on a CPU: 64 MB, ~110 tokens of Qwen's 151,936 vocabulary; a chunk's peak is about 4x
-# this (docs/memory.md). On CUDA its peak is at most 1/LOGITS_CHUNK_GPU_SHARE of the GPU's memory
-LOGITS_CHUNK_ELEMENTS = 2**24
+LOGITS_CHUNK_ELEMENTS = 2**24  # a CPU's: 64 MB of float32 logits, ~110 tokens of Qwen's vocabulary (docs/memory.md)
 LOGITS_CHUNK_GPU_SHARE = 32
 
 
 def logits_chunk_elements(device: torch.device | str, gpu_memory: int | None = None) -> int:
-    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`; tools/plan_memory.py plans with it. A
-    CPU: LOGITS_CHUNK_ELEMENTS. CUDA: the largest power of two whose chunk peak (4 float32 copies of the logits)
-    fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's total memory (`gpu_memory` bytes; the total, not the free: the
-    same chunk at every step, known to the planner), never less than a CPU's."""
+    """Float32 logits per log-prob chunk (chunk_tokens="auto") on `device`. CUDA: the largest power of two whose
+    chunk peak (4 float32 copies of the logits) fits in 1/LOGITS_CHUNK_GPU_SHARE of the GPU's total memory (not
+    the free: the same chunk every step, known to tools/plan_memory.py), never less than a CPU's."""
     device = torch.device(device)
     if device.type != "cuda":
         return LOGITS_CHUNK_ELEMENTS
@@ -1286,10 +1290,9 @@ def logits_chunk_elements(device: torch.device | str, gpu_memory: int | None = N
 
 def logprobs_from_hidden(hidden, weight, targets, temperature: float = 1.0, chunk_tokens: int | str | None = "auto",
                          entropy_grad=False):  # fmt: skip
-    """Per-token log p(target) and entropy, in float32 from logits / temperature, from hidden states [..., H] and the
-    output projection `weight` [V, H] (the entropy detached unless `entropy_grad`). The [n, V] logits are made
-    `chunk_tokens` tokens at a time, each chunk recomputed in backward when there are several, so no [B, T, V] tensor
-    exists; "auto" sizes chunks to `logits_chunk_elements`; None: one chunk (the plain, memory-hungry computation)."""
+    """Per-token log p(target) and entropy in float32 of logits / temperature, from hidden states [..., H] and the
+    output projection `weight` [V, H]. The logits are made `chunk_tokens` tokens at a time ("auto":
+    `logits_chunk_elements`; None: one chunk), each recomputed in backward, so no [B, T, V] tensor exists."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens == "auto":
         chunk_tokens = max(1, logits_chunk_elements(h.device) // weight.shape[0])
@@ -1315,41 +1318,7 @@ def _logp_entropy_chunk(hidden, weight, targets, temperature: float, entropy_gra
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of x over mask == 1 (same mask in numerator and denominator); 0 where mask is empty."""
     mask = mask.to(x.dtype)
-    total = (x * mask).sum(dim) if dim is not None else (x * mask).sum()
-    count = mask.sum(dim) if dim is not None else mask.sum()
-    return total / count.clamp(min=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# 7b. The sampler: the policy as the rollout samples it (--rollout-dtype: extras/rollout_precision.py), and
-#     --is-correction's loss weights
-# ---------------------------------------------------------------------------------------------
-
-
-class Sampler:
-    """The policy as the rollout samples it, with the run's sampling flags: `sample(prompts, generator)`.
-    --rollout-dtype float32 (the default) samples the policy itself; bfloat16 a bf16 copy cast from it at the start
-    of every rollout (extras/rollout_precision.py; under --fsdp from the gathered weights: make the Sampler before
-    `data_parallel`). It records mu (Rollout.sample_logp) whenever anything reads it. Nothing of it is checkpointed."""
-
-    def __init__(self, model, tok, args):
-        self.model, self.args, self.dtype = model, args, ROLLOUT_DTYPES[args.rollout_dtype]
-        self.eos_ids, self.pad_id = eos_token_ids(model, tok), tok.pad_token_id
-        self.records = (args.rollout_dtype, args.old_logp, args.is_correction) != ("float32", "recompute", "none")
-        self.copy = None
-        if self.dtype != torch.float32:
-            self.copy = extra("rollout_precision", "--rollout-dtype").LowPrecisionCopy(model, self.dtype)
-
-    def sample(self, prompts: list[list[int]], generator) -> Rollout:
-        a, t0 = self.args, time.perf_counter()
-        flags = (a.max_new_tokens, self.eos_ids, self.pad_id, a.temperature, a.top_p)
-        with gathered(self.model):  # --fsdp: whole weights (bf16 ones under its bf16 MixedPrecisionPolicy)
-            with self.copy.cast_from(self.model) if self.copy else contextlib.nullcontext(self.model) as policy:
-                roll = sample(
-                    policy, prompts, *flags, generator=generator, record_logp=self.records, cuda_graph=a.cuda_graph
-                )
-        roll.seconds, roll.sampled_tokens, roll.draws = time.perf_counter() - t0, int(roll.completion_mask.sum()), 1
-        return roll
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1358,8 +1327,7 @@ class Sampler:
 
 
 def minibatches(n: int, epochs: int, n_minibatches: int, device):
-    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh random order cut into
-    `n_minibatches` equal minibatches."""
+    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh order cut into `n_minibatches`."""
     for _ in range(epochs):
         yield from torch.randperm(n, device=device).chunk(n_minibatches)
 
@@ -1388,8 +1356,10 @@ class NonFiniteGuard:
     """Lets an update step the optimizer only if its loss and gradient norms are finite (a skipped update leaves the
     weights and AdamW's state exactly as they were); `limit` skips in a row stop the run (NonFiniteError: exit 3)."""
 
-    def __init__(self, limit: int = 3):
-        self.limit, self.in_a_row = limit, 0
+    limit = 3
+
+    def __init__(self):
+        self.in_a_row = 0
 
     def ok(self, step: int, *values: torch.Tensor) -> bool:
         finite = all(torch.isfinite(v).all() for v in values)
@@ -1412,8 +1382,7 @@ RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRP
 
 def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
     """How far an update's policy moved from pi_old over its tokens (mask [B, T]), whatever the algorithm: the
-    population std of the per-token log(pi / pi_old), and the share of tokens whose ratio lies outside
-    [1 - RATIO_BAND, 1 + RATIO_BAND]. On-policy both are 0."""
+    population std of log(pi / pi_old), and the share of tokens whose ratio is outside 1 -/+ RATIO_BAND."""
     log_ratio = (logp.detach() - old_logp)[mask.bool()].double()  # [N] the update's tokens
     if not log_ratio.numel():
         return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
@@ -1435,7 +1404,7 @@ def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tenso
 
 
 def check_filter_groups(args):
-    """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds (raises UsageError naming the flag)."""
+    """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds."""
     if args.max_sample_rounds < 1:
         raise UsageError(f"--max-sample-rounds must be >= 1, got {args.max_sample_rounds}")
     if args.filter_groups and args.group_size < 2:
@@ -1445,16 +1414,8 @@ def check_filter_groups(args):
         extra("filter_groups", "--filter-groups")
 
 
-# How each number an update reports is pooled over the step's updates that stepped and over the ranks (`pool`,
-# docs/metrics.md). A numeric `info` key not named here is an error (`update_terms`): a fork that adds a metric
-# declares how it is counted. Units:
-#   "minibatch tokens"     a share of the forwarded rows' loss tokens, counted as a share of every completion token
-#                          of the minibatch (TRL's and verl's clip fraction); "minibatch sequences": of sequences
-#   "tokens"               a mean over the update's loss tokens, weighted by them ("tokens, std": a population std,
-#                          pooled exactly from each update's count, mean and std; the mean: POOLED_STD_MEANS)
-#   "ratio items"          a mean over what the loss's ratio statistics are of: its loss tokens, or, where the info
-#                          holds "ratio_seqs" (GSPO), that many sequences ("ratio items, std": a std)
-#   "max"                  the largest over every update and rank; "update": one number per update, the mean
+# How each number an update reports is pooled over the updates that stepped and over the ranks (`pool`); the units
+# are docs/metrics.md's table. A numeric `info` key not named here is an error (`update_terms`).
 UPDATE_STAT_UNITS = {
     **dict.fromkeys(["clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "vf_clip_frac"],
                     "minibatch tokens"),
@@ -1470,19 +1431,17 @@ POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"
 
 
 def update_stat_terms(numbers: dict, counts: dict) -> dict:
-    """One update's numbers as the sums `pool` adds up: {key: [weighted sum, weight]} (a std: [n * mean, n,
-    n * std^2, n * mean^2]; a max: [value]), weighted by `counts` (its "tokens", "minibatch tokens", ...). Raises
-    ValueError naming a key UPDATE_STAT_UNITS does not declare."""
+    """One update's numbers as the sums `pool` adds up, weighted by `counts` ("tokens", ...): {key: [weighted sum,
+    weight]} (a std: [n * mean, n, n * std^2, n * mean^2]; a max: [value]). An undeclared key: ValueError."""
     terms = {}
     for key, value in numbers.items():
         if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
             continue
         unit = UPDATE_STAT_UNITS.get(key)
         if unit is None:
-            raise ValueError(f"update_terms: the loss's info holds {key!r}, whose weighting common.UPDATE_STAT_UNITS "
-                             f"does not declare: declare it in the script, common.UPDATE_STAT_UNITS[{key!r}] = "
-                             "'tokens' (or another unit listed above it in common.py), so that it is pooled over "
-                             "updates and ranks as it is counted")  # fmt: skip
+            raise ValueError(f"update_terms: the loss's info holds {key!r}, which common.UPDATE_STAT_UNITS does not "
+                             f"declare: say how it is counted, common.UPDATE_STAT_UNITS[{key!r}] = 'tokens' (or another"
+                             " unit: docs/metrics.md)")  # fmt: skip
         value = float(value)
         if unit == "max":
             terms[key] = [value]
@@ -1499,10 +1458,9 @@ def update_stat_terms(numbers: dict, counts: dict) -> dict:
 
 
 def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
-    """One update's numbers as `pool` adds them up, after its optimizer step: the loss's `info` (its tensors left
-    out) and `token_ratio_stats` of `logp` against pi_old `old_logp` over the loss's `mask` [b, T] of the `forwarded`
-    rows, each weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the whole minibatch
-    (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out has advantage 0 and never clips."""
+    """One update's numbers for `pool`: the loss's `info` (not its tensors) and `token_ratio_stats` over the loss's
+    `mask` [b, T] of the `forwarded` rows, weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the
+    whole minibatch (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out never clips."""
     numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
     ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
     loss_tokens, mask = mask.sum().item(), mask.bool()
@@ -1515,10 +1473,10 @@ def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: in
 
 
 def pool(updates: list[dict], skipped: int) -> dict:
-    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank (the same keys):
-    summed over updates and ranks in one all-reduce (a max in one more), then divided; a std is the pooled population
-    std, sqrt((sum n std^2 + sum n mean^2 - N mean^2) / N). With no weight anywhere: 0 (ratio_mean 1).
-    `skipped_updates`: how many the non-finite guard skipped, the mean over the ranks."""
+    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: summed over
+    updates and ranks in one all-reduce (a max in one more), then divided; a std is the pooled population std,
+    sqrt((sum n std^2 + sum n mean^2 - N mean^2) / N); no weight anywhere: 0 (ratio_mean 1). skipped_updates: the
+    non-finite guard's skips, the mean over the ranks."""
     keys = list(updates[0]) if updates else []
     maxima = [k for k in keys if UPDATE_STAT_UNITS[k] == "max"]
     summed = [k for k in keys if k not in maxima]
@@ -1555,8 +1513,7 @@ def trace_due(args, step: int) -> bool:
 def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,
                 **per_token):  # fmt: skip
     """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed to
-    the updates (pi_old on the rows `has_old`; `per_token`: ref_logp, value, token_reward); each update adds to it
-    (`Trace.update`), `log_step` writes it. Else None."""
+    the updates (`per_token`: ref_logp, value, token_reward), which each update adds to; else None."""
     if env.rank > 0 or not trace_due(args, step):
         return None
     per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
@@ -1565,20 +1522,17 @@ def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, ad
 
 
 def routing(model):
-    """An MoE model's routing (extras/moe.py: experts recorded in pi_old's forward, routing_drift, --routing-replay);
-    None for a dense model."""
+    """An MoE model's RoutingReplay (extras/moe.py: pi_old's experts, routing_drift, --routing-replay); dense: None."""
     return extra("moe", "an MoE --model").RoutingReplay(model) if is_moe(model) else None
 
 
 def recording_experts(moe, roll: Rollout):
-    """Context for pi_old's forward of `roll`: with an MoE model's `moe` (`routing`), each token's experts recorded
-    into `roll.experts`, which travels with the batch (drift, --routing-replay); with None, nothing."""
+    """Context for pi_old's forward of `roll`: an MoE model's `moe` (`routing`) records its experts (roll.experts)."""
     return contextlib.nullcontext() if moe is None else moe.recording(roll)
 
 
 def tokens_per_s(roll: Rollout) -> float:
-    """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample's
-    figures, added up over the draws filter_groups.concat joins)."""
+    """Every completion token sampled for `roll` on all ranks, per second of this rank's sampling (Sampler.sample)."""
     return all_reduce_sum(torch.tensor(float(roll.sampled_tokens))).item() / roll.seconds
 
 
@@ -1589,8 +1543,7 @@ def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
     """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
-    (advantages exactly 0), and zero_std_low_frac, of those all at the batch's lowest reward (every completion
-    failed, as a collapsing run has them; a learning run's are at the top); sample_rounds (`draws`),
+    (advantages 0), zero_std_low_frac, those all at the batch's lowest reward (a collapsing run's); sample_rounds,
     groups_sampled, and groups_kept, the groups trained (`rewards`) whose rewards differ. {} for --group-size 1."""
     if group_size < 2:
         return {}

@@ -1,12 +1,8 @@
-"""extras/cuda_graph.py: --cuda-graph, each decode step of common.sample replayed as one CUDA graph.
-Not yet run on a GPU: what it gains is unmeasured (benchmarks/gpu.sh measures it against the eager step).
-
-Decoding a small batch on a GPU is bound by kernel launches (a few dozen per layer); a graph launches a whole step
-at once. It records the hand-written decoder's `step` (common._StaticKVDecoder) once, over buffers that keep their
-shapes and addresses from then on: the KV cache whole (P + T slots) from the start, the slot a [1] tensor the step
-advances in place, the batch fixed (sample() drops no finished row while graphed). Only the model forward is in the
-graph: sample() draws each token outside it, so the tokens are the eager step's (tests/test_cuda_graph.py checks this
-on CPU, through a stand-in with CUDAGraph's interface).
+"""extras/cuda_graph.py: --cuda-graph, each decode step of common.sample replayed as one CUDA graph (a small batch's
+decoding on a GPU is bound by kernel launches). Unmeasured on a GPU yet (benchmarks/gpu.sh). The graph records the
+decoder's `step` over buffers whose shapes and addresses stay: the whole KV cache (P + T slots), the slot a [1]
+tensor advanced in place, the batch fixed. Tokens are drawn outside it, so they are the eager step's
+(tests/test_cuda_graph.py, on CPU through a stand-in with CUDAGraph's interface).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""extras/filter_groups.py: --filter-groups, DAPO's dynamic sampling (Yu et al. 2025, section 3.2).
-
-grpo.py and gspo.py call `fill` after a step's first round: more rounds, each of the prompt stream's next prompts,
-until every rank holds its share of --prompts-per-step groups whose rewards are not all equal, or
---max-sample-rounds have run. The ranks agree through one all-reduce a round (the fewest groups any rank holds).
-"""
+"""extras/filter_groups.py: --filter-groups, DAPO's dynamic sampling (Yu et al. 2025, section 3.2): after a step's
+first round, more rounds of the prompt stream's next prompts until every rank holds its share of groups whose rewards
+differ, or --max-sample-rounds have run; the ranks agree through one all-reduce a round."""
 
 from __future__ import annotations
 
@@ -14,9 +11,9 @@ from common import Rollout, all_reduce_sum, constant_groups
 
 
 def concat(rolls: list[Rollout], pad_id: int) -> Rollout:
-    """The rows of `rolls` (some may have none), in order, as one Rollout: prompts re-padded on the left and
-    completions on the right (ids `pad_id`, masks 0) to the widest. seconds, sampled_tokens and draws add up; a
-    field some part lacks is None, and so is `experts` (positions moved: record the joined batch's pi_old)."""
+    """The rows of `rolls`, in order, as one Rollout, prompts re-padded on the left and completions on the right to
+    the widest; seconds, sampled_tokens and draws add up; a field some part lacks is None, and so is `experts`
+    (positions moved: the joined batch's pi_old forward records them)."""
     P, T = max(r.prompt_ids.shape[1] for r in rolls), max(r.completion_ids.shape[1] for r in rolls)
 
     def joined(name, left=None, value=0):  # left None: a sum; True / False: padded on that side
@@ -39,9 +36,8 @@ def keep_groups(rewards: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
 
 
 def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) -> int:
-    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`
-    (its part of --prompts-per-step), less any that would leave --minibatches unable to split the rows
-    evenly. Every rank gets the same number, so each runs the same updates in step (DDP, FSDP)."""
+    """How many groups with signal each rank trains: `agreed`, the fewest any rank holds, at most `share`, less any
+    that --minibatches could not split evenly; the same on every rank, so each runs the same updates (DDP, FSDP)."""
     n = min(agreed, share)
     while n and n * group_size % minibatches:
         n -= 1
@@ -49,11 +45,9 @@ def groups_to_train(agreed: int, share: int, group_size: int, minibatches: int) 
 
 
 def fill(args, world: int, pad_id: int, sample_round, first: tuple) -> tuple:
-    """((roll, records, rewards, parts) to train on, (roll, rewards, parts) of everything sampled). `first` is the
-    step's first round, `sample_round()` samples and scores the next. What trains is the first `groups_to_train`
-    groups with signal of the rounds, in order, as many on every rank; if that is none, the first round as sampled
-    (its advantages all 0: a step without signal, as without the filter). What was sampled is every round joined
-    (`concat`: its `draws` count the rounds), which the step's metrics of the rollout read."""
+    """((roll, records, rewards, parts) to train on, (roll, rewards, parts) of every round joined: the step's rollout
+    metrics read it). `first` is the step's first round, `sample_round()` samples and scores the next. What trains:
+    the first `groups_to_train` groups with signal, in order; if none, the first round (a step without signal)."""
     share, G = args.prompts_per_step // world, args.group_size
     rounds, held = [first], 0
 

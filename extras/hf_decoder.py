@@ -1,5 +1,5 @@
-"""extras/hf_decoder.py: sampling any causal LM that common._StaticKVDecoder does not take (not a Qwen2, Qwen3
-or Llama model with full attention, e.g. tiny-moe): the model's own forward with a DynamicCache, no row dropping."""
+"""extras/hf_decoder.py: sampling a causal LM that common._StaticKVDecoder does not take (e.g. tiny-moe): the model's
+own forward with a DynamicCache, no row dropping."""
 
 from __future__ import annotations
 

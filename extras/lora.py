@@ -31,8 +31,8 @@ def check_args(args):
 
 
 def check_targets(args):
-    """--lora-targets against the module names of --model built on the meta device, before anything loads: every
-    name given must exist; of the defaults, one (a Qwen3-MoE's experts are fused tensors: its attention is adapted)."""
+    """--lora-targets against --model's module names (built on the meta device): every name given must exist; of the
+    defaults, one (a Qwen3-MoE's experts are fused tensors: its attention is adapted)."""
     if not args.lora_rank:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -51,8 +51,7 @@ def check_targets(args):
 
 def add_lora(model, args):
     """With --lora-rank r > 0: `model` as a peft model whose --lora-targets carry rank-r adapters, W x + (alpha / r)
-    B A x, every other weight frozen; B starts at 0 (the base model). No dropout: pi_old's and the update's log-probs
-    must come from one function. With r = 0: `model` itself."""
+    B A x, the rest frozen, B = 0 at first. No dropout: pi_old's and the update's log-probs are one function."""
     if not args.lora_rank:
         return model
     from peft import LoraConfig, get_peft_model
@@ -69,8 +68,8 @@ def is_lora(model) -> bool:
 
 
 class AdaptersOff:
-    """A peft model with its adapters disabled, as `completion_logprobs` uses a model: its decoder
-    (called inside peft's disable_adapter()) and its output embeddings (never adapted)."""
+    """A peft model with its adapters disabled, as `completion_logprobs` uses a model: its decoder called inside
+    peft's disable_adapter(), its output embeddings (never adapted)."""
 
     def __init__(self, peft_model):
         self.peft_model = peft_model
@@ -89,14 +88,13 @@ class AdaptersOff:
 
 
 def lora_base(model):
-    """The transformers model under a peft model (its projections carry the adapters: calling them
-    applies them), or `model` itself."""
+    """The transformers model under a peft model (calling its projections applies the adapters), or `model`."""
     return model.get_base_model() if is_lora(model) else model
 
 
 def effective_weight(linear) -> torch.Tensor:
-    """The weight `linear` applies: for a peft LoRA layer with its adapters on and not merged,
-    W + (alpha / r) B A (peft's own get_delta_weight), which its `.weight` (the base's) is not."""
+    """The weight `linear` applies: for a peft LoRA layer with its adapters on and not merged, W + (alpha / r) B A
+    (peft's get_delta_weight), not its `.weight` (the base's)."""
     if not hasattr(linear, "lora_A") or linear.merged or linear.disable_adapters:
         return linear.weight
     active = [a for a in linear.active_adapters if a in linear.lora_A]
@@ -114,8 +112,8 @@ def load_lora_weights(model, directory: Path):
 
 
 def save_merged(model, tok, directory: Path):
-    """A standard checkpoint of the policy, W + (alpha / r) B A in every adapted projection. It
-    merges in place (a copy would need the memory LoRA saves): call it last; `model` is spent."""
+    """A standard checkpoint of the policy, W + (alpha / r) B A in every adapted projection, merged in place (a copy
+    would need the memory LoRA saves): call it last; `model` is spent."""
     merged = model.merge_and_unload()
     merged.save_pretrained(directory)
     tok.save_pretrained(directory)

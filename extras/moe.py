@@ -1,9 +1,6 @@
-"""extras/moe.py: Mixture-of-Experts routing, recorded and replayed (GSPO paper section 5.3), and its drift.
-
-Imported only for a model with sparse MoE blocks (--model tiny-moe; common.routing): the scripts record each
-token's experts in the pi_old forward (Rollout.experts), log routing_drift (the share of tokens whose experts the
-step's updates changed) and, for grpo.py's --routing-replay, replay them in every update.
-"""
+"""extras/moe.py: Mixture-of-Experts routing, recorded and replayed (GSPO paper section 5.3), and its drift. Imported
+for a model with sparse MoE blocks (--model tiny-moe; common.routing): each token's experts recorded in the pi_old
+forward (Rollout.experts), routing_drift logged, and replayed in every update under grpo.py's --routing-replay."""
 
 from __future__ import annotations
 
@@ -16,19 +13,13 @@ from common import Rollout, completion_logprobs
 
 
 class RoutingReplay:
-    """Record and replay the experts an MoE model routes each position to (Routing Replay).
-
-    It hooks every sparse MoE block of `model` (a module with `.gate` and `.experts`, as transformers'
-    Qwen3MoeSparseMoeBlock), whose router returns (router logits [N, E], top-k weights [N, k], top-k expert ids
-    [N, k]) for the block's N = B * S positions, only inside `record()` / `replay()`.
-
-    record(): the forward is untouched; afterwards `self.indices` [layers, B, S, k] holds the expert ids each router
-    chose at every position (prompt and completion) of the last forward inside the block.
-
-    replay(indices, rows=None): every router returns the recorded expert ids (rows `rows` of `indices`) in place of
-    its own top-k. The routing weights are not replayed: they are the current router's softmax over all E experts,
-    gathered at the recorded ids (renormalised over the k under norm_topk_prob), so gradients reach the recorded
-    experts and the router as in a plain forward. With unchanged weights a replayed pass equals a plain one."""
+    """Record and replay the experts an MoE model routes each position to (Routing Replay), through hooks on every
+    sparse MoE block (a module with `.gate` and `.experts`, as Qwen3MoeSparseMoeBlock, whose router returns (logits
+    [N, E], top-k weights [N, k], top-k ids [N, k]) for N = B * S positions), only inside `record()` / `replay()`.
+    record(): afterwards `self.indices` [layers, B, S, k] holds the ids each router chose in the last forward.
+    replay(indices, rows=None): each router returns the recorded ids in place of its own top-k; the weights are the
+    current router's softmax gathered at them (renormalised under norm_topk_prob), so gradients reach the recorded
+    experts and the router as in a plain forward, which a replay with unchanged weights equals."""
 
     def __init__(self, model):
         self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
@@ -42,9 +33,8 @@ class RoutingReplay:
         roll.experts = self.indices
 
     def drift(self, model, roll: Rollout, temperature: float = 1.0) -> dict:
-        """MoE: {"routing_drift": share of (completion token, layer) pairs whose experts differ
-        between `roll.experts` (its pi_old forward's record) and `model` now}, at the cost of one forward
-        pass; dense, or no record (--old-logp rollout runs no pi_old forward): {}."""
+        """{"routing_drift": `routing_drift` of `roll.experts` and `model` now}, at the cost of one forward; {}
+        without a record (--old-logp rollout runs no pi_old forward)."""
         before = roll.experts
         if not self.blocks or before is None:
             return {}
@@ -107,9 +97,8 @@ class RoutingReplay:
 
 
 def routing_drift(indices_a: torch.Tensor, indices_b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two
-    routings [layers, B, S, k] of the same batch (the order within the k is ignored). With
-    `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
+    """Fraction of (position, layer) pairs whose *set* of top-k experts differs between two routings [layers, B, S,
+    k] of a batch; with `mask` [B, T] (a completion mask) only real completion tokens count: the last T positions."""
     differ = (indices_a.sort(-1).values != indices_b.sort(-1).values).any(-1).float()  # [layers, B, S]
     if mask is None:
         return differ.mean().item()

@@ -1,14 +1,7 @@
-"""extras/qwen3_tokenizer.py: --model tiny-qwen3, a tiny random Qwen3 with Qwen3's real tokenizer
-(151,669 tokens, vocabulary 151,936) and Qwen3's generation config, built on demand into the cache.
-
-The tokenizer ships compressed in checkpoints/qwen3-tokenizer/ (README.md there: source, hash, licences);
-`tokenizer_dir` decompresses it into common.cache_root() on first use, and nothing goes to a network.
-The model is not shipped: `tiny_qwen3` builds it from a fixed seed in a few seconds. Its weights are
-random (it never answers right): it exists so that the tests and a first run exercise what only the real
-tokenizer has (the chat template and its generation prompt, two EOS ids one of which is pad, byte-level
-text with no unknown token, `<think>`) and what only its vocabulary costs (the chunked log-probs).
-
-Imported by common.py only when --model tiny-qwen3 is asked for (common.model_path).
+"""extras/qwen3_tokenizer.py: --model tiny-qwen3, a tiny random Qwen3 with Qwen3's real tokenizer (vocabulary 151,936)
+and generation config, built on demand into common.cache_root() from checkpoints/qwen3-tokenizer/ (its README: source,
+hash, licences), never from a network. Its weights are random: it exercises what only the real tokenizer has (the
+chat template, two EOS ids one of which is pad, byte-level text, `<think>`) and what its vocabulary costs.
 """
 
 from __future__ import annotations
@@ -45,10 +38,6 @@ CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=192, num_hidd
               num_key_value_heads=2, head_dim=16, max_position_embeddings=40960, rope_theta=1000000.0,
               tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=ENDOFTEXT, eos_token_id=IM_END)  # fmt: skip
 SEED = 0
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _build_atomically(path: Path, build) -> Path:
@@ -98,5 +87,5 @@ def tiny_qwen3() -> str:
         for name in FILES:
             shutil.copyfile(tokenizer_dir() / name, tmp / name)
 
-    key = _key(CONFIG, GENERATION_CONFIG, SEED, FILES)
+    key = hashlib.sha256(json.dumps([CONFIG, GENERATION_CONFIG, SEED, FILES], sort_keys=True).encode()).hexdigest()[:12]
     return str(_build_atomically(cache_root() / f"tiny-qwen3-realtok-{key}", build))

@@ -1,8 +1,6 @@
 """extras/reward_functions.py: --reward boxed's answer parser, several --reward functions, --reward-weights, your own
-functions and --reward-model (common.Rewards, docs/rewards.md). A function has TRL's signature, called by keyword
-once per batch of B completions, f(prompts=[str] * B, completions=[str] * B, **fields) -> [float | None] * B,
-`fields` every other column of the records. An exception, NaN, infinity, a non-number or a wrong length stop the
-run: RewardError naming the row (exit 2).
+functions and --reward-model (common.Rewards). A function has TRL's signature (docs/rewards.md), f(prompts=[str] * B,
+completions=[str] * B, **fields) -> [float | None] * B; whatever is not a reward stops the run naming the row (exit 2).
 """
 
 from __future__ import annotations
@@ -84,9 +82,8 @@ def load_function(spec: str):
 
 
 def call(name, fn, records, tok, roll, columns) -> torch.Tensor:
-    """[B] float rewards of `fn` on the completions of `roll` (decoded without special tokens) of `records` (each
-    record's `columns` passed by name, or every field of these records; None: does not apply, counted 0); anything
-    that is not a reward raises RewardError naming the row."""
+    """[B] float rewards of `fn` on the completions of `roll` (decoded without special tokens) of `records`, their
+    `columns` passed by name (default: every field); None counts 0; anything not a reward raises RewardError."""
     completions = tok.batch_decode(roll.completion_lists(), skip_special_tokens=True)
     columns = columns or list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
     prompts = [r["prompt"] for r in records]
@@ -110,13 +107,11 @@ def call(name, fn, records, tok, roll, columns) -> torch.Tensor:
         raise RewardError(f"--reward {name} returned {len(values)} values for {B} completions (one per completion)")
     for i, v in enumerate(values):
         if v is not None and not isinstance(v, numbers.Real):
-            raise RewardError(
-                f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a number or None"
-            )
+            raise RewardError(f"--reward {name} returned {_clip(v)} ({type(v).__name__}) for {at(i)}: expected a "
+                              "number or None")  # fmt: skip
         if v is not None and not math.isfinite(v):
-            raise RewardError(
-                f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not applicable)"
-            )
+            raise RewardError(f"--reward {name} returned {v} for {at(i)}: rewards must be finite (None: not "
+                              "applicable)")  # fmt: skip
     return torch.tensor([0.0 if v is None else float(v) for v in values])
 
 

@@ -22,9 +22,7 @@ from common import (
 
 def reward_model_text(tok, prompt: str, completion: str, thinking: str = "off") -> str:
     """What a reward model reads: the prompt and the completion as a user and an assistant turn of its own chat
-    template when its tokenizer has one (--thinking passed where the template takes it; Qwen3's writes a think block
-    whatever it says: the completion's own, or the empty one --thinking off put in the policy's prompt), else
-    concatenated."""
+    template (--thinking passed where it takes it), or without one, concatenated."""
     if getattr(tok, "chat_template", None):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return tok.apply_chat_template(messages, tokenize=False, **thinking_kwargs(tok, thinking))
@@ -47,8 +45,8 @@ def reward_model_scores(model, tok, prompts, completions, batch_size: int = 64, 
 
 
 def check(spec: str):
-    """'tiny-rm', or a checkpoint whose config says it is a sequence classifier with one output (a causal LM would
-    load as one without complaint, with a random head), checked before anything loads."""
+    """'tiny-rm', or a checkpoint whose config is a sequence classifier with one output (a causal LM would load as
+    one, with a random head), checked before anything loads."""
     if spec == TINY_RM:
         return
     from transformers import AutoConfig
@@ -110,8 +108,8 @@ class RewardModel:
 
 
 def kl_to_init(init_model, roll: Rollout, logp: torch.Tensor, temperature: float = 1.0) -> dict:
-    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of the sequence-level
-    KL(pi || pi_init), the x-axis of Gao et al. 2022's over-optimisation curves; {} when init_model is None."""
+    """{"kl_to_init": mean over completions of sum_t (logp - logp_init)}, a k1 estimate of KL(pi || pi_init) per
+    sequence, the x-axis of Gao et al. 2022's over-optimisation curves; {} when init_model is None."""
     if init_model is None:
         return {}
     with torch.no_grad():

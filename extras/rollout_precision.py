@@ -51,14 +51,8 @@ class LowPrecisionCopy:
 
 
 def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The training-inference mismatch before any correction, over the tokens of `mask` [B, T]: d =
-    log(pi / mu) per token, with pi the trainer's log-prob at the rollout's weights.
-      mismatch_log_ratio_mean, _std   mean and std of d over tokens
-      mismatch_k3                     k3 estimate of KL(mu || pi): mean of exp(d) - d - 1 (>= 0)
-      mismatch_frac_beyond_ln2        share of tokens with |d| > ln 2 (a ratio outside [1/2, 2])
-      mismatch_seq_ratio_std          spread (std over sequences) of the sequence ratio exp(sum_t d)
-      mismatch_geo_ratio_max_dev      largest |exp(mean_t d) - 1|: GSPO's length-normalised ratio,
-                                      against its clip band of 3e-4 / 4e-4"""
+    """The training-inference mismatch before any correction, over the tokens of `mask` [B, T], of d = log(pi / mu)
+    per token, pi the trainer's log-prob at the rollout's weights (the keys: docs/rollout_mismatch.md)."""
     m = mask.bool()
     if not m.any():
         return {}
@@ -78,16 +72,11 @@ def mismatch_stats(trainer_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Ten
 
 
 def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, per="token"):
-    """Detached [B, T] loss weights correcting for sampling from mu instead of pi_old (--is-correction):
-      tis   token-level truncated importance sampling (verl PR #2953; Yao et al. 2025):
-            w_t = min(pi_old / mu, cap); per="sequence" (GSPO, whose term is one per sequence): one
-            weight per sequence, min(exp(mean_t log(pi_old / mu)), cap), the length normalisation of
-            its own ratio, on every token of it
-      mask  sequence-level masking as TRL's vllm_importance_sampling_correction `sequence_mask`
-            (TRL #4772): one-sided, w = 0 on every token of a sequence whose exp(sum_t log(pi_old /
-            mu)) exceeds cap, else 1. Masked rows stay in the batch and in every denominator (each
-            rank keeps its forwards; the loss is what the unmasked rows contribute)
-    1 wherever mask == 0; `none`: None."""
+    """Detached [B, T] loss weights correcting for sampling from mu instead of pi_old (--is-correction), 1 wherever
+    mask == 0; `none`: None. tis: truncated importance sampling (verl PR #2953; Yao et al. 2025), w_t = min(pi_old /
+    mu, cap); per="sequence" (GSPO): min(exp(mean_t log(pi_old / mu)), cap) on every token of the sequence. mask:
+    TRL's `sequence_mask` (TRL #4772), w = 0 on a sequence whose exp(sum_t log(pi_old / mu)) exceeds cap, else 1;
+    masked rows stay in the batch and in every denominator."""
     if mode == "none":
         return None
     m = mask.bool()
@@ -103,16 +92,6 @@ def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mod
     return torch.where(m, w, torch.ones_like(w))
 
 
-def is_weight_stats(weights: torch.Tensor | None, mask: torch.Tensor, mode: str, cap: float) -> dict:
-    """is_weight_mean, and the share of tokens the correction changed: truncated at cap (tis) or masked."""
-    if weights is None or not mask.bool().any():
-        return {}
-    w = weights[mask.bool()]
-    changed = (w >= cap) if mode == "tis" else (w == 0)
-    return {"is_weight_mean": w.mean().item(), f"is_{'truncated' if mode == 'tis' else 'masked'}_frac":
-            changed.float().mean().item()}  # fmt: skip
-
-
 def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> dict | None:
     """A step's mismatch_* and is_* metrics, before its updates: mu (the sampler) against the script's pi_old over
     the rows `has_old` ([B] bool; None: every row); {} when mu was not recorded; None under --old-logp rollout, which
@@ -122,8 +101,13 @@ def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> di
     if args.old_logp == "rollout":
         return None
     mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
-    corrected = is_weight_stats(weights, mask, args.is_correction, args.is_cap)
-    return {**mismatch_stats(old_logp, roll.sample_logp, mask), **corrected}
+    stats = mismatch_stats(old_logp, roll.sample_logp, mask)
+    if weights is not None and mask.bool().any():  # is_weight_mean, and the share truncated at cap (tis) or masked
+        w, tis = weights[mask.bool()], args.is_correction == "tis"
+        changed = (w >= args.is_cap) if tis else (w == 0)
+        stats["is_weight_mean"] = w.mean().item()
+        stats[f"is_{'truncated' if tis else 'masked'}_frac"] = changed.float().mean().item()
+    return stats
 
 
 def token_logps(logits, token, alive, temperature: float, top_p: float) -> dict:
