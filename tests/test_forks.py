@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SCRIPTS, TRAITS
+from helpers import ROOT, SCRIPTS
 
 FORK, DAPO = "rloo", "dapo"
 OFF_POLICY = "offgrpo"  # one-step off-policy GRPO
@@ -29,11 +29,6 @@ SHARED_OFF_POLICY_SLOW = [
     "-k",
     "first_update or log_the_mismatch or matches_a_recomputation or after_resume_equal",
 ]
-
-
-def test_every_script_has_its_traits_and_its_file():
-    assert set(TRAITS) >= set(SCRIPTS), f"scripts without a TRAITS line: {sorted(set(SCRIPTS) - set(TRAITS))}"
-    assert all((ROOT / f"{name}.py").is_file() for name in SCRIPTS)
 
 
 def fork_section() -> str:
