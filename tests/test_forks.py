@@ -172,20 +172,6 @@ def same_tests_as(proc, fork: str, parent: str) -> None:
     assert strip(passed, fork) == strip(fork_results(proc, parent)[0], parent), proc.stdout[-4000:]
 
 
-@pytest.mark.slow
-def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests(tmp_path):
-    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
-    project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)  # in the same copy
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)  # grpo, offgrpo, dapo
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    same_tests_as(proc, DAPO, "grpo")
-    same_tests_as(proc, OFF_POLICY, "grpo")
-    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
-    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and not {DAPO}")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    same_tests_as(proc, OFF_POLICY, "grpo")
-
-
 # grpo.py's replay of the trained batch's own experts: replaying the last recorded ones instead (the newer batch's, in
 # a one-step off-policy fork) is the mistake the routing replay test must catch
 OWN_EXPERTS = "moe.replay(roll.experts if args.routing_replay"
@@ -199,18 +185,25 @@ def last_recorded(source: str) -> str:
 
 
 @pytest.mark.slow
-def test_off_policy_forks_with_pi_old_from_the_current_weights_or_the_last_experts_fail_the_tests_that_guard_them(
-    tmp_path,
-):
-    """The pi_old test fails the first, the routing replay test the second (each script's own passes them in this
-    tree's tiers)."""
-    root = project_with_fork(tmp_path, lambda s: one_step_off_policy(s, broken=True), parent="grpo", fork=BROKEN)
-    project_with_fork(tmp_path, last_recorded, parent="grpo", fork=REPLAY)
-    proc = pytest_in(root, "-rA", "tests/test_pi_old.py", "tests/test_routing_replay_through_train.py", "-k",
-                     f"({BROKEN} and weights_that_sampled) or ({REPLAY} and routing_replay)")  # fmt: skip
-    assert proc.returncode == 1, proc.stdout[-4000:]
+def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests_and_planted_mistakes_fail_them(tmp_path):
+    """The forks pass every shared test grpo passes; pi_old from the current weights fails the pi_old test, replaying
+    the last recorded experts the routing replay test (grpo passes both here: a run that trains its last batch)."""
+    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
+    for fork, edit in [(OFF_POLICY, one_step_off_policy), (BROKEN, lambda s: one_step_off_policy(s, broken=True)),
+                       (REPLAY, last_recorded)]:  # fmt: skip
+        project_with_fork(tmp_path, edit, parent="grpo", fork=fork)  # in the same copy
+    planted = f"({BROKEN} and weights_that_sampled) or ({REPLAY} and routing_replay)"
+    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO} or {planted}", *SHARED_QUICK)
+    same_tests_as(proc, DAPO, "grpo")  # (grpo, offgrpo, dapo; and the two planted forks' guards)
+    same_tests_as(proc, OFF_POLICY, "grpo")
     for fork in (BROKEN, REPLAY):
         passed, failed = fork_results(proc, fork)
         assert failed and not passed, proc.stdout[-4000:]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    assert proc.returncode == 1 and all(f"[{BROKEN}" in line or f"[{REPLAY}" in line for line in failed), failed
     assert "pi_old was taken from the current weights" in proc.stdout, proc.stdout[-4000:]
     assert "routed to other experts than the pi_old forward of their batch chose" in proc.stdout, proc.stdout[-4000:]
+    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
+    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and (grpo or {OFF_POLICY}) and not {DAPO}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    same_tests_as(proc, OFF_POLICY, "grpo")
