@@ -297,25 +297,7 @@ def test_tensorboard_holds_the_metrics_and_a_resume_continues_the_curves(tmp_pat
 # --- --mask-truncated ---
 
 
-def hand_batch():  # (grpo.py's aggregations with --mask-truncated: test_aggregation_through_train.py)
-    """Row 0 truncated (3 tokens, no EOS), row 1 ended (2 tokens); pi_old = pi, so every ratio is 1."""
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
-    truncated = torch.tensor([True, False])
-    return logp, logp.detach().clone(), torch.tensor([1.0, -0.5], dtype=torch.float64), mask * ~truncated[:, None]
-
-
-def test_mask_truncated_gspo_hand_case():
-    logp, old, adv, loss_mask = hand_batch()
-    loss, _ = gspo.gspo_loss(logp, old, adv, loss_mask, denominator=2)
-    loss.backward()
-    assert logp.grad[0].tolist() == [0.0, 0.0, 0.0]
-    # -A s / |y_1| / B with s = 1: 0.5 / 2 / 2 on each of row 1's tokens
-    assert logp.grad[1].tolist() == [0.125, 0.125, 0.0]  # s = exp(0) = 1, halves: every operation exact
-    assert loss.item() == 0.25
-
-
-@pytest.mark.slow  # grpo's, every aggregation: test_aggregation_through_train.py
+@pytest.mark.slow  # grpo's, every aggregation: test_aggregation_through_train.py; an empty row: test_losses.py
 def test_mask_truncated_end_to_end_no_update_when_every_row_is_cut(tmp_path, monkeypatch, tiny_path, module=gspo):
     """Every advantage nonzero, every completion cut: with --mask-truncated the weights stay; without it they move."""
     rewards = tmp_path / "rows.py"

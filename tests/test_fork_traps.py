@@ -351,7 +351,6 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
         *[("grpo", ["--entropy-coef", value], "--entropy-coef") for value in ("-0.1", "inf", "nan")],
         ("gspo", ["--step", "1"], "error: unrecognized argument --step (did you mean --steps?)"),
         ("grpo", ["--eval-evry=5"], "error: unrecognized argument --eval-evry=5 (did you mean --eval-every?)"),
-        ("ppo", ["--no-such-flag"], "error: unrecognized argument --no-such-flag"),
         ("ppo", ["--lr", "1e-3", "extra"], "extra"),
     ],
     ids=lambda v: "-".join(v) if isinstance(v, list) else "",  # by the argv, not the script (test_forks counts
