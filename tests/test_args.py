@@ -24,13 +24,6 @@ def test_two_args_instances_share_no_list(name):
     assert a.lora_targets is not common.LORA_TARGETS and b.lora_targets is not common.LORA_TARGETS
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_algo_is_the_scripts_file_stem_and_out_defaults_to_runs_algo(name):
-    args = MODULES[name].Args()
-    assert args.algo == name and args.out == f"runs/{name}"
-    assert MODULES[name].Args(out="elsewhere").out == "elsewhere"
-
-
 def write_checkpoint(out: Path, args: dict) -> Path:
     """A run directory whose checkpoint/ holds what find_checkpoint reads (meta.json, the files' names)."""
     (out / "checkpoint").mkdir(parents=True)

@@ -378,13 +378,6 @@ def test_two_ranks_agree_and_train_equal_rows_when_one_keeps_nothing(tmp_path, a
         assert proc.stderr.count("reached --max-sample-rounds 1 with 2 of --prompts-per-step 4 groups") == 1
 
 
-def run_script(algo, *argv):
-    env = {**os.environ, "RLREF_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, f"{algo}.py", *map(str, argv)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 def untimed(out):
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     timing = lambda k: k == "tokens_per_s" or k.endswith("_s") or "time" in k  # noqa: E731
@@ -392,12 +385,14 @@ def untimed(out):
 
 
 @pytest.mark.slow
-def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, algo="gspo"):  # the rounds: shared
+def test_a_filtered_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, capsys, module=gspo):  # (shared rounds)
     flags = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "6",
              "--eval-size", "8", "--eval-every", "3", "--no-anneal-lr", "--filter-groups"]  # fmt: skip
-    run_script(algo, *flags, "--steps", "5", "--out", tmp_path / "full")
-    run_script(algo, *flags, "--steps", "3", "--save-every", "3", "--out", tmp_path / "part")
-    run_script(algo, "--resume", tmp_path / "part", "--steps", "5")
+    for argv in ([*flags, "--steps", "5", "--out", tmp_path / "full"],
+                 [*flags, "--steps", "3", "--save-every", "3", "--out", tmp_path / "part"],
+                 ["--resume", tmp_path / "part", "--steps", "5"]):  # fmt: skip
+        status, _, err = main_in_process(module, argv, capsys)  # in this process: the scripts seed every stream
+        assert status == 0, err[-3000:]
     full, part = untimed(tmp_path / "full"), untimed(tmp_path / "part")
     assert part == full and [r["step"] for r in full] == [1, 2, 3, 4, 5]
     assert max(r["sample_rounds"] for r in full) > 1  # the rounds moved the stream and the generator further

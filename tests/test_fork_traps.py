@@ -97,43 +97,50 @@ SPREAD = (
 )
 
 
+STREAK = 3  # common.NO_SIGNAL_STEPS made short: the rule is the same at 3 steps as at 20, 7 times fewer steps run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_no_signal_for_twenty_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, name):
+def test_no_signal_for_a_streak_of_steps_warns_once_and_the_run_goes_on(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.setattr(common, "NO_SIGNAL_STEPS", STREAK)
     (tmp_path / "rewards.py").write_text(CONSTANT)
     extra = list(traits(name).test_flags)  # ppo: --kl-coef 0, no per-token KL reward either
-    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", 21, "--out", tmp_path / "out", *TINY_RUN, *extra]
+    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", STREAK + 1, "--out", tmp_path / "out",
+            *TINY_RUN, *extra]  # fmt: skip
     status, _, err = run_main(name, argv, capsys)
     assert status == 0, err
     warnings = [line for line in err.splitlines() if "no learning signal" in line]
     assert len(warnings) == 1, err
-    assert "20 steps in a row (steps 1-20)" in warnings[0] and "partial credit" in warnings[0]
+    assert f"{STREAK} steps in a row (steps 1-{STREAK})" in warnings[0] and "partial credit" in warnings[0]
     assert ("every group's rewards were equal" in warnings[0]) == traits(name).grouped
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["no_signal"] == {"from_step": 1, "warned_at_step": 20}
-    assert summary["no_signal_steps"] == 21 and summary["step"] == 21
+    assert summary["no_signal"] == {"from_step": 1, "warned_at_step": STREAK}
+    assert summary["no_signal_steps"] == STREAK + 1 and summary["step"] == STREAK + 1
 
 
 @pytest.mark.slow
-def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, name="grpo"):
+def test_a_reward_that_separates_completions_gets_no_warning(tmp_path, capsys, monkeypatch, name="grpo"):
+    monkeypatch.setattr(common, "NO_SIGNAL_STEPS", STREAK)
     (tmp_path / "rewards.py").write_text(SPREAD)  # a hash of the text: different completions, different rewards
-    argv = ["--reward", f"{tmp_path}/rewards.py:spread", "--steps", 22, "--out", tmp_path / "out", *TINY_RUN]
+    argv = ["--reward", f"{tmp_path}/rewards.py:spread", "--steps", 2 * STREAK, "--out", tmp_path / "out", *TINY_RUN]
     argv[argv.index("--group-size") + 1] = "4"
     status, _, err = run_main(name, argv, capsys)
     assert status == 0 and "no learning signal" not in err, err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["no_signal"] is None and summary["no_signal_steps"] < 20
+    assert summary["no_signal"] is None and summary["no_signal_steps"] < STREAK
 
 
 @pytest.mark.slow
-def test_the_no_signal_streak_survives_resume(tmp_path, capsys):
+def test_the_no_signal_streak_survives_resume(tmp_path, capsys, monkeypatch):
     """A streak cut by a checkpoint continues after --resume: the warning comes at the same step."""
+    monkeypatch.setattr(common, "NO_SIGNAL_STEPS", STREAK)
     (tmp_path / "rewards.py").write_text(CONSTANT)
-    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--out", tmp_path / "out", "--save-every", 5, *TINY_RUN]
-    assert run_main("gspo", [*argv, "--steps", 15], capsys)[0] == 0
-    status, _, err = run_main("gspo", ["--resume", tmp_path / "out", "--steps", 21], capsys)
-    assert status == 0 and "steps 1-20" in err, err
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["no_signal"]["warned_at_step"] == 20
+    argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--out", tmp_path / "out", "--save-every", 2, *TINY_RUN]
+    assert run_main("gspo", [*argv, "--steps", 2], capsys)[0] == 0
+    status, _, err = run_main("gspo", ["--resume", tmp_path / "out", "--steps", STREAK + 1], capsys)
+    assert status == 0 and f"steps 1-{STREAK}" in err, err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["no_signal"]["warned_at_step"] == STREAK
 
 
 # --- the entropy bonus ---
@@ -263,26 +270,10 @@ def test_the_entropy_is_detached_unless_asked_for(tiny):
         assert not policy(rollout(tok), 1.0, entropy_grad=True)[1].requires_grad
 
 
-def final_weights(out: Path, name: str = "final") -> dict:
+def final_weights(out: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(out / name / "model.safetensors")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", GROUP_SCRIPTS)
-def test_the_bonus_reaches_rows_whose_advantage_is_zero(tmp_path, capsys, name):
-    """Every advantage 0: without the bonus the weights stay; with it every row is forwarded and they move."""
-    (tmp_path / "rewards.py").write_text(CONSTANT)
-    start = final_weights(Path(common.tiny_checkpoint("tiny")), "")
-    weights = {}
-    for coef in (0.0, 0.1):
-        out = tmp_path / f"c{coef}"
-        argv = ["--reward", f"{tmp_path}/rewards.py:constant", "--steps", 1, "--out", out, "--entropy-coef", coef]
-        assert run_main(name, [*argv, *TINY_RUN], capsys)[0] == 0
-        weights[coef] = final_weights(out)
-    assert all(torch.equal(weights[0.0][k], start[k]) for k in start)
-    assert any(not torch.equal(weights[0.1][k], start[k]) for k in start)
+    return load_file(out / "final" / "model.safetensors")
 
 
 # --- a reward of the wrong length ---
@@ -360,7 +351,6 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
         *[("grpo", ["--entropy-coef", value], "--entropy-coef") for value in ("-0.1", "inf", "nan")],
         ("gspo", ["--step", "1"], "error: unrecognized argument --step (did you mean --steps?)"),
         ("grpo", ["--eval-evry=5"], "error: unrecognized argument --eval-evry=5 (did you mean --eval-every?)"),
-        ("ppo", ["--no-such-flag"], "error: unrecognized argument --no-such-flag"),
         ("ppo", ["--lr", "1e-3", "extra"], "extra"),
     ],
     ids=lambda v: "-".join(v) if isinstance(v, list) else "",  # by the argv, not the script (test_forks counts

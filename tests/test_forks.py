@@ -12,10 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SCRIPTS, TRAITS
+from helpers import ROOT
 
-FORK, DAPO = "rloo", "dapo"
-OFF_POLICY = "offgrpo"  # one-step off-policy GRPO
+FORK, DAPO, BARE = "rloo", "dapo", "bareloss"
+OFF_POLICY = (
+    "offgrpo"  # one-step off-policy GRPO; with a planted mistake: pi_old from the current weights, or replaying
+)
+BROKEN, REPLAY = "stalepiold", "lastexperts"  # the last recorded experts (ids: none a prefix of another's)
 # the shared tests of the quick tier that run each script in SCRIPTS (run in a copy for the fork and its parent
 # alone, -k: the other scripts' cases are the main tree's own quick tier)
 SHARED_QUICK = ["tests/test_smoke.py", "tests/test_args.py", "tests/test_layout.py", "tests/test_pi_old.py",
@@ -29,11 +32,6 @@ SHARED_OFF_POLICY_SLOW = [
     "-k",
     "first_update or log_the_mismatch or matches_a_recomputation or after_resume_equal",
 ]
-
-
-def test_every_script_has_its_traits_and_its_file():
-    assert set(TRAITS) >= set(SCRIPTS), f"scripts without a TRAITS line: {sorted(set(SCRIPTS) - set(TRAITS))}"
-    assert all((ROOT / f"{name}.py").is_file() for name in SCRIPTS)
 
 
 def fork_section() -> str:
@@ -146,27 +144,24 @@ def fork_results(proc, name: str = FORK) -> tuple[list[str], list[str]]:
     return passed, failed
 
 
+def bare_loss(source: str) -> str:
+    """A loss that returns a bare tensor, not (loss, info)."""
+    return source.replace("    return loss, info\n", "    return loss\n", 1)
+
+
 @pytest.mark.slow
-def test_a_registered_copy_of_gspo_passes_the_shared_tests(tmp_path):
+def test_a_registered_copy_of_gspo_passes_the_shared_tests_and_one_whose_loss_returns_a_bare_tensor_fails_them(
+    tmp_path,
+):
     root = project_with_fork(tmp_path)
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"gspo or {FORK}", *SHARED_QUICK)  # (slow layout: a git tree)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    project_with_fork(tmp_path, bare_loss, fork=BARE)  # in the same copy; its smoke run alone
+    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"gspo or {FORK} or ({BARE} and two_steps)", *SHARED_QUICK)
     passed, failed = fork_results(proc)
     # the fork was run by every shared test that runs gspo, not only listed
     assert passed and not failed and len(passed) == len(fork_results(proc, "gspo")[0]), proc.stdout[-4000:]
-
-
-@pytest.mark.slow
-def test_a_copy_whose_loss_returns_a_bare_tensor_fails_them(tmp_path):
-    def bare_loss(source: str) -> str:
-        return source.replace("    return loss, info\n", "    return loss\n", 1)
-
-    root = project_with_fork(tmp_path, bare_loss)
-    proc = pytest_in(root, "-rA", "tests/test_smoke.py")
-    assert proc.returncode == 1, proc.stdout[-4000:]
-    passed, failed = fork_results(proc)
-    assert failed and not passed, proc.stdout[-4000:]
-    assert all(f"[{FORK}" in line for line in proc.stdout.splitlines() if line.startswith("FAILED"))
+    passed, failed = fork_results(proc, BARE)
+    assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
+    assert all(f"[{BARE}" in line for line in proc.stdout.splitlines() if line.startswith("FAILED"))
 
 
 def same_tests_as(proc, fork: str, parent: str) -> None:
@@ -177,49 +172,38 @@ def same_tests_as(proc, fork: str, parent: str) -> None:
     assert strip(passed, fork) == strip(fork_results(proc, parent)[0], parent), proc.stdout[-4000:]
 
 
-@pytest.mark.slow
-def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests(tmp_path):
-    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
-    project_with_fork(tmp_path, one_step_off_policy, parent="grpo", fork=OFF_POLICY)  # in the same copy
-    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO}", *SHARED_QUICK)  # grpo, offgrpo, dapo
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    same_tests_as(proc, DAPO, "grpo")
-    same_tests_as(proc, OFF_POLICY, "grpo")
-    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
-    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and not {DAPO}")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    same_tests_as(proc, OFF_POLICY, "grpo")
-
-
-@pytest.mark.slow
-def test_a_one_step_off_policy_grpo_with_pi_old_from_the_current_weights_fails_the_pi_old_test(tmp_path):
-    def broken(source: str) -> str:
-        return one_step_off_policy(source, broken=True)
-
-    root = project_with_fork(tmp_path, broken, parent="grpo", fork=OFF_POLICY)
-    proc = pytest_in(root, "-rA", "-m", "not slow", "tests/test_pi_old.py", "-k", "weights_that_sampled")
-    passed, failed = fork_results(proc, OFF_POLICY)
-    assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
-    assert "pi_old was taken from the current weights" in proc.stdout, proc.stdout[-4000:]
-    others = [line for line in proc.stdout.splitlines() if line.startswith("PASSED")]
-    assert len(others) == len(SCRIPTS), proc.stdout[-4000:]  # ppo, grpo and gspo still pass
-
-
 # grpo.py's replay of the trained batch's own experts: replaying the last recorded ones instead (the newer batch's, in
 # a one-step off-policy fork) is the mistake the routing replay test must catch
 OWN_EXPERTS = "moe.replay(roll.experts if args.routing_replay"
 
 
-@pytest.mark.slow
-def test_an_off_policy_fork_replaying_the_last_recorded_experts_fails_the_routing_replay_test(tmp_path):
-    def last_recorded(source: str) -> str:  # planted: each update replays the last pi_old forward's experts
-        text = one_step_off_policy(source)
-        assert text.count(OWN_EXPERTS) == 1, "grpo.py no longer replays roll.experts"
-        return text.replace(OWN_EXPERTS, "moe.replay(moe.indices if args.routing_replay")
+def last_recorded(source: str) -> str:
+    """The one-step off-policy fork, each update replaying the last pi_old forward's experts (planted)."""
+    text = one_step_off_policy(source)
+    assert text.count(OWN_EXPERTS) == 1, "grpo.py no longer replays roll.experts"
+    return text.replace(OWN_EXPERTS, "moe.replay(moe.indices if args.routing_replay")
 
-    root = project_with_fork(tmp_path, last_recorded, parent="grpo", fork=OFF_POLICY)
-    proc = pytest_in(root, "-rA", "tests/test_routing_replay_through_train.py")
-    passed, failed = fork_results(proc, OFF_POLICY)
-    assert proc.returncode == 1 and failed and not passed, proc.stdout[-4000:]
+
+@pytest.mark.slow
+def test_a_dapo_style_and_a_one_step_off_policy_grpo_pass_the_shared_tests_and_planted_mistakes_fail_them(tmp_path):
+    """The forks pass every shared test grpo passes; pi_old from the current weights fails the pi_old test, replaying
+    the last recorded experts the routing replay test (grpo passes both here: a run that trains its last batch)."""
+    root = project_with_fork(tmp_path, dapo_style, parent="grpo", fork=DAPO, traits=dapo_traits())
+    for fork, edit in [(OFF_POLICY, one_step_off_policy), (BROKEN, lambda s: one_step_off_policy(s, broken=True)),
+                       (REPLAY, last_recorded)]:  # fmt: skip
+        project_with_fork(tmp_path, edit, parent="grpo", fork=fork)  # in the same copy
+    planted = f"({BROKEN} and weights_that_sampled) or ({REPLAY} and routing_replay)"
+    proc = pytest_in(root, "-rA", "-m", "not slow", "-k", f"grpo or {DAPO} or {planted}", *SHARED_QUICK)
+    same_tests_as(proc, DAPO, "grpo")  # (grpo, offgrpo, dapo; and the two planted forks' guards)
+    same_tests_as(proc, OFF_POLICY, "grpo")
+    for fork in (BROKEN, REPLAY):
+        passed, failed = fork_results(proc, fork)
+        assert failed and not passed, proc.stdout[-4000:]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    assert proc.returncode == 1 and all(f"[{BROKEN}" in line or f"[{REPLAY}" in line for line in failed), failed
+    assert "pi_old was taken from the current weights" in proc.stdout, proc.stdout[-4000:]
     assert "routed to other experts than the pi_old forward of their batch chose" in proc.stdout, proc.stdout[-4000:]
-    assert fork_results(proc, "grpo")[0], proc.stdout[-4000:]  # grpo trains the batch it last recorded: it passes
+    *files, k, expression = SHARED_OFF_POLICY_SLOW  # the slow tests that read pi_old: the off-policy fork's
+    proc = pytest_in(root, "-rA", *files, k, f"({expression}) and (grpo or {OFF_POLICY}) and not {DAPO}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    same_tests_as(proc, OFF_POLICY, "grpo")

@@ -47,11 +47,6 @@ def clip_frac(stats, variant):
     return stats[CLIP_KEY[variant]]
 
 
-def scalars(stats):
-    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
-    return {k: v for k, v in stats.items() if not isinstance(v, torch.Tensor)}
-
-
 def _grad(loss, x):
     (g,) = torch.autograd.grad(loss, x)
     return g

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -13,19 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import LIGHT, ROOT, SCRIPTS, main_in_process, traits
 from hypothesis import given
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import importlib  # noqa: E402
-
-from helpers import LIGHT, SCRIPTS, main_in_process, traits  # noqa: E402
-
-import common  # noqa: E402
-import extras  # noqa: E402
+import common
+import extras
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "8",
          "--minibatches", "2", "--eval-every", "0"]  # fmt: skip

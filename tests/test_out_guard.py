@@ -7,32 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import main_in_process
+from test_fork_traps import TINY_RUN, one_line_error
+from test_fork_traps import run_main as fork_traps_main
 
 import common
-import grpo
 import gspo
-
-TINY_RUN = ["--prompts-per-step", "4", "--group-size", "2", "--minibatches", "1", "--max-new-tokens", "4",
-            "--eval-size", "8", "--eval-every", "0", "--steps", "1"]  # fmt: skip
-MODULES = {"gspo": gspo, "grpo": grpo}
 
 
 def run_main(name, argv, capsys):
-    """common.main of script `name` in this process: (exit status, stderr)."""
-    status, _, err = main_in_process(MODULES[name], argv, capsys)
+    """One step of script `name` in this process (test_fork_traps' tiny run): (exit status, stderr)."""
+    status, _, err = fork_traps_main(name, [*TINY_RUN, "--steps", 1, *argv], capsys)
     return status, err
 
 
 def snapshot(directory: Path) -> dict:
     """Every file under `directory` (relative path -> bytes): what 'untouched' compares."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def replacing_lines(err: str) -> list[str]:
@@ -47,11 +37,12 @@ def args_for(out: Path, **kw) -> gspo.Args:
 
 
 def make_run(out: Path, summary_algo=None, checkpoint_algo=None, metrics=True) -> Path:
+    """A run's files: metrics.jsonl, summary.json naming `summary_algo` (or not JSON: "?"), checkpoint/meta.json."""
     out.mkdir(parents=True)
     if metrics:
         (out / "metrics.jsonl").write_text('{"step": 1}\n')
     if summary_algo is not None:
-        (out / "summary.json").write_text(json.dumps({"algo": summary_algo}))
+        (out / "summary.json").write_text("not json" if summary_algo == "?" else json.dumps({"algo": summary_algo}))
     if checkpoint_algo is not None:
         (out / "checkpoint").mkdir()
         (out / "checkpoint" / "meta.json").write_text(json.dumps({"algo": checkpoint_algo}))
@@ -65,41 +56,27 @@ def test_nothing_to_replace_in_a_new_or_empty_directory(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "where", [dict(summary_algo="grpo"), dict(checkpoint_algo="grpo", metrics=False), dict(checkpoint_algo="grpo")]
-)
-def test_another_scripts_run_is_refused_naming_both_unless_overwrite(tmp_path, where):
+    "where, says, replaced",
+    [
+        (dict(summary_algo="grpo"), "grpo.py run, not gspo.py's", "grpo.py run"),
+        (dict(checkpoint_algo="grpo", metrics=False), "grpo.py run, not gspo.py's", "grpo.py run"),
+        (dict(checkpoint_algo="grpo"), "grpo.py run, not gspo.py's", "grpo.py run"),
+        # a gspo summary beside a grpo checkpoint is still another script's run (the files are mixed)
+        (dict(summary_algo="gspo", checkpoint_algo="grpo"), "grpo.py run, not gspo.py's", "grpo.py and gspo.py run"),
+        (dict(summary_algo="gspo", checkpoint_algo="gspo"), "earlier gspo.py run (--resume {out} continues it",
+         "gspo.py run"),
+        # an unreadable summary beside metrics.jsonl: a run that crashed before any checkpoint or summary
+        (dict(summary_algo="?"), "no summary.json or checkpoint names", "run (no file names its script)"),
+    ],
+)  # fmt: skip
+def test_a_run_in_out_is_refused_in_one_line_naming_it_unless_overwrite(tmp_path, where, says, replaced):
     out = make_run(tmp_path / "out", **where)
     with pytest.raises(common.UsageError) as e:
         common.check_out(args_for(out), None)
     message = str(e.value)
-    assert "grpo.py run, not gspo.py's" in message and "--overwrite" in message and "another --out" in message
+    assert says.format(out=out) in message and "--overwrite" in message and "another --out" in message, message
     assert "\n" not in message
-    assert common.check_out(args_for(out, overwrite=True), None) == "grpo.py run"
-
-
-def test_summary_and_checkpoint_are_both_read(tmp_path):
-    """A gspo summary beside a grpo checkpoint is still another script's run (the files are mixed)."""
-    out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="grpo")
-    with pytest.raises(common.UsageError, match="grpo.py run, not gspo.py's"):
-        common.check_out(args_for(out), None)
-    assert common.check_out(args_for(out, overwrite=True), None) == "grpo.py and gspo.py run"
-
-
-def test_the_same_scripts_run_is_refused_unless_overwrite(tmp_path):
-    out = make_run(tmp_path / "out", summary_algo="gspo", checkpoint_algo="gspo")
-    with pytest.raises(common.UsageError) as e:
-        common.check_out(args_for(out), None)
-    assert f"earlier gspo.py run (--resume {out} continues it" in str(e.value) and "--overwrite" in str(e.value)
-    assert "\n" not in str(e.value)
-    assert common.check_out(args_for(out, overwrite=True), None) == "gspo.py run"
-
-
-def test_a_run_no_file_names_needs_overwrite(tmp_path):
-    out = make_run(tmp_path / "out")  # metrics.jsonl alone: a run that crashed before any checkpoint or summary
-    (out / "summary.json").write_text("not json")
-    with pytest.raises(common.UsageError, match="no summary.json or checkpoint names"):
-        common.check_out(args_for(out), None)
-    assert common.check_out(args_for(out, overwrite=True), None).startswith("run")
+    assert common.check_out(args_for(out, overwrite=True), None) == replaced
 
 
 def test_resume_in_place_replaces_nothing(tmp_path):
@@ -128,17 +105,17 @@ def test_overwrite_is_this_commands_not_the_checkpoints(tmp_path):
 
 def test_a_finished_run_is_refused_untouched_and_overwrite_replaces_it_whole(tmp_path, capsys):
     out = tmp_path / "out"
-    status, err = run_main("gspo", [*TINY_RUN, "--save-every", "1", "--out", out], capsys)
+    status, err = run_main("gspo", ["--save-every", "1", "--out", out], capsys)
     assert status == 0, err
     assert (out / "checkpoint" / "meta.json").is_file() and replacing_lines(err) == []
     (out / "traces.jsonl").write_text('{"step": 1, "earlier_run": true}\n')  # an earlier run's extra file
     (out / "leftover.txt").write_text("old")
     before = snapshot(out)
     for name, says in (("gspo", "earlier gspo.py run"), ("grpo", "gspo.py run, not grpo.py's")):  # again; another
-        status, err = run_main(name, [*TINY_RUN, "--out", out], capsys)
-        assert status == 2 and says in error_line(err) and "--overwrite" in error_line(err)
+        status, err = run_main(name, ["--out", out], capsys)
+        assert status == 2 and says in one_line_error(err) and "--overwrite" in one_line_error(err)
         assert snapshot(out) == before  # not a byte written
-    status, err = run_main("grpo", [*TINY_RUN, "--overwrite", "--out", out], capsys)
+    status, err = run_main("grpo", ["--overwrite", "--out", out], capsys)
     assert status == 0, err
     assert replacing_lines(err) == [f"--out {out}: --overwrite: replacing the earlier gspo.py run there whole"]
     assert not (out / "leftover.txt").exists() and not (out / "checkpoint").exists()  # nothing of gspo's stays
@@ -150,6 +127,6 @@ def test_a_finished_run_is_refused_untouched_and_overwrite_replaces_it_whole(tmp
 
 def test_a_non_run_directory_is_refused_and_kept(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
-    status, err = run_main("gspo", [*TINY_RUN, "--overwrite", "--out", tmp_path], capsys)
-    assert status == 2 and "holds no run" in error_line(err)
+    status, err = run_main("gspo", ["--overwrite", "--out", tmp_path], capsys)
+    assert status == 2 and "holds no run" in one_line_error(err)
     assert snapshot(tmp_path) == {"notes.txt": b"mine"}

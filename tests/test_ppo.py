@@ -2,24 +2,17 @@
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import gamma as gamma_n
+from helpers import logit_tol, unit_roundoff
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from helpers import gamma as gamma_n  # noqa: E402
-from helpers import logit_tol, unit_roundoff  # noqa: E402
-
-import common  # noqa: E402
-import ppo  # noqa: E402
+import common
+import ppo
 
 SETTINGS = settings(max_examples=60, deadline=None)
 F64 = torch.float64
@@ -37,13 +30,9 @@ HAND_TOL = gamma_n(8) * 5.0
 # --- Helpers (plain Python, independent of ppo.py) ---
 
 
-def mask_rows(lengths, T):
-    """Right-padded 0/1 mask as nested Python lists."""
-    return [[1 if t < n else 0 for t in range(T)] for n in lengths]
-
-
 def as_mask(lengths, T, dtype=torch.float32):
-    return torch.tensor(mask_rows(lengths, T), dtype=torch.long).to(dtype)
+    """A right-padded 0/1 mask, from plain lists."""
+    return torch.tensor([[1 if t < n else 0 for t in range(T)] for n in lengths]).to(dtype)
 
 
 def gae_loop(rewards, values, lengths, gamma, lam):
@@ -246,11 +235,6 @@ def test_whiten_padding_values_do_not_matter(garbage):
 
 
 # --- ppo_policy_loss ---
-
-
-def scalars(stats):
-    """The loss's scalar statistics: info also holds the detached tensors "ratio" and "clipped"."""
-    return {k: v for k, v in stats.items() if not isinstance(v, torch.Tensor)}
 
 
 def policy_loss_grad(logp, old, adv, lengths, eps_low, eps_high, dual_clip, clamp=20.0):
@@ -524,46 +508,6 @@ def test_critic_is_zero_at_init_and_gradients_reach_head_and_trunk(critic):
         name for name, p in trunk if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0
     ]
     assert not no_grad, f"trunk parameters without gradient: {no_grad}"
-
-
-def test_critic_then_policy_backward_equals_one_backward_of_the_sum(critic):
-    # train() backpropagates the value loss before the policy's forward (one model's activations at a time);
-    # the two share no parameter, so its gradients are those of one backward of the sum
-    import copy
-
-    torch.manual_seed(0)
-    policy, _ = common.load_model("tiny", torch.device("cpu"))
-    value_model = copy.deepcopy(critic)
-    with torch.no_grad():
-        value_model.head.weight.normal_()  # a non-zero head, so that the trunk gets gradient
-    roll = make_roll([[14, 15, 16], [17], [18, 19, 20, 21, 22]])
-    mask = roll.completion_mask
-    g = torch.Generator().manual_seed(1)
-    old_logp = common.completion_logprobs(policy, roll)[0].detach() + 0.1 * torch.randn(mask.shape, generator=g)
-    advantages, old_values, returns = (torch.randn(mask.shape, generator=g) for _ in range(3))
-    scale = common.token_mean_scale(mask)
-
-    def losses():
-        v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
-        return ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0], v_loss
-
-    def grads():
-        out = [p.grad.clone() for p in [*policy.parameters(), *value_model.parameters()]]
-        policy.zero_grad(set_to_none=True)
-        value_model.zero_grad(set_to_none=True)
-        return out
-
-    pg_loss, v_loss = losses()
-    ((pg_loss + v_loss) * scale).backward()
-    together = grads()
-    v_loss = ppo.value_loss(value_model(roll), old_values, returns, mask)[0]
-    (v_loss * scale).backward()
-    pg_loss = ppo.ppo_policy_loss(common.completion_logprobs(policy, roll)[0], old_logp, advantages, mask)[0]
-    (pg_loss * scale).backward()
-    apart = grads()
-    assert all(a.abs().sum() > 0 for a in together)
-    for a, b in zip(together, apart):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_critic_value_t_depends_only_on_prefix(critic):

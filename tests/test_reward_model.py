@@ -5,8 +5,6 @@ import importlib
 import json
 import math
 import random
-import subprocess
-import sys
 import types
 
 import build_checkpoints  # tools/, on sys.path through conftest.py
@@ -17,7 +15,7 @@ import recipes
 import torch
 import train_reward_model  # tools/
 import transformers
-from helpers import LOGGED_TOL, ROOT, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
+from helpers import LOGGED_TOL, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
 
 import common
 import grpo
@@ -220,41 +218,29 @@ def test_trained_reward_model_round_trips_through_auto_classes(tmp_path, char_to
         b = reward_model_extra.reward_model_scores(loaded.eval(), tok, PROMPTS, COMPLETIONS)
     # one checkpoint, one architecture, the same inputs: the same kernels, so the same scores bit for bit
     torch.testing.assert_close(a, b, atol=0, rtol=0)
-    # a float32 mean of 0/1 flags (exact count, one division) against numpy's float64 one
+    # a float32 mean of 0/1 flags (exact count, one division) against a plain loop's float64 one
+    chosen, rejected = (reward_model_extra.reward_model_scores(model, tok, [p["prompt"] for p in pairs],
+                                                               [p[k] for p in pairs]).tolist()
+                        for k in ("chosen", "rejected"))  # fmt: skip
+    ordered = sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
     share = unit_roundoff(torch.float32) + unit_roundoff(torch.float64)
-    assert train_reward_model.pairwise_accuracy(model, tok, pairs) == pytest.approx(
-        float(
-            np.mean(
-                [
-                    x > y
-                    for x, y in zip(
-                        *[
-                            reward_model_extra.reward_model_scores(
-                                model, tok, [p["prompt"] for p in pairs], [p[k] for p in pairs]
-                            ).tolist()
-                            for k in ("chosen", "rejected")
-                        ]
-                    )
-                ]
-            )
-        ),  # fmt: skip
-        rel=share,
-    )
+    assert train_reward_model.pairwise_accuracy(model, tok, pairs) == pytest.approx(ordered, rel=share)
 
 
 @pytest.mark.slow
-def test_train_reward_model_command_line(tmp_path, char_tok):
+def test_train_reward_model_command_line(tmp_path, char_tok, capsys):
+    """The tool's main() in this process (its __main__ calls it alone): a run, then a missing --data in one line."""
     base = save_causal_lm(tmp_path / "lm", char_tok)
     write_pairs(tmp_path / "pairs.jsonl")
-    cmd = [sys.executable, "tools/train_reward_model.py", "--data", str(tmp_path / "pairs.jsonl"), "--model",
-           base, "--out", str(tmp_path / "rm"), "--steps", "2", "--batch-size", "4"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "held-out pairwise accuracy" in proc.stdout
+    argv = ["--data", str(tmp_path / "pairs.jsonl"), "--model", base, "--out", str(tmp_path / "rm"), "--steps", "2",
+            "--batch-size", "4"]  # fmt: skip
+    train_reward_model.main(argv)
+    assert "held-out pairwise accuracy" in capsys.readouterr().out
     assert (tmp_path / "rm" / "config.json").is_file()
-    bad = subprocess.run(cmd[:3] + [str(tmp_path / "missing.jsonl")] + cmd[4:], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --data") and bad.stderr.count("\n") == 1
+    with pytest.raises(SystemExit) as stop:
+        train_reward_model.main([argv[0], str(tmp_path / "missing.jsonl"), *argv[2:]])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: --data") and err.count("\n") == 1, err
 
 
 @pytest.mark.slow

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import common  # noqa: E402
-import gspo  # noqa: E402
-from extras import reward_functions  # noqa: E402
+import common
+import gspo
+from extras import reward_functions
 
 
 def rollout(tok, texts, prompts=None):
