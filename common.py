@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import io
@@ -197,28 +196,19 @@ def _choices(hint) -> tuple | None:
 
 
 def _tyro_argv(args_cls, argv: list[str]) -> list[str]:
-    """The command line as tyro reads it: "--reward a --reward b" as "--reward a b" (tyro keeps the last list),
-    "--dual-clip none" as "--dual-clip None" (the None of a number); an unknown flag refused with the nearest."""
-    hints = typing.get_type_hints(args_cls)
-    lists = {_flag(n) for n, h in hints.items() if typing.get_origin(h) is list}
-    nullable = {_flag(n) for n, h in hints.items() if type(None) in typing.get_args(h) and _choices(h) is None}
-    known = {"-h", "--help", *map(_flag, hints), *(_flag("no_" + n) for n, h in hints.items() if h is bool)}
+    """The command line as tyro reads it, but for a list flag given more than once: "--reward a --reward b" is
+    "--reward a b" (tyro would keep only the last list)."""
+    lists = {_flag(n) for n, h in typing.get_type_hints(args_cls).items() if typing.get_origin(h) is list}
     out, values, flag = [], {}, None
     for a in argv:
-        if a.startswith("--") or a == "-h":
+        if a.startswith("--"):
             flag, eq, value = a.partition("=")
-            if flag not in known:  # tyro's own message suggests a flag by its help text, not by its name
-                near = difflib.get_close_matches(flag, known, n=1)
-                raise UsageError(f"unrecognized argument {a}" + (f" (did you mean {near[0]}?)" if near else ""))
             if flag in lists:
                 values.setdefault(flag, []).extend([value] if eq else [])
                 continue
-            a = f"{flag}=None" if eq and flag in nullable and value.lower() == "none" else a
         elif flag in lists:
             values[flag].append(a)
             continue
-        elif flag in nullable and a.lower() == "none":
-            a = "None"
         out.append(a)
     return out + [a for flag, given in values.items() for a in (flag, *given)]
 
@@ -254,7 +244,7 @@ def check_common_args(args, needs_group: bool):
         "weight_decay": finite,
         "max_grad_norm": (lambda v: v > 0, "> 0 (inf: no clipping)"),
         "eval_every": (lambda v: v >= 0, ">= 0 (0 turns periodic evaluation off)"),
-        "trace_every": (lambda v: v is None or v >= 0, ">= 0 (0: no traces; none: with each evaluation)"),
+        "trace_every": (lambda v: v is None or v >= 0, ">= 0 (0: no traces; None: with each evaluation)"),
         "trace_groups": (lambda v: v >= 1, ">= 1"),
         "save_every": (lambda v: v >= 0, ">= 0 (0: no periodic checkpoints)"),
         "eval_samples": (lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (pass@n needs n samples)"),

@@ -85,7 +85,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     eps_high: float = 0.2
     """upper clip range of the token ratio"""
     dual_clip: float | None = 3.0
-    """dual-clip constant c for negative advantages (none: off)"""
+    """dual-clip constant c for negative advantages (None: off)"""
     kl_coef: float = 0.1
     """beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, no reference loaded)"""
     gamma: float = 1.0
@@ -105,7 +105,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise common.UsageError(f"--gamma and --lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise common.UsageError(f"--dual-clip must be > 1 (or none), got {self.dual_clip}")
+            raise common.UsageError(f"--dual-clip must be > 1 (or None), got {self.dual_clip}")
 
 
 # --------------------------------------------------------------------------------------------

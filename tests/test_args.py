@@ -45,9 +45,9 @@ def test_resume_takes_the_checkpoints_flags_and_lets_only_some_change(tmp_path):
         common.parse_args(MODULES["gspo"].Args, ["--resume", out, "--variant", "sequence"])
 
 
-def test_list_flags_take_several_values_given_once_or_repeated_and_none_is_a_numbers_none():
+def test_list_flags_take_several_values_given_once_or_repeated_and_None_is_a_numbers_none():
     args = common.parse_args(MODULES["ppo"].Args, ["--reward", "exact", "a.py:f", "--lr", "-1e-3", "--reward=b.py:g",
-                                                   "--reward-weights", "1", "-0.5", "--dual-clip", "none"])  # fmt: skip
+                                                   "--reward-weights", "1", "-0.5", "--dual-clip", "None"])  # fmt: skip
     assert args.reward == ["exact", "a.py:f", "b.py:g"] and args.reward_weights == [1.0, -0.5]
     assert args.lr == -1e-3 and args.dual_clip is None
     assert common.parse_args(MODULES["ppo"].Args, ["--dual-clip=2.5", "--report-to", "none"]).dual_clip == 2.5
@@ -101,5 +101,5 @@ def test_each_recipe_field_is_required(tmp_path, capsys, missing):
 
 def test_a_fork_with_the_whole_recipe_parses_its_flags(tmp_path, capsys):
     fields = {**RECIPE_FIELDS, "beta": "float | None = None"}
-    status, out, err = fork_in_process(tmp_path, fields, capsys, "--lr", "0.5", "--beta", "none", "--no-anneal-lr")
+    status, out, err = fork_in_process(tmp_path, fields, capsys, "--lr", "0.5", "--beta", "None", "--no-anneal-lr")
     assert status == 0 and "lr=0.5" in out and "beta=None" in out and "anneal_lr=False" in out, err
