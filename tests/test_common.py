@@ -139,22 +139,11 @@ def test_every_embedded_checkpoint_ships_under_its_recipe_key():
 
 
 @pytest.mark.slow
-def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
-    """The shipped checkpoint's recipe, run again, lands in the band that leaves room for RL (10-35%)."""
-    from build_checkpoints import build_tiny_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    build_tiny_checkpoint("tiny", tmp_path / "rebuilt")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt", dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(tmp_path / "rebuilt")
-    _, held_out = common.arith_split()
-    assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
-
-
-@pytest.mark.slow
 def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_whole(tmp_path, monkeypatch):
     """A changed recipe (3 SFT steps, its own key): refused in one line naming the build command, then built by it
-    with no random stream moved; --force replaces it only once the new build is complete."""
+    with no random stream moved; --force replaces it only once the new build is complete, with the same bytes (the
+    recipe is deterministic: run again where it was built, it gives the shipped checkpoint, whose band
+    test_tiny_checkpoint_round_trip_and_accuracy_band checks; on other CPUs, experiments/warm_starts.py)."""
     import random
 
     import build_checkpoints
@@ -188,8 +177,9 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_who
     assert (tmp_path / key / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir()] == [key]
     (tmp_path / key / "marker").write_text("the old build")
-    build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole
+    build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole, by the same weights
     assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
+    assert (tmp_path / key / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir()] == [key]
 
 
