@@ -108,17 +108,23 @@ def bad_inputs(tmp):
     ]
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path):
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    """Each check through common.main in this process; the first case also from the command line."""
     failures = []
     for i, (script, argv, expected) in enumerate(bad_inputs(tmp_path)):
         out = tmp_path / f"out{i}"
         if "--out" not in argv:
             argv = [*argv, "--out", out]
-        proc = run(script, *SMALL, "--steps", "2", *argv, timeout=120)
-        lines = proc.stderr.strip().splitlines()
+        argv = [*SMALL, "--steps", "2", *argv]
+        if i == 0:
+            proc = run(script, *argv, timeout=120)
+            status, err = proc.returncode, proc.stderr
+        else:
+            status, _, err = main_in_process(__import__(script), argv, capsys)
+        lines = err.strip().splitlines()
         problem = None
-        if proc.returncode != 2:
-            problem = f"exit {proc.returncode}"
+        if status != 2:
+            problem = f"exit {status}"
         elif len(lines) != 1 or not lines[0].startswith("error: "):
             problem = "stderr is not one 'error: ...' line"
         elif expected not in lines[0]:
@@ -126,7 +132,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         elif out.exists():
             problem = "left an output directory"
         if problem:
-            failures.append(f"{script} {' '.join(map(str, argv))}: {problem}\n{proc.stderr[-1500:]}")
+            failures.append(f"{script} {' '.join(map(str, argv))}: {problem}\n{err[-1500:]}")
     assert not failures, "\n\n".join(failures)
 
 
