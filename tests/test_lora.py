@@ -20,13 +20,10 @@ from helpers import (  # noqa: E402
     logit_scale,
     logit_tol,
     logprob_tol,
-    main_in_process,
 )
 from test_reliability import SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
 
 import common  # noqa: E402
-import gspo  # noqa: E402
-import ppo  # noqa: E402
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -194,23 +191,3 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
         assert_same_weights(load_file(str(resumed / "final" / name)), load_file(str(full / "final" / name)))
     assert_same_weights(torch.load(resumed / "final" / "critic.pt"), torch.load(full / "final" / "critic.pt"))
-
-
-# --- Bad flags ---
-
-
-@pytest.mark.parametrize(
-    "script, argv, expected",
-    [  # (a flag's bound: test_reliability's bad input sweeps one kind of each check)
-        (ppo, ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
-        (
-            gspo,
-            ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
-            "--lora-targets: qwen3 has no module named qkv",
-        ),
-    ],
-)
-def test_bad_lora_flags_exit_2_with_one_line(tmp_path, capsys, script, argv, expected):
-    status, _, err = main_in_process(script, [*SMALL, "--steps", "2", *argv, "--out", tmp_path / "out"], capsys)
-    assert status == 2 and err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    assert expected in err and not (tmp_path / "out").exists()

@@ -102,6 +102,18 @@ def bad_inputs(tmp):
     own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
         ("ppo", ["--critic-lr", "-1"], "--critic-lr must be >= 0"),
+        ("gspo", ["--trace-every", "-1"], "--trace-every"),
+        ("gspo", ["--trace-groups", "0"], "--trace-groups"),
+        ("gspo", ["--old-logp", "rollout", "--is-correction", "tis"], "with --old-logp rollout pi_old is mu"),
+        ("grpo", ["--is-cap", "0.5"], "--is-cap must be a finite number >= 1, got 0.5"),
+        ("ppo", ["--rollout-dtype", "bf16"], "invalid choice 'bf16' for argument '--rollout-dtype'"),
+        ("grpo", ["--is-correction", "trunc"], "invalid choice 'trunc' for argument '--is-correction'"),
+        ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
+        (
+            "gspo",
+            ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
+            "--lora-targets: qwen3 has no module named qkv",
+        ),
     ]
     return [(SCRIPTS[i % len(SCRIPTS)], argv, expected) for i, (argv, expected) in enumerate(shared)] + [
         case for case in own if case[0] in SCRIPTS

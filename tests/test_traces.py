@@ -193,16 +193,6 @@ def test_the_default_traces_at_each_evaluation(tmp_path):
     assert not any(common.trace_due(args, s) for s in range(1, 26))
 
 
-@pytest.mark.parametrize("flag, value", [("--trace-every", "-1"), ("--trace-groups", "0")])
-def test_bad_trace_flags_are_one_line_errors(tmp_path, capsys, flag, value):
-    with pytest.raises(SystemExit) as e:
-        common.main(gspo.train, gspo.Args, argv=[*RUN, flag, value, "--out", str(tmp_path / "x")])
-    assert e.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and flag in errors[0]
-    assert not (tmp_path / "x").exists()
-
-
 # --- The page ---
 
 MAYBE_REWARD = '''
