@@ -535,32 +535,22 @@ words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20)
 @example("#### 5 then", 46)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
 def test_final_answer_after_marker(text, n):
-    # text ending in '#' makes a run of five or more '#'; that case has its own test below
+    # text ending in '#' makes a run of five or more '#': test_score_and_normalize_number_hand_worked
     assume(not text.endswith("#"))
     for completion in (f"{text}#### {n}", f"{text}\n####{n}\n", f"{text} #### {n:,}"):
         assert common.score(completion, str(n)) == (1.0, 1.0)
 
 
-def test_score_hand_worked():
-    """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'. A number that
-    contains the gold one is an answer, and a wrong one."""
+def test_score_and_normalize_number_hand_worked():
+    """The text after the *last* '####' ('##### 46': ' 46'); a number containing the gold one is a wrong answer;
+    a non-numeric gold is an exact string match."""
     assert common.score("##### 46", "46") == (1.0, 1.0)
     assert common.score("work ##### 46", "46")[0] == 1.0
     assert common.score("146", "46") == (0.0, 1.0)
-
-
-@given(integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_commas_and_trailing_zero_decimals_normalise(n):
-    assert common.score(f"  {n}\n", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n:,}", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n}.0", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n:,}.00", str(n)) == (1.0, 1.0)
-    assert common.score(f"#### {n:,}", str(n)) == (1.0, 1.0)
-    assert common.score(str(n), f"{n:,}")[0] == 1.0
-
-
-def test_normalize_number_hand_worked():
+    assert common.score("Paris", "Paris") == (1.0, 1.0)
+    assert common.score("reasoning #### Paris ", "Paris") == (1.0, 1.0)
+    assert common.score("Paris is nice", "Paris")[0] == 0.0
+    assert common.score("   ", "Paris") == (0.0, 0.0)
     assert common.normalize_number("1,234") == "1234"
     assert common.normalize_number("12.0") == "12"
     assert common.normalize_number("+5") == "5"
@@ -576,38 +566,22 @@ def test_normalize_number_hand_worked():
         assert common.normalize_number(bad) is None, bad
 
 
-@given(integers, integers)
+@given(integers, integers, st.text(alphabet=" \t\n\r", max_size=10), words)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_only_the_exact_final_answer_scores(n, m):
-    assume(n != m)
-    assert common.score(str(m), str(n)) == (0.0, 1.0)
-    assert common.score(f"{n} #### {m}", str(n)) == (0.0, 1.0)  # right number, different final answer
-    assert common.score(f"#### {n}\n#### {m}", str(n))[0] == 0.0
-    assert common.score(f"{n} {m}", str(n)) == (0.0, 0.0)  # two numbers: no answer
-    assert common.score(f"{m} {n}", str(n)) == (0.0, 0.0)
-
-
-@given(st.text(alphabet=" \t\n\r", max_size=10), integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_empty_or_whitespace_completion_scores_zero(blank, n):
-    assert common.score(blank, "0")[1] == 0.0  # no final answer at all
-    assert common.score(blank, str(n)) == (0.0, 0.0)
-    assert common.score(f"####{blank}", str(n)) == (0.0, 0.0)
-
-
-@given(words, integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_number_among_words_scores_zero(w, n):
-    assert common.score(f"{w} {n}", str(n)) == (0.0, 0.0)
-    assert common.score(f"{n} {w}", str(n)) == (0.0, 0.0)
-    assert common.score(f"the answer is {n} or {n + 1}", str(n)) == (0.0, 0.0)
-
-
-def test_non_numeric_gold_is_exact_string_match():
-    assert common.score("Paris", "Paris") == (1.0, 1.0)
-    assert common.score("reasoning #### Paris ", "Paris") == (1.0, 1.0)
-    assert common.score("Paris is nice", "Paris")[0] == 0.0
-    assert common.score("   ", "Paris") == (0.0, 0.0)
+def test_only_the_one_final_number_scores_normalised(n, m, blank, w):
+    for shown in (f"  {n}\n", f"{n:,}", f"{n}.0", f"{n:,}.00", f"#### {n:,}"):  # commas, trailing-zero decimals
+        assert common.score(shown, str(n)) == (1.0, 1.0)
+    assert common.score(str(n), f"{n:,}")[0] == 1.0
+    # no final answer at all: blank, a number among words, two numbers
+    assert common.score(blank, "0")[1] == 0.0
+    for text in (blank, f"####{blank}", f"{w} {n}", f"{n} {w}", f"the answer is {n} or {n + 1}"):
+        assert common.score(text, str(n)) == (0.0, 0.0)
+    if n != m:
+        assert common.score(str(m), str(n)) == (0.0, 1.0)
+        assert common.score(f"{n} #### {m}", str(n)) == (0.0, 1.0)  # right number, different final answer
+        assert common.score(f"#### {n}\n#### {m}", str(n))[0] == 0.0
+        assert common.score(f"{n} {m}", str(n)) == (0.0, 0.0)  # two numbers: no answer
+        assert common.score(f"{m} {n}", str(n)) == (0.0, 0.0)
 
 
 # --- 9. load_jsonl ---
