@@ -21,9 +21,10 @@ from helpers import (  # noqa: E402
     logit_tol,
     logprob_tol,
 )
-from test_reliability import SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
+from test_reliability import assert_same_weights, metrics, train_in_process  # noqa: E402
 
 import common  # noqa: E402
+import ppo  # noqa: E402
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -129,10 +130,10 @@ LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lor
 
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory, tiny_path):
-    """ppo.py with LoRA: "full" 6 steps; "part" the same run stopped by --steps 3 --save-every 3."""
+    """ppo.py with LoRA, in this process: "full" 6 steps; "part" the same run stopped by --steps 3 --save-every 3."""
     base = tmp_path_factory.mktemp("lora-runs")
-    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "6", "--out", base / "full"))
-    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "3", "--save-every", "3", "--out", base / "part"))
+    train_in_process(ppo, *LORA_FLAGS, "--steps", "6", "--out", base / "full")
+    train_in_process(ppo, *LORA_FLAGS, "--steps", "3", "--save-every", "3", "--out", base / "part")
     return base
 
 
@@ -185,7 +186,7 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(ppo_runs / "part", resumed)
     assert (resumed / "checkpoint" / "policy" / "adapter_model.safetensors").is_file()  # the adapters, not the base
-    ok(run("ppo", "--resume", resumed, "--steps", "6"))
+    common.main(ppo.train, ppo.Args, ["--resume", str(resumed), "--steps", "6"])
     full = ppo_runs / "full"
     assert metrics(resumed) == metrics(full)
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
