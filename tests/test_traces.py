@@ -426,12 +426,10 @@ GROUPED = [name for name in SCRIPTS if helpers.traits(name).grouped]
 
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory):
-    """`python <script>.py --steps 1` for each grouped script, as a user runs it (traced at its evaluation)."""
+    """`<script>.py --steps 1` for each grouped script, its other flags the defaults (traced at its evaluation)."""
     root = tmp_path_factory.mktemp("default")
     for name in GROUPED:
-        proc = subprocess.run([sys.executable, f"{name}.py", "--steps", "1", "--out", str(root / name)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        common.main(SCRIPTS[name].train, SCRIPTS[name].Args, argv=["--steps", "1", "--out", str(root / name)])
     return {name: root / name for name in GROUPED}
 
 
