@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 from helpers import SCRIPTS, gamma, main_in_process  # noqa: E402
 
 import common  # noqa: E402
+import gspo  # noqa: E402
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -202,7 +203,8 @@ def test_resume_truncates_metrics_after_the_checkpoint(runs, tmp_path):
     shutil.copytree(runs("gspo", "part"), resumed)
     with open(resumed / "metrics.jsonl", "a") as f:  # rows a crash left after the checkpoint's step
         f.write(json.dumps({"step": 4, "reward": -1.0}) + "\n" + json.dumps({"step": 5, "reward": -1.0}) + "\n")
-    ok(run("gspo", "--resume", resumed / "checkpoint", "--steps", "4"))  # DIR may be the checkpoint itself
+    # (in this process: test_resume_equals_uninterrupted_run resumes from the command line); DIR may be the checkpoint
+    common.main(gspo.train, gspo.Args, ["--resume", str(resumed / "checkpoint"), "--steps", "4"])
     rows = metrics(resumed)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["reward"] >= 0
     full = metrics(runs("gspo", "full"))
