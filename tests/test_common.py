@@ -3,12 +3,12 @@
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import recipes  # tools/, on sys.path through conftest.py: the embedded checkpoints' recipes
 import torch
 from helpers import (
     assert_within,
@@ -32,9 +32,6 @@ from transformers import (
 
 import common
 from extras import data_files
-
-sys.path.insert(0, str(Path(common.__file__).parent / "tools"))  # conftest does too; be explicit
-import recipes  # noqa: E402  (tools/recipes.py: the embedded checkpoints' recipes)
 
 # Prompts of different lengths, so a batch of them is genuinely left-padded.
 PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
@@ -127,8 +124,6 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
 
 def test_every_embedded_checkpoint_ships_under_its_recipe_key():
     """Each embedded checkpoint is shipped under tools/recipes.py's checkpoint_key: a changed recipe fails here."""
-    from pathlib import Path
-
     assert set(common.TINY_KEYS) == {*common.TINY_MODELS, common.TINY_RM}
     for name, key in common.TINY_KEYS.items():
         assert recipes.checkpoint_key(name) == key, name

@@ -15,20 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import ROOT, assert_within, free_port, main_in_process, needs_torchrun, torchrun_cmd
+from test_distributed import WORLD
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, Path(__file__).parent):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from helpers import assert_within, free_port, main_in_process, needs_torchrun, torchrun_cmd  # noqa: E402
-from test_distributed import WORLD  # noqa: E402
-
-import common  # noqa: E402
-import grpo  # noqa: E402
-import gspo  # noqa: E402
-import ppo  # noqa: E402
-from extras import fsdp as fsdp_extra  # noqa: E402
+import common
+import grpo
+import gspo
+import ppo
+from extras import fsdp as fsdp_extra
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 

@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import build_checkpoints  # tools/, on sys.path through conftest.py
 import pytest
 import torch
-from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
-from helpers import (  # noqa: E402
+from helpers import (
     entropy_tol,
     gamma,
     logit_scale,
     logit_tol,
     logprob_tol,
 )
-from test_reliability import assert_same_weights, metrics, train_in_process  # noqa: E402
+from safetensors.torch import load_file
+from test_reliability import assert_same_weights, metrics, train_in_process
 
-import common  # noqa: E402
-import ppo  # noqa: E402
+import common
+import ppo
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 

@@ -12,16 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, SCRIPTS, gamma, main_in_process
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from helpers import SCRIPTS, gamma, main_in_process  # noqa: E402
-
-import common  # noqa: E402
-import gspo  # noqa: E402
+import common
+import gspo
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
