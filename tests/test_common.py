@@ -309,17 +309,6 @@ def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
     assert roll.completion_lists() == [free.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("max_new_tokens", [1, 3, 7])
-def test_max_new_tokens_respected(rand_model, prompts, char_tok, max_new_tokens):
-    pad = char_tok.pad_token_id
-    roll = common.sample(rand_model, prompts, max_new_tokens, [], pad, generator=torch.Generator().manual_seed(0))
-    assert roll.completion_ids.shape == (len(prompts), max_new_tokens)
-    assert roll.completion_mask.tolist() == [[1.0] * max_new_tokens] * len(prompts)
-    greedy = common.sample(rand_model, prompts, max_new_tokens, [char_tok.eos_token_id], pad, greedy=True)
-    assert greedy.completion_ids.shape[1] <= max_new_tokens
-    assert (greedy.completion_mask.sum(1) <= max_new_tokens).all()
-
-
 # --- 6. log-probs, temperature, entropy, chunking ---
 
 
