@@ -105,6 +105,8 @@ def bad_inputs(tmp):
         ("ppo", ["--rollout-dtype", "bf16"], "invalid choice 'bf16' for argument '--rollout-dtype'"),
         ("grpo", ["--is-correction", "trunc"], "invalid choice 'trunc' for argument '--is-correction'"),
         ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
+        ("grpo", ["--routing-replay"], "no MoE layers"),  # the tiny model is dense
+        ("gspo", ["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
         (
             "gspo",
             ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
