@@ -577,19 +577,16 @@ def write_lines(path, lines):
 
 
 def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
-    path = write_lines(
-        tmp_path / "a.jsonl",
-        [
-            json.dumps({"prompt": "2+2=", "answer": "4"}),
-            "",
-            json.dumps({"prompt": "3*3=", "answer": 9}),
-            json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
-            json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
-        ],
-    )
-    recs = data_files.load_jsonl(path)
+    """Records split at '\\n' only: JSON allows raw U+2028 / U+2029 / U+0085 inside strings."""
+    odd = "first\u2028second\u2029third\x85fourth"
+    lines = [json.dumps({"prompt": "2+2=", "answer": "4"}), "", json.dumps({"prompt": "3*3=", "answer": 9}),
+             json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
+             json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
+             json.dumps({"prompt": odd, "answer": "1"}, ensure_ascii=False)]  # fmt: skip
+    recs = data_files.load_jsonl(write_lines(tmp_path / "a.jsonl", lines))
     assert recs == [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3*3=", "answer": "9"},
-                    {"prompt": "How many?", "answer": "1,234"}, {"prompt": "Half?", "answer": "0.50"}]  # fmt: skip
+                    {"prompt": "How many?", "answer": "1,234"}, {"prompt": "Half?", "answer": "0.50"},
+                    {"prompt": odd, "answer": "1"}]  # fmt: skip
     assert common.score("#### 1234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("1,234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("#### 1235", recs[2]["answer"])[0] == 0.0
@@ -619,17 +616,6 @@ def test_load_jsonl_refuses_a_bad_file_in_one_line_naming_where(tmp_path, lines,
     assert "\n" not in str(err.value) and (path in str(err.value) or says == "no records")
     with pytest.raises(common.UsageError, match="not found"):
         data_files.load_jsonl(str(tmp_path / "missing.jsonl"))
-
-
-def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
-    """JSON allows raw U+2028 / U+2029 / U+0085 inside strings; JSONL splits records at '\\n' only."""
-    prompt = "first\u2028second\u2029third\x85fourth"
-    lines = [
-        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False),
-        json.dumps({"prompt": "b", "answer": "2"}),
-    ]
-    path = write_lines(tmp_path / "u.jsonl", lines)
-    assert data_files.load_jsonl(path) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
 # --- 10. top-p and seeded sampling ---
