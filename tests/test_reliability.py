@@ -252,8 +252,11 @@ def test_resume_refuses_another_runs_checkpoint_in_one_line(runs, tmp_path, tiny
 def start(out, *flags, **env_vars):
     """Start gspo in a subprocess; return it once metrics.jsonl has a row."""
     cmd = [sys.executable, "gspo.py", *SMALL, *map(str, flags), "--out", str(out)]
+    # SIGINT as a terminal leaves it: a pytest started in the background (`pytest &`) ignores SIGINT, and so would the
+    # run it starts, which then finishes (the tests below skipped)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **env_vars}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=default_sigint)  # fmt: skip
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
