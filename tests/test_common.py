@@ -3,12 +3,12 @@
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import recipes  # tools/, on sys.path through conftest.py: the embedded checkpoints' recipes
 import torch
 from helpers import (
     assert_within,
@@ -32,9 +32,6 @@ from transformers import (
 
 import common
 from extras import data_files
-
-sys.path.insert(0, str(Path(common.__file__).parent / "tools"))  # conftest does too; be explicit
-import recipes  # noqa: E402  (tools/recipes.py: the embedded checkpoints' recipes)
 
 # Prompts of different lengths, so a batch of them is genuinely left-padded.
 PROMPTS = ["1+2=", "12+34=", "99+99=abc", "7", "5+5=10 and 3+"]
@@ -127,8 +124,6 @@ def test_tiny_checkpoint_round_trip_and_accuracy_band(tiny_path):
 
 def test_every_embedded_checkpoint_ships_under_its_recipe_key():
     """Each embedded checkpoint is shipped under tools/recipes.py's checkpoint_key: a changed recipe fails here."""
-    from pathlib import Path
-
     assert set(common.TINY_KEYS) == {*common.TINY_MODELS, common.TINY_RM}
     for name, key in common.TINY_KEYS.items():
         assert recipes.checkpoint_key(name) == key, name
@@ -139,22 +134,11 @@ def test_every_embedded_checkpoint_ships_under_its_recipe_key():
 
 
 @pytest.mark.slow
-def test_rebuilding_the_tiny_checkpoint_lands_in_the_band(tmp_path):
-    """The shipped checkpoint's recipe, run again, lands in the band that leaves room for RL (10-35%)."""
-    from build_checkpoints import build_tiny_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    build_tiny_checkpoint("tiny", tmp_path / "rebuilt")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt", dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(tmp_path / "rebuilt")
-    _, held_out = common.arith_split()
-    assert 0.10 <= common.evaluate(model, tok, held_out, max_new_tokens=5)["accuracy"] <= 0.35
-
-
-@pytest.mark.slow
 def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_whole(tmp_path, monkeypatch):
     """A changed recipe (3 SFT steps, its own key): refused in one line naming the build command, then built by it
-    with no random stream moved; --force replaces it only once the new build is complete."""
+    with no random stream moved; --force replaces it only once the new build is complete, with the same bytes (the
+    recipe is deterministic: run again where it was built, it gives the shipped checkpoint, whose band
+    test_tiny_checkpoint_round_trip_and_accuracy_band checks; on other CPUs, experiments/warm_starts.py)."""
     import random
 
     import build_checkpoints
@@ -188,8 +172,9 @@ def test_a_changed_recipe_is_refused_then_built_by_the_tool_and_rebuilt_only_who
     assert (tmp_path / key / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir()] == [key]
     (tmp_path / key / "marker").write_text("the old build")
-    build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole
+    build_checkpoints.main(["tiny", "--force"])  # completed: replaced whole, by the same weights
     assert not (tmp_path / key / "marker").exists() and (tmp_path / key / "config.json").is_file()
+    assert (tmp_path / key / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir()] == [key]
 
 
@@ -322,17 +307,6 @@ def test_any_eos_id_stops_and_is_inside_mask(rand_model, prompts, char_tok):
     assert len(stoppers) >= 2, "at least two different EOS ids should have stopped rows"
     assert roll.completion_ids.shape[1] == max(lengths) <= T
     assert roll.completion_lists() == [free.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
-
-
-@pytest.mark.parametrize("max_new_tokens", [1, 3, 7])
-def test_max_new_tokens_respected(rand_model, prompts, char_tok, max_new_tokens):
-    pad = char_tok.pad_token_id
-    roll = common.sample(rand_model, prompts, max_new_tokens, [], pad, generator=torch.Generator().manual_seed(0))
-    assert roll.completion_ids.shape == (len(prompts), max_new_tokens)
-    assert roll.completion_mask.tolist() == [[1.0] * max_new_tokens] * len(prompts)
-    greedy = common.sample(rand_model, prompts, max_new_tokens, [char_tok.eos_token_id], pad, greedy=True)
-    assert greedy.completion_ids.shape[1] <= max_new_tokens
-    assert (greedy.completion_mask.sum(1) <= max_new_tokens).all()
 
 
 # --- 6. log-probs, temperature, entropy, chunking ---
@@ -545,32 +519,22 @@ words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=20)
 @example("#### 5 then", 46)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
 def test_final_answer_after_marker(text, n):
-    # text ending in '#' makes a run of five or more '#'; that case has its own test below
+    # text ending in '#' makes a run of five or more '#': test_score_and_normalize_number_hand_worked
     assume(not text.endswith("#"))
     for completion in (f"{text}#### {n}", f"{text}\n####{n}\n", f"{text} #### {n:,}"):
         assert common.score(completion, str(n)) == (1.0, 1.0)
 
 
-def test_score_hand_worked():
-    """The docstring promises the text after the *last* '####'; in '##### 46' that is ' 46'. A number that
-    contains the gold one is an answer, and a wrong one."""
+def test_score_and_normalize_number_hand_worked():
+    """The text after the *last* '####' ('##### 46': ' 46'); a number containing the gold one is a wrong answer;
+    a non-numeric gold is an exact string match."""
     assert common.score("##### 46", "46") == (1.0, 1.0)
     assert common.score("work ##### 46", "46")[0] == 1.0
     assert common.score("146", "46") == (0.0, 1.0)
-
-
-@given(integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_commas_and_trailing_zero_decimals_normalise(n):
-    assert common.score(f"  {n}\n", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n:,}", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n}.0", str(n)) == (1.0, 1.0)
-    assert common.score(f"{n:,}.00", str(n)) == (1.0, 1.0)
-    assert common.score(f"#### {n:,}", str(n)) == (1.0, 1.0)
-    assert common.score(str(n), f"{n:,}")[0] == 1.0
-
-
-def test_normalize_number_hand_worked():
+    assert common.score("Paris", "Paris") == (1.0, 1.0)
+    assert common.score("reasoning #### Paris ", "Paris") == (1.0, 1.0)
+    assert common.score("Paris is nice", "Paris")[0] == 0.0
+    assert common.score("   ", "Paris") == (0.0, 0.0)
     assert common.normalize_number("1,234") == "1234"
     assert common.normalize_number("12.0") == "12"
     assert common.normalize_number("+5") == "5"
@@ -586,38 +550,22 @@ def test_normalize_number_hand_worked():
         assert common.normalize_number(bad) is None, bad
 
 
-@given(integers, integers)
+@given(integers, integers, st.text(alphabet=" \t\n\r", max_size=10), words)
 @settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_only_the_exact_final_answer_scores(n, m):
-    assume(n != m)
-    assert common.score(str(m), str(n)) == (0.0, 1.0)
-    assert common.score(f"{n} #### {m}", str(n)) == (0.0, 1.0)  # right number, different final answer
-    assert common.score(f"#### {n}\n#### {m}", str(n))[0] == 0.0
-    assert common.score(f"{n} {m}", str(n)) == (0.0, 0.0)  # two numbers: no answer
-    assert common.score(f"{m} {n}", str(n)) == (0.0, 0.0)
-
-
-@given(st.text(alphabet=" \t\n\r", max_size=10), integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_empty_or_whitespace_completion_scores_zero(blank, n):
-    assert common.score(blank, "0")[1] == 0.0  # no final answer at all
-    assert common.score(blank, str(n)) == (0.0, 0.0)
-    assert common.score(f"####{blank}", str(n)) == (0.0, 0.0)
-
-
-@given(words, integers)
-@settings(deadline=None)  # a loaded 2-core machine must not turn slowness into failures
-def test_number_among_words_scores_zero(w, n):
-    assert common.score(f"{w} {n}", str(n)) == (0.0, 0.0)
-    assert common.score(f"{n} {w}", str(n)) == (0.0, 0.0)
-    assert common.score(f"the answer is {n} or {n + 1}", str(n)) == (0.0, 0.0)
-
-
-def test_non_numeric_gold_is_exact_string_match():
-    assert common.score("Paris", "Paris") == (1.0, 1.0)
-    assert common.score("reasoning #### Paris ", "Paris") == (1.0, 1.0)
-    assert common.score("Paris is nice", "Paris")[0] == 0.0
-    assert common.score("   ", "Paris") == (0.0, 0.0)
+def test_only_the_one_final_number_scores_normalised(n, m, blank, w):
+    for shown in (f"  {n}\n", f"{n:,}", f"{n}.0", f"{n:,}.00", f"#### {n:,}"):  # commas, trailing-zero decimals
+        assert common.score(shown, str(n)) == (1.0, 1.0)
+    assert common.score(str(n), f"{n:,}")[0] == 1.0
+    # no final answer at all: blank, a number among words, two numbers
+    assert common.score(blank, "0")[1] == 0.0
+    for text in (blank, f"####{blank}", f"{w} {n}", f"{n} {w}", f"the answer is {n} or {n + 1}"):
+        assert common.score(text, str(n)) == (0.0, 0.0)
+    if n != m:
+        assert common.score(str(m), str(n)) == (0.0, 1.0)
+        assert common.score(f"{n} #### {m}", str(n)) == (0.0, 1.0)  # right number, different final answer
+        assert common.score(f"#### {n}\n#### {m}", str(n))[0] == 0.0
+        assert common.score(f"{n} {m}", str(n)) == (0.0, 0.0)  # two numbers: no answer
+        assert common.score(f"{m} {n}", str(n)) == (0.0, 0.0)
 
 
 # --- 9. load_jsonl ---
@@ -629,19 +577,16 @@ def write_lines(path, lines):
 
 
 def test_load_jsonl_prompt_answer_and_gsm8k(tmp_path):
-    path = write_lines(
-        tmp_path / "a.jsonl",
-        [
-            json.dumps({"prompt": "2+2=", "answer": "4"}),
-            "",
-            json.dumps({"prompt": "3*3=", "answer": 9}),
-            json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
-            json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
-        ],
-    )
-    recs = data_files.load_jsonl(path)
+    """Records split at '\\n' only: JSON allows raw U+2028 / U+2029 / U+0085 inside strings."""
+    odd = "first\u2028second\u2029third\x85fourth"
+    lines = [json.dumps({"prompt": "2+2=", "answer": "4"}), "", json.dumps({"prompt": "3*3=", "answer": 9}),
+             json.dumps({"question": "How many?", "answer": "Think 1000 + 234 = 1,234.\n#### 1,234"}),
+             json.dumps({"question": "Half?", "answer": "It is #### 0.50"}),
+             json.dumps({"prompt": odd, "answer": "1"}, ensure_ascii=False)]  # fmt: skip
+    recs = data_files.load_jsonl(write_lines(tmp_path / "a.jsonl", lines))
     assert recs == [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3*3=", "answer": "9"},
-                    {"prompt": "How many?", "answer": "1,234"}, {"prompt": "Half?", "answer": "0.50"}]  # fmt: skip
+                    {"prompt": "How many?", "answer": "1,234"}, {"prompt": "Half?", "answer": "0.50"},
+                    {"prompt": odd, "answer": "1"}]  # fmt: skip
     assert common.score("#### 1234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("1,234", recs[2]["answer"]) == (1.0, 1.0)
     assert common.score("#### 1235", recs[2]["answer"])[0] == 0.0
@@ -671,17 +616,6 @@ def test_load_jsonl_refuses_a_bad_file_in_one_line_naming_where(tmp_path, lines,
     assert "\n" not in str(err.value) and (path in str(err.value) or says == "no records")
     with pytest.raises(common.UsageError, match="not found"):
         data_files.load_jsonl(str(tmp_path / "missing.jsonl"))
-
-
-def test_load_jsonl_unicode_line_separator_inside_string(tmp_path):
-    """JSON allows raw U+2028 / U+2029 / U+0085 inside strings; JSONL splits records at '\\n' only."""
-    prompt = "first\u2028second\u2029third\x85fourth"
-    lines = [
-        json.dumps({"prompt": prompt, "answer": "1"}, ensure_ascii=False),
-        json.dumps({"prompt": "b", "answer": "2"}),
-    ]
-    path = write_lines(tmp_path / "u.jsonl", lines)
-    assert data_files.load_jsonl(path) == [{"prompt": prompt, "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
 
 # --- 10. top-p and seeded sampling ---

@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, Path(__file__).parent):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from helpers import free_port, needs_torchrun, torchrun_cmd  # noqa: E402
-from test_real_checkpoints import GSM8K, assert_trained, build_tiny_qwen2, graded_reward  # noqa: E402
+from helpers import ROOT, free_port, needs_torchrun, torchrun_cmd
+from test_real_checkpoints import GSM8K, assert_trained, build_tiny_qwen2, graded_reward
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 

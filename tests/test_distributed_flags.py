@@ -120,8 +120,6 @@ OFF_POLICY_PI_OLD = """        logp = common.CompletionLogprobs(self.model)(roll
 # (grpo token-mean with --mask-truncated is grpo-token-mean+entropy's update: the bonus shares the loss's denominator)
 CASES = {
     "grpo-sum-norm": ("grpo", ["--loss-agg", "seq-mean-token-sum-norm", "--mask-truncated"]),
-    "ppo-lam": ("ppo", ["--lam", "0.5", "--missing-eos-penalty", "0.5"]),
-    "gspo-token": ("gspo", ["--variant", "token", "--mask-truncated"]),
     # --entropy-coef: the bonus, aggregated as each script aggregates its loss (grpo: by --loss-agg, with the loss's
     # denominator; gspo: per sequence, then over the minibatch's rows; ppo: a token mean, scaled to all ranks' tokens)
     "grpo-token-mean+entropy": ("grpo", ["--loss-agg", "token-mean", "--mask-truncated", "--entropy-coef", "0.5"]),
@@ -131,11 +129,14 @@ CASES = {
 }
 # --lora-rank: the bonus's updates training rank-4 adapters on frozen weights (ppo: the critic's too), made non-zero
 # first (NONZERO_LORA), so that the step's gradient reaches both adapter matrices; the same flags without LoRA run
-# under --fsdp below (FSDP_CASES), so each script's bonus is checked on 2 ranks both ways
+# under --fsdp below (FSDP_CASES), so each script's bonus is checked on 2 ranks both ways. The LoRA runs also carry
+# gspo's token variant and ppo's --lam and --missing-eos-penalty (WITH_LORA)
 FSDP_CASES = ["grpo-token-mean+entropy", "gspo+entropy", "ppo+entropy"]  # (sharded alike whatever --loss-agg)
+WITH_LORA = {"gspo+entropy": ["--variant", "token", "--mask-truncated"],
+             "ppo+entropy": ["--lam", "0.5", "--missing-eos-penalty", "0.5"]}  # fmt: skip
 DDP_CASES = {case: CASES[case] for case in CASES if case not in FSDP_CASES}
-DDP_CASES |= {f"{case}+lora": (algo, [*flags, "--lora-rank", "4"]) for case, (algo, flags) in CASES.items()
-              if case in FSDP_CASES}  # fmt: skip
+DDP_CASES |= {f"{case}+lora": (algo, [*flags, *WITH_LORA.get(case, ()), "--lora-rank", "4"])
+              for case, (algo, flags) in CASES.items() if case in FSDP_CASES}  # fmt: skip
 
 # peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
 # that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do

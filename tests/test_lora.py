@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import build_checkpoints  # tools/, on sys.path through conftest.py
 import pytest
 import torch
-from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import build_checkpoints  # noqa: E402  (tools/, on sys.path through conftest.py)
-from helpers import (  # noqa: E402
+from helpers import (
     entropy_tol,
     gamma,
     logit_scale,
     logit_tol,
     logprob_tol,
-    main_in_process,
 )
-from test_reliability import SMALL, assert_same_weights, metrics, ok, run  # noqa: E402
+from safetensors.torch import load_file
+from test_reliability import assert_same_weights, metrics, train_in_process
 
-import common  # noqa: E402
-import gspo  # noqa: E402
-import ppo  # noqa: E402
+import common
+import ppo
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -132,10 +126,10 @@ LORA_FLAGS = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--merge-lor
 
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory, tiny_path):
-    """ppo.py with LoRA: "full" 6 steps; "part" the same run stopped by --steps 3 --save-every 3."""
+    """ppo.py with LoRA, in this process: "full" 6 steps; "part" the same run stopped by --steps 3 --save-every 3."""
     base = tmp_path_factory.mktemp("lora-runs")
-    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "6", "--out", base / "full"))
-    ok(run("ppo", *SMALL, *LORA_FLAGS, "--steps", "3", "--save-every", "3", "--out", base / "part"))
+    train_in_process(ppo, *LORA_FLAGS, "--steps", "6", "--out", base / "full")
+    train_in_process(ppo, *LORA_FLAGS, "--steps", "3", "--save-every", "3", "--out", base / "part")
     return base
 
 
@@ -188,29 +182,9 @@ def test_resume_with_lora_equals_the_uninterrupted_run(ppo_runs, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(ppo_runs / "part", resumed)
     assert (resumed / "checkpoint" / "policy" / "adapter_model.safetensors").is_file()  # the adapters, not the base
-    ok(run("ppo", "--resume", resumed, "--steps", "6"))
+    common.main(ppo.train, ppo.Args, ["--resume", str(resumed), "--steps", "6"])
     full = ppo_runs / "full"
     assert metrics(resumed) == metrics(full)
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
         assert_same_weights(load_file(str(resumed / "final" / name)), load_file(str(full / "final" / name)))
     assert_same_weights(torch.load(resumed / "final" / "critic.pt"), torch.load(full / "final" / "critic.pt"))
-
-
-# --- Bad flags ---
-
-
-@pytest.mark.parametrize(
-    "script, argv, expected",
-    [  # (a flag's bound: test_reliability's bad input sweeps one kind of each check)
-        (ppo, ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
-        (
-            gspo,
-            ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
-            "--lora-targets: qwen3 has no module named qkv",
-        ),
-    ],
-)
-def test_bad_lora_flags_exit_2_with_one_line(tmp_path, capsys, script, argv, expected):
-    status, _, err = main_in_process(script, [*SMALL, "--steps", "2", *argv, "--out", tmp_path / "out"], capsys)
-    assert status == 2 and err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    assert expected in err and not (tmp_path / "out").exists()

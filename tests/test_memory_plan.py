@@ -79,20 +79,6 @@ def test_activation_count_matches_what_autograd_saves(model_type, rows, prompt, 
     assert saved_bytes(model, roll) == planned
 
 
-def test_kv_cache_matches_the_sampler_buffers():
-    fields = dict(SHAPES["qwen3"], vocab_size=50, pad_token_id=0, eos_token_id=1)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen3", **fields))
-    rows, prompt, new = 4, 5, 20
-    roll = common.Rollout.from_lists([[3] * prompt] * rows, [[4]] * rows, 0)
-    decoder = common._StaticKVDecoder(model, roll, new)
-    decoder.prefill()
-    for _ in range(new):  # every slot written: the cache at its largest
-        decoder.step(torch.full((rows,), 5))
-    cache = sum(t.nbytes for t in decoder.k + decoder.v)
-    plan = plan_memory.plan_memory(fields | {"model_type": "qwen3"}, "grpo", rows, prompt, new, device="cpu")
-    assert cache == plan["kv_cache"]
-
-
 def test_hand_worked_plan():
     """Qwen2.5-0.5B, GRPO, 8 completions of 6 + 32 tokens, 2 minibatches, CPU, worked by hand."""
     c = plan_memory.QWEN_CONFIGS["qwen2.5-0.5b"]
@@ -148,21 +134,23 @@ def test_lora_trains_only_the_adapters():
     assert plan["critic"] == 4 * 494_032_768 + 16 * (lora + 896 + 1)  # frozen trunk; adapters + head trained
 
 
-def test_bf16_rollouts_halve_the_kv_cache_and_add_a_bf16_copy_while_sampling():
-    """--rollout-dtype bfloat16: the cache of a bf16 copy's decoder is what the plan says, and the
-    copy (2 bytes a parameter) counts in the sampling phase only."""
+def test_kv_cache_matches_the_sampler_buffers_and_bf16_rollouts_add_a_copy_while_sampling():
+    """The sampler's cache, every slot written, float32 and a bf16 copy's (--rollout-dtype bfloat16), is what the
+    plan says; the copy (2 bytes a parameter) counts in the sampling phase only."""
     fields = dict(SHAPES["qwen3"], vocab_size=50, pad_token_id=0, eos_token_id=1)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen3", **fields))
     rows, prompt, new = 4, 5, 20
     roll = common.Rollout.from_lists([[3] * prompt] * rows, [[4]] * rows, 0)
-    decoder = common._StaticKVDecoder(model.to(torch.bfloat16), roll, new)
-    decoder.prefill()
-    for _ in range(new):
-        decoder.step(torch.full((rows,), 5))
     config = fields | {"model_type": "qwen3"}
     bf16 = plan_memory.plan_memory(config, "grpo", rows, prompt, new, device="cpu", rollout_dtype="bfloat16")
     f32 = plan_memory.plan_memory(config, "grpo", rows, prompt, new, device="cpu")
-    assert sum(t.nbytes for t in decoder.k + decoder.v) == bf16["kv_cache"] == f32["kv_cache"] // 2
+    for plan, dtype in ((f32, torch.float32), (bf16, torch.bfloat16)):
+        decoder = common._StaticKVDecoder(model.to(dtype), roll, new)
+        decoder.prefill()
+        for _ in range(new):  # every slot written: the cache at its largest
+            decoder.step(torch.full((rows,), 5))
+        assert sum(t.nbytes for t in decoder.k + decoder.v) == plan["kv_cache"]
+    assert bf16["kv_cache"] == f32["kv_cache"] // 2
     assert bf16["rollout_copy"] == 2 * sum(p.numel() for p in model.parameters()) and f32["rollout_copy"] == 0
     sampling = ("kv_cache", "sampler_logits", "sampler_fused_weights", "rollout_copy")
     update = ("activations", "logprob_chunk", "tied_embedding_grad")

@@ -171,10 +171,3 @@ def test_smoke_run_moe(tmp_path, capsys, moe, script, extra):
         assert 0.0 <= r["routing_drift"] <= 1.0 and math.isfinite(r["ratio_std"]) and r["ratio_std"] >= 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["args"].get("routing_replay", False) == ("--routing-replay" in extra)  # gspo.py has no such flag
-
-
-def test_routing_replay_on_a_dense_model_is_a_usage_error(tmp_path, capsys):
-    status, _, err = main_in_process(
-        importlib.import_module("grpo"), ["--routing-replay", "--steps", 1, "--out", tmp_path / "run"], capsys
-    )
-    assert status == 2 and "no MoE layers" in err

@@ -7,15 +7,13 @@ import copy
 import hashlib
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import entropy_tol, forward_roundings, logit_scale, logprob_tol, probable_gamma
+from helpers import entropy_tol, forward_roundings, logit_scale, logprob_tol, main_in_process, probable_gamma
 
 import common
+import gspo
 from extras import data_files, qwen3_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643  # <|im_start|>, <|im_end|> (EOS), <|endoftext|> (pad, EOS too)
@@ -212,23 +210,20 @@ def test_chunked_logprobs_equal_the_plain_ones_at_the_real_vocabulary(model, tok
 REWARD = "def length_mod_3(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-# the slow tier (13-16 s each here): with it the quick tier took 119 s of its 120 s budget (2-core EPYC, idle);
+# the slow tier (13-16 s here): with it the quick tier took 119 s of its 120 s budget (2-core EPYC, idle);
 # the quick tier keeps the real vocabulary's tokenizer and sampling tests above
 @pytest.mark.slow
-@pytest.mark.parametrize("thinking", ["off"])  # (--thinking on, one step of each script: test_flags_reach_update)
-def test_one_gspo_step_at_the_real_vocabulary(tmp_path, thinking):
-    """gspo.py, one step at 151,936 words, with more forwarded tokens than one log-prob chunk holds."""
+def test_one_gspo_step_at_the_real_vocabulary(tmp_path, capsys):
+    """gspo.py, one step at 151,936 words, with more forwarded tokens than one log-prob chunk holds
+    (--thinking off; on, one step of each script: test_flags_reach_update)."""
     (tmp_path / "reward.py").write_text(REWARD)
     out, rows, tokens = tmp_path / "run", 16, 16
     assert rows * tokens > 2 * (common.LOGITS_CHUNK_ELEMENTS // 151_936), "the step must span several chunks"
-    cmd = [sys.executable, "gspo.py", "--model", common.TINY_QWEN3, "--steps", "1", "--prompts-per-step", "4",
-           "--group-size", "4", "--minibatches", "1", "--max-new-tokens", str(tokens), "--eval-every", "0",
-           "--eval-size", "4", "--thinking", thinking, "--reward", f"{tmp_path / 'reward.py'}:length_mod_3",
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "RLREF_THREADS": os.environ.get("RLREF_THREADS", "1")}
-    proc = subprocess.run(cmd, cwd=common.SHIPPED_CHECKPOINTS.parent, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--model", common.TINY_QWEN3, "--steps", "1", "--prompts-per-step", "4", "--group-size", "4",
+            "--minibatches", "1", "--max-new-tokens", str(tokens), "--eval-every", "0", "--eval-size", "4",
+            "--thinking", "off", "--reward", f"{tmp_path / 'reward.py'}:length_mod_3", "--out", str(out)]  # fmt: skip
+    status, _, err = main_in_process(gspo, argv, capsys)
+    assert status == 0, err[-3000:]
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert row["step"] == 1 and row["zero_std_frac"] < 1, row  # some groups had signal: their rows were forwarded
     assert math.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["entropy"] > 0, row

@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, SCRIPTS, gamma, main_in_process
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from helpers import SCRIPTS, gamma, main_in_process  # noqa: E402
-
-import common  # noqa: E402
+import common
+import gspo
 
 pytestmark = pytest.mark.slow  # subprocess or torchrun runs: the quick tier (-m "not slow") leaves them out
 
@@ -102,23 +98,43 @@ def bad_inputs(tmp):
     own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
         ("ppo", ["--critic-lr", "-1"], "--critic-lr must be >= 0"),
+        ("gspo", ["--trace-every", "-1"], "--trace-every"),
+        ("gspo", ["--trace-groups", "0"], "--trace-groups"),
+        ("gspo", ["--old-logp", "rollout", "--is-correction", "tis"], "with --old-logp rollout pi_old is mu"),
+        ("grpo", ["--is-cap", "0.5"], "--is-cap must be a finite number >= 1, got 0.5"),
+        ("ppo", ["--rollout-dtype", "bf16"], "invalid choice 'bf16' for argument '--rollout-dtype'"),
+        ("grpo", ["--is-correction", "trunc"], "invalid choice 'trunc' for argument '--is-correction'"),
+        ("ppo", ["--merge-lora"], "--merge-lora merges LoRA adapters: it needs --lora-rank > 0"),
+        ("grpo", ["--routing-replay"], "no MoE layers"),  # the tiny model is dense
+        ("gspo", ["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
+        (
+            "gspo",
+            ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv"],
+            "--lora-targets: qwen3 has no module named qkv",
+        ),
     ]
     return [(SCRIPTS[i % len(SCRIPTS)], argv, expected) for i, (argv, expected) in enumerate(shared)] + [
         case for case in own if case[0] in SCRIPTS
     ]
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path):
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    """Each check through common.main in this process; the first case also from the command line."""
     failures = []
     for i, (script, argv, expected) in enumerate(bad_inputs(tmp_path)):
         out = tmp_path / f"out{i}"
         if "--out" not in argv:
             argv = [*argv, "--out", out]
-        proc = run(script, *SMALL, "--steps", "2", *argv, timeout=120)
-        lines = proc.stderr.strip().splitlines()
+        argv = [*SMALL, "--steps", "2", *argv]
+        if i == 0:
+            proc = run(script, *argv, timeout=120)
+            status, err = proc.returncode, proc.stderr
+        else:
+            status, _, err = main_in_process(__import__(script), argv, capsys)
+        lines = err.strip().splitlines()
         problem = None
-        if proc.returncode != 2:
-            problem = f"exit {proc.returncode}"
+        if status != 2:
+            problem = f"exit {status}"
         elif len(lines) != 1 or not lines[0].startswith("error: "):
             problem = "stderr is not one 'error: ...' line"
         elif expected not in lines[0]:
@@ -126,7 +142,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         elif out.exists():
             problem = "left an output directory"
         if problem:
-            failures.append(f"{script} {' '.join(map(str, argv))}: {problem}\n{proc.stderr[-1500:]}")
+            failures.append(f"{script} {' '.join(map(str, argv))}: {problem}\n{err[-1500:]}")
     assert not failures, "\n\n".join(failures)
 
 
@@ -136,7 +152,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """runs(script, kind) -> out dir: "full" 6 steps, "part" stopped at 3 with a checkpoint (both at a constant lr:
-    annealing depends on --steps), "annealed" 6 steps at the default schedule."""
+    annealing depends on --steps), "annealed" 6 steps at the default schedule; in this process (one thread, as on
+    the command line: common.load_model). The tests resume them, and the signalled runs, from the command line."""
     base, cache = tmp_path_factory.mktemp("runs"), {}
     kinds = {"full": ["--steps", "6", "--no-anneal-lr"], "annealed": ["--steps", "6"],
              "part": ["--steps", "3", "--save-every", "3", "--no-anneal-lr"]}  # fmt: skip
@@ -144,7 +161,7 @@ def runs(tmp_path_factory):
     def get(script, kind):
         if (script, kind) not in cache:
             out = base / f"{script}-{kind}"
-            ok(run(script, *SMALL, *kinds[kind], "--out", out))
+            train_in_process(__import__(script), *kinds[kind], "--out", out)
             cache[script, kind] = out
         return cache[script, kind]
 
@@ -180,7 +197,8 @@ def test_resume_truncates_metrics_after_the_checkpoint(runs, tmp_path):
     shutil.copytree(runs("gspo", "part"), resumed)
     with open(resumed / "metrics.jsonl", "a") as f:  # rows a crash left after the checkpoint's step
         f.write(json.dumps({"step": 4, "reward": -1.0}) + "\n" + json.dumps({"step": 5, "reward": -1.0}) + "\n")
-    ok(run("gspo", "--resume", resumed / "checkpoint", "--steps", "4"))  # DIR may be the checkpoint itself
+    # (in this process: test_resume_equals_uninterrupted_run resumes from the command line); DIR may be the checkpoint
+    common.main(gspo.train, gspo.Args, ["--resume", str(resumed / "checkpoint"), "--steps", "4"])
     rows = metrics(resumed)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["reward"] >= 0
     full = metrics(runs("gspo", "full"))
@@ -234,8 +252,11 @@ def test_resume_refuses_another_runs_checkpoint_in_one_line(runs, tmp_path, tiny
 def start(out, *flags, **env_vars):
     """Start gspo in a subprocess; return it once metrics.jsonl has a row."""
     cmd = [sys.executable, "gspo.py", *SMALL, *map(str, flags), "--out", str(out)]
+    # SIGINT as a terminal leaves it: a pytest started in the background (`pytest &`) ignores SIGINT, and so would the
+    # run it starts, which then finishes (the tests below skipped)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **env_vars}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=default_sigint)  # fmt: skip
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
@@ -296,7 +317,7 @@ def test_sigint_with_stdout_a_closed_pipe_saves_and_resume_completes_the_run(tmp
     --resume ends where an unstopped run ends."""
     flags = ["--eval-every", "1", "--steps", "8"]
     whole = tmp_path / "whole"
-    ok(run("gspo", *SMALL, *flags, "--out", whole))
+    train_in_process(__import__("gspo"), *flags, "--out", whole)
     out = tmp_path / "piped"
     proc = start(out, *flags, PYTHONUNBUFFERED="1")
     assert proc.stdout.readline().startswith("step 0:")  # the run is writing to the pipe

@@ -327,10 +327,13 @@ def test_defaults_runs_each_script_with_only_seed_and_out_and_reports_each_lengt
 
 
 @pytest.mark.slow  # bash run_all.sh in a subprocess
-def test_defaults_refuses_a_shared_budget_variable(tmp_path):
-    variable = "STEPS"
-    res = run_all("--defaults", env={"OUT": str(tmp_path / "d"), variable: "4"}, unset=set(BUDGET) - {variable})
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and f"{variable} is set" in res.stderr, res.stderr
+@pytest.mark.parametrize(
+    "flags, env, says", [(["--bogus"], {}, "--bogus"), (["--defaults"], {"STEPS": "4"}, "STEPS is set")]
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, flags, env, says):
+    """A bad flag, or --defaults with a shared budget variable set."""
+    res = run_all(*flags, env={"OUT": str(tmp_path / "d"), **env}, unset=set(BUDGET) - set(env))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
     assert not (tmp_path / "d").exists()
 
 
@@ -417,12 +420,6 @@ def test_plot_curves_draws_each_config_against_its_own_steps_and_clock(tmp_path)
     assert "each config to its own last step" in fig._suptitle.get_text()
 
 
-@pytest.mark.slow  # bash run_all.sh in a subprocess
-def test_a_bad_flag_exits_2():
-    res = run_all("--bogus")
-    assert res.returncode == 2 and "--bogus" in res.stderr
-
-
 # --- experiments/compare_report.py's functions, called directly ---
 
 
@@ -434,7 +431,6 @@ def test_mean_std_is_the_sample_std_of_the_finite_values():
     assert compare_report.mean_std([None, float("inf")]) == {"mean": None, "std": None, "n": 0}
 
 
-@pytest.mark.slow
 def test_per_seed_values_and_aggregate_hand_worked():
     # 12 steps, reward = step / 10: the last 10 steps are 3..12, mean 7.5 / 10
     def run(seed):

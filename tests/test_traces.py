@@ -193,16 +193,6 @@ def test_the_default_traces_at_each_evaluation(tmp_path):
     assert not any(common.trace_due(args, s) for s in range(1, 26))
 
 
-@pytest.mark.parametrize("flag, value", [("--trace-every", "-1"), ("--trace-groups", "0")])
-def test_bad_trace_flags_are_one_line_errors(tmp_path, capsys, flag, value):
-    with pytest.raises(SystemExit) as e:
-        common.main(gspo.train, gspo.Args, argv=[*RUN, flag, value, "--out", str(tmp_path / "x")])
-    assert e.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and flag in errors[0]
-    assert not (tmp_path / "x").exists()
-
-
 # --- The page ---
 
 MAYBE_REWARD = '''
@@ -436,12 +426,10 @@ GROUPED = [name for name in SCRIPTS if helpers.traits(name).grouped]
 
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory):
-    """`python <script>.py --steps 10` for each grouped script, as a user runs it (traced at its evaluation)."""
+    """`<script>.py --steps 1` for each grouped script, its other flags the defaults (traced at its evaluation)."""
     root = tmp_path_factory.mktemp("default")
     for name in GROUPED:
-        proc = subprocess.run([sys.executable, f"{name}.py", "--steps", "10", "--out", str(root / name)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        common.main(SCRIPTS[name].train, SCRIPTS[name].Args, argv=["--steps", "1", "--out", str(root / name)])
     return {name: root / name for name in GROUPED}
 
 
@@ -454,7 +442,7 @@ def signal_of(completions) -> bool:
 def test_a_default_run_traces_groups_with_signal(default_runs, name):
     records = traces(default_runs[name])
     args = common.parse_args(SCRIPTS[name].Args, [])
-    assert {r["step"] for r in records} == {10}  # its evaluation (the schedule: test_the_default_traces_...)
+    assert {r["step"] for r in records} == {1}  # its evaluation (the schedule: test_the_default_traces_...)
     assert len(records) == args.trace_groups and len({r["group"] for r in records}) == len(records)
     for r in records:
         assert r["signal"] == signal_of(r["completions"])
