@@ -93,7 +93,7 @@ def bad_inputs(tmp):
         (["--temperature", "0"], "--temperature must be > 0"),
         (["--out", a_file], "is a file"),
         (["--resume", no_ckpt], "no checkpoint"),
-        (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
+        (["--no-such-flag", "1"], "Unrecognized options: --no-such-flag"),
     ]
     own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
