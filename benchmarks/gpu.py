@@ -83,6 +83,7 @@ QWEN25_05B = QWEN_CONFIGS["qwen2.5-0.5b"]
 SMOKE_SHAPE = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=1024)  # fmt: skip
 TINY_FLAGS = dict(model="tiny", steps=3, eval_size=16)  # (a)
+SMOKE_TINY_FLAGS = dict(TINY_FLAGS, prompts_per_step=8, eval_size=8)  # (a) under --cpu-smoke: does it run?
 # (b) and (d): every script's flags at the 0.5B shape, and --cpu-smoke's smaller ones
 REAL_SHAPE_FLAGS = dict(
     steps=3, prompts_per_step=8, group_size=4, max_new_tokens=128, minibatches=2, eval_size=8, lr=1e-6, seed=0
@@ -368,7 +369,8 @@ def jobs(args, work: Path, t_start: float) -> tuple[Row, list]:
     todo = []
     for script in SCRIPTS:
         name = f"{script}.py --model tiny"
-        cmd = [sys.executable, str(ROOT / f"{script}.py"), *flags(TINY_FLAGS), "--device", device]
+        tiny = SMOKE_TINY_FLAGS if args.cpu_smoke else TINY_FLAGS
+        cmd = [sys.executable, str(ROOT / f"{script}.py"), *flags(tiny), "--device", device]
         todo.append(("a", name, functools.partial(script_row, "a", name, cmd, work / f"a-{script}")))
     build = Row("b", "random checkpoint and --data")
     try:
