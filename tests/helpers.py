@@ -196,17 +196,22 @@ def import_file(path: Path):
     return module
 
 
-def main_in_process(module, argv, capsys) -> tuple:
-    """common.main of a script module in this process: (exit status, stdout, stderr)."""
-    import common
-
+def in_process(main, argv, capsys) -> tuple:
+    """A command line's `main(argv)` (a script's or a tool's) in this process: (exit status, stdout, stderr)."""
     try:
-        common.main(module.train, module.Args, argv=[str(a) for a in argv])
+        main([str(a) for a in argv])
         status = 0
     except SystemExit as e:
         status = e.code
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def main_in_process(module, argv, capsys) -> tuple:
+    """common.main of a script module in this process: (exit status, stdout, stderr)."""
+    import common
+
+    return in_process(lambda a: common.main(module.train, module.Args, argv=a), argv, capsys)
 
 
 def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:

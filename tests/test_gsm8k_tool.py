@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gsm8k
 import pytest
+from helpers import in_process
 
 import common
 
@@ -27,13 +28,7 @@ TEST_PROMPT_STARTS = ["Janet\u2019s ducks lay 16 eggs", "Johnny is picking up th
 
 def run_tool(argv, capsys) -> tuple:
     """tools/gsm8k.py's main in this process: (exit status, stdout, stderr)."""
-    try:
-        gsm8k.main([str(a) for a in argv])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    return in_process(gsm8k.main, argv, capsys)
 
 
 def read_jsonl(path: Path) -> list[dict]:

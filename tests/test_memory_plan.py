@@ -5,6 +5,7 @@ import plan_memory  # tools/, on sys.path through conftest.py
 import pytest
 import torch
 import transformers
+from helpers import in_process
 
 import common
 
@@ -259,12 +260,7 @@ def test_parallel_plans_reject_what_torchrun_would_not_run():
 
 def test_cli_prints_the_plans_and_the_comparison_table_and_rejects_bad_input(tmp_path, capsys):
     def cli(*argv):  # in this process: (exit status, stdout, stderr)
-        try:
-            plan_memory.plan_memory_cli([str(a) for a in argv])
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        return status, *capsys.readouterr()
+        return in_process(plan_memory.plan_memory_cli, argv, capsys)
 
     status, out, err = cli("--model", "qwen2.5-0.5b", "qwen3-0.6b", "--algo", "ppo")
     assert status == 0 and "peak" in out and "qwen3-0.6b" in out and "critic" in out, err

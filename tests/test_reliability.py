@@ -1,6 +1,8 @@
 """The scripts as programs, in subprocesses: bad input exits 2 with one line; --resume equals an
 uninterrupted run and refuses another run's checkpoint; signals checkpoint; non-finite updates are skipped."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -161,7 +163,9 @@ def runs(tmp_path_factory):
     def get(script, kind):
         if (script, kind) not in cache:
             out = base / f"{script}-{kind}"
-            train_in_process(__import__(script), *kinds[kind], "--out", out)
+            # its console output is not the asking test's: a test that reads stderr sees only its own
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                train_in_process(__import__(script), *kinds[kind], "--out", out)
             cache[script, kind] = out
         return cache[script, kind]
 

@@ -311,12 +311,7 @@ def test_the_page_in_a_real_browser(page):
 
 def show_traces_cli(capsys, *argv):
     """(exit status, stdout, stderr) of tools/show_traces.py's main in this process (run_all.sh runs the command)."""
-    try:
-        show_traces.main([str(a) for a in argv])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    return status, *capsys.readouterr()
+    return helpers.in_process(show_traces.main, argv, capsys)
 
 
 def page_data(html: Path) -> dict:
