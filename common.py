@@ -1093,8 +1093,9 @@ def score(completion: str, answer: str, parser: str = "exact") -> tuple[float, f
         text = extra("reward_functions", "--reward boxed").extract_boxed(completion)
     else:
         text = completion.rsplit("####", 1)[-1]
-    numeric = normalize_number(answer) is not None  # else an exact string match after stripping
-    gold = normalize_number(answer) if numeric else answer.strip()
+    gold = normalize_number(answer)
+    numeric = gold is not None  # else an exact string match after stripping
+    gold = gold if numeric else answer.strip()
     pred = None if text is None else normalize_number(text) if numeric else text.strip() or None
     return float(pred is not None and pred == gold), float(pred is not None)
 
