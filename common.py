@@ -8,6 +8,7 @@ benchmarks/ import this file, never the other way round.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1313,14 +1314,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Updates: minibatches, the non-finite guard, the step's update metrics (pooled over updates and ranks), the trace
+# 8. Updates: the non-finite guard, the learning-rate schedule, the trace, MoE routing, the step's sums over ranks
 # ---------------------------------------------------------------------------------------------
-
-
-def minibatches(n: int, epochs: int, n_minibatches: int, device):
-    """Row indices of each update: `epochs` passes over rows 0..n-1, each a fresh order cut into `n_minibatches`."""
-    for _ in range(epochs):
-        yield from torch.randperm(n, device=device).chunk(n_minibatches)
 
 
 def token_mean_scale(mask: torch.Tensor) -> torch.Tensor:
@@ -1368,32 +1363,6 @@ class NonFiniteGuard:
         self.in_a_row = state["in_a_row"]
 
 
-RATIO_BAND = 0.2  # ratio_outside_grpo_clip's yardstick, [1 - 0.2, 1 + 0.2] (GRPO's usual clip), for all three alike
-
-
-def token_ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """How far an update's policy moved from pi_old over its tokens (mask [B, T]), whatever the algorithm: the
-    population std of log(pi / pi_old), and the share of tokens whose ratio is outside 1 -/+ RATIO_BAND."""
-    log_ratio = (logp.detach() - old_logp)[mask.bool()].double()  # [N] the update's tokens
-    if not log_ratio.numel():
-        return {"log_ratio_std": 0.0, "ratio_outside_grpo_clip": 0.0}
-    outside = (log_ratio.exp() < 1 - RATIO_BAND) | (log_ratio.exp() > 1 + RATIO_BAND)
-    return {"log_ratio_std": log_ratio.std(unbiased=False).item(),
-            "ratio_outside_grpo_clip": outside.double().mean().item()}  # fmt: skip
-
-
-def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each script's
-    group_advantages decides it (their advantages are exactly 0)."""
-    r = rewards.view(-1, group_size)
-    return r.max(1).values == r.min(1).values
-
-
-def lowest_groups(rewards: torch.Tensor, group_size: int, lowest) -> torch.Tensor:
-    """[B / G] bool: the constant groups whose rewards all equal `lowest`, the batch's lowest reward (on every rank)."""
-    return constant_groups(rewards, group_size) & (rewards.view(-1, group_size)[:, 0].float() == lowest)
-
-
 def check_filter_groups(args):
     """grpo.py's and gspo.py's --filter-groups and --max-sample-rounds."""
     if args.max_sample_rounds < 1:
@@ -1405,93 +1374,6 @@ def check_filter_groups(args):
         extra("filter_groups", "--filter-groups")
 
 
-# How each number an update reports is pooled over the updates that stepped and over the ranks (`pool`); the units
-# are docs/metrics.md's table. A numeric `info` key not named here is an error (`update_terms`).
-UPDATE_STAT_UNITS = {
-    **dict.fromkeys(["clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "vf_clip_frac"],
-                    "minibatch tokens"),
-    "clip_frac_seqs": "minibatch sequences",
-    **dict.fromkeys(["kl", "approx_kl", "ratio_outside_grpo_clip"], "tokens"),
-    "log_ratio_std": "tokens, std",
-    "ratio_mean": "ratio items",
-    "ratio_std": "ratio items, std",
-    "ratio_max_dev": "max",
-    **dict.fromkeys(["loss", "value_loss", "grad_norm", "critic_grad_norm"], "update"),
-}  # fmt: skip
-POOLED_STD_MEANS = {"ratio_std": "ratio_mean", "log_ratio_std": "log_ratio_mean"}  # the mean each std is about
-
-
-def update_stat_terms(numbers: dict, counts: dict) -> dict:
-    """One update's numbers as the sums `pool` adds up, weighted by `counts` ("tokens", ...): {key: [weighted sum,
-    weight]} (a std: [n * mean, n, n * std^2, n * mean^2]; a max: [value]). An undeclared key: ValueError."""
-    terms = {}
-    for key, value in numbers.items():
-        if key in POOLED_STD_MEANS.values() and key not in UPDATE_STAT_UNITS:  # only a std's mean (log_ratio_mean)
-            continue
-        unit = UPDATE_STAT_UNITS.get(key)
-        if unit is None:
-            raise ValueError(f"update_terms: the loss's info holds {key!r}, which common.UPDATE_STAT_UNITS does not "
-                             f"declare: say how it is counted, common.UPDATE_STAT_UNITS[{key!r}] = 'tokens' (or another"
-                             " unit: docs/metrics.md)")  # fmt: skip
-        value = float(value)
-        if unit == "max":
-            terms[key] = [value]
-        elif unit == "update":
-            terms[key] = [value, 1.0]
-        elif unit.endswith(", std"):
-            n, mean = float(counts[unit.removesuffix(", std")]), float(numbers[POOLED_STD_MEANS[key]])
-            terms[key] = [n * mean, n, n * value**2, n * mean**2]
-        elif unit.startswith("minibatch"):  # a share of the forwarded rows -> their count, of the minibatch's
-            terms[key] = [value * counts[unit.replace("minibatch", "forwarded")], float(counts[unit])]
-        else:
-            terms[key] = [value * counts[unit], float(counts[unit])]
-    return terms
-
-
-def update_terms(info: dict, logp, old_logp, mask, minibatch_mask, forwarded: int) -> dict:
-    """One update's numbers for `pool`: the loss's `info` (not its tensors) and `token_ratio_stats` over the loss's
-    `mask` [b, T] of the `forwarded` rows, weighted as UPDATE_STAT_UNITS says. Clip fractions become shares of the
-    whole minibatch (`minibatch_mask` [m, T]), as TRL and verl count them: a row left out never clips."""
-    numbers = {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
-    ratio_seqs = numbers.pop("ratio_seqs", None)  # GSPO: its ratio statistics are of that many sequences
-    loss_tokens, mask = mask.sum().item(), mask.bool()
-    counts = {"tokens": loss_tokens, "forwarded tokens": loss_tokens, "minibatch tokens": minibatch_mask.sum().item(),
-              "forwarded sequences": forwarded, "minibatch sequences": minibatch_mask.shape[0],
-              "ratio items": loss_tokens if ratio_seqs is None else ratio_seqs}  # fmt: skip
-    log_ratio = (logp.detach() - old_logp)[mask].double()  # the mean log_ratio_std is about
-    numbers["log_ratio_mean"] = log_ratio.mean().item() if log_ratio.numel() else 0.0
-    return update_stat_terms({**numbers, **token_ratio_stats(logp, old_logp, mask)}, counts)
-
-
-def pool(updates: list[dict], skipped: int) -> dict:
-    """The step's update metrics from `update_stat_terms` of each update that stepped, on every rank: summed over
-    updates and ranks in one all-reduce (a max in one more), then divided; a std is the pooled population std,
-    sqrt((sum n std^2 + sum n mean^2 - N mean^2) / N); no weight anywhere: 0 (ratio_mean 1). skipped_updates: the
-    non-finite guard's skips, the mean over the ranks."""
-    keys = list(updates[0]) if updates else []
-    maxima = [k for k in keys if UPDATE_STAT_UNITS[k] == "max"]
-    summed = [k for k in keys if k not in maxima]
-    widths = [len(updates[0][k]) for k in summed]
-    sums = torch.zeros(sum(widths) + 2, dtype=torch.float64)  # + skipped, ranks
-    for u in updates:
-        sums[: sum(widths)] += torch.tensor([t for k in summed for t in u[k]], dtype=torch.float64)
-    sums[-2:] = torch.tensor([float(skipped), 1.0], dtype=torch.float64)
-    sums = all_reduce_sum(sums).tolist()
-    largest = [max(u[k][0] for u in updates) for k in maxima]
-    largest = all_reduce_sum(torch.tensor(largest, dtype=torch.float64), op="MAX").tolist() if maxima else []
-    out = {"skipped_updates": sums[-2] / sums[-1], **dict(zip(maxima, largest, strict=True))}
-    start = 0
-    for key, width in zip(summed, widths, strict=True):
-        total, weight, *second = sums[start : start + width]
-        start += width
-        value = total / weight if weight > 0 else (1.0 if key == "ratio_mean" else 0.0)  # no token moved: ratio 1
-        if second:  # a std, from the pooled sums
-            std_sq, mean_sq = second
-            value = math.sqrt(max(0.0, std_sq + mean_sq - weight * value**2) / weight) if weight > 0 else 0.0
-        out[key] = value
-    return {k: out[k] for k in ["skipped_updates", *keys]}
-
-
 def trace_due(args, step: int) -> bool:
     """--trace-every N: every N steps; none (the default): at each evaluation (--eval-every and the last step),
     where this copy of the project has extras/traces.py; 0: never."""
@@ -1501,15 +1383,14 @@ def trace_due(args, step: int) -> bool:
     return evaluates and (EXTRAS / "traces.py").is_file()
 
 
-def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, has_old,
-                **per_token):  # fmt: skip
+def start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp, **per_token):
     """On a step `trace_due` names (rank 0): extras/traces.py's Trace of the rollout as sampled, scored and handed to
     the updates (`per_token`: ref_logp, value, token_reward), which each update adds to; else None."""
     if env.rank > 0 or not trace_due(args, step):
         return None
     per_token = {"ref_logp": None, "value": None, "token_reward": None, **per_token}
     return extra("traces", "--trace-every").Trace(args, tok, sampler.eos_ids, step, roll, records, rewards, parts,
-                                                  advantages, old_logp, has_old, per_token)  # fmt: skip
+                                                  advantages, old_logp, per_token)  # fmt: skip
 
 
 def routing(model):
@@ -1530,20 +1411,6 @@ def tokens_per_s(roll: Rollout) -> float:
 def global_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     """The mean of `x` [B, T] over every rank's tokens where `mask` is 1."""
     return (all_reduce_sum((x * mask).sum()) / all_reduce_sum(mask.sum()).clamp(min=1)).item()
-
-
-def group_metrics(sampled_rewards: torch.Tensor, rewards: torch.Tensor, draws: int, group_size: int) -> dict:
-    """Of the groups sampled (`sampled_rewards`, all ranks'): zero_std_frac, the share whose rewards are all equal
-    (advantages 0), zero_std_low_frac, those all at the batch's lowest reward (a collapsing run's); sample_rounds,
-    groups_sampled, and groups_kept, the groups trained (`rewards`) whose rewards differ. {} for --group-size 1."""
-    if group_size < 2:
-        return {}
-    lowest = all_reduce_sum(sampled_rewards.float().min(), op="MIN")
-    counts = torch.tensor([len(sampled_rewards), (~constant_groups(rewards, group_size)).sum().item()])
-    rows, kept = all_reduce_sum(counts.float()).tolist()
-    return {"zero_std_frac": global_mean(constant_groups(sampled_rewards, group_size).float()),
-            "zero_std_low_frac": global_mean(lowest_groups(sampled_rewards, group_size, lowest).float()),
-            "sample_rounds": draws, "groups_sampled": int(rows) // group_size, "groups_kept": int(kept)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1619,10 +1486,24 @@ def progress_bar(args, env: Setup, progress: Progress):
                 dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
 
 
-def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, bar, row: dict, no_signal: bool,
-             started: float, trace=None, shown: tuple = ()):  # fmt: skip
-    """The end of a step: the evaluation when due (printed with the step's `shown` metrics), the warnings
-    (`no_signal`: the step's rewards gave the update nothing to learn from), step_time_s, `row` to metrics.jsonl."""
+def evaluate_if_due(args, env: Setup, model, tok, progress: Progress, row: dict, shown: tuple = ()) -> list:
+    """Every --eval-every steps and after the last: `evaluate` on the held-out prompts, its numbers into `row` as
+    eval_*, one line printed (with the step's clip share and `shown` metrics); returns the samples to keep."""
+    step = row["step"]
+    if not ((args.eval_every and step % args.eval_every == 0) or step == args.steps):
+        return []
+    progress.last_eval, samples = evaluate_run(args, env, model, tok, step)
+    row.update({f"eval_{k}": v for k, v in progress.last_eval.items()})
+    printed = "  ".join(f"{k} {row[k]:.3f}" for k in (*SHOWN, *shown) if k in row)
+    if env.rank == 0:
+        tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(progress.last_eval)}  {printed}")
+    return samples
+
+
+def log_step(args, env: Setup, progress: Progress, writer: RunLogger, bar, row: dict, rewards: torch.Tensor,
+             no_signal: bool, samples: list = (), trace=None):  # fmt: skip
+    """The end of a step: the warnings (`no_signal`: the step's rewards [B] gave the update nothing to learn from),
+    `row` to metrics.jsonl, the trace and evaluation `samples` to their files, the progress bar."""
     step = row["step"]
     writer.clip_key = "clip_frac_seqs" if "clip_frac_seqs" in row else "clip_frac"
     progress.clip_fracs.append(row.get(writer.clip_key, 0.0))
@@ -1630,18 +1511,12 @@ def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger
         warn(env, progress, "sample_cap", f"step {step} reached --max-sample-rounds {row['sample_rounds']} with "
              f"{row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such steps "
              "train on what they have (said once; the run goes on)")  # fmt: skip
-    samples = []
-    evaluated = (args.eval_every and step % args.eval_every == 0) or step == args.steps
-    if evaluated:
-        progress.last_eval, samples = evaluate_run(args, env, model, tok, step)
-        row.update({f"eval_{k}": v for k, v in progress.last_eval.items()})
-        printed = "  ".join(f"{k} {row[k]:.3f}" for k in (*SHOWN, *shown) if k in row)
-        if env.rank == 0:
-            tqdm.write(f"step {step}: reward {row['reward']:.3f}  {describe_eval(progress.last_eval)}  {printed}")
-    # PPO, whose baseline is no group, counts its steps without signal as flat
-    flat = row["zero_std_low_frac"] if env.needs_group else float(no_signal)
-    watch(env, progress, step, no_signal, flat, row.get("eval_accuracy") if evaluated else None)
-    row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
+    # PPO, whose baseline is no group, counts its steps without signal as flat; a batch all at the highest reward
+    # the run has sampled is solved, not flat
+    lowest, progress.reward_high = global_min(rewards), max(progress.reward_high, global_max(rewards))
+    solved = lowest == progress.reward_high
+    flat = 0.0 if solved else row["zero_std_low_frac"] if env.needs_group else float(no_signal)
+    watch(env, progress, step, no_signal, flat, row.get("eval_accuracy"), solved)
     writer.log(row)
     if trace is not None:
         writer.write("traces.jsonl", trace.records())
@@ -1669,16 +1544,19 @@ def warn(env: Setup, progress: Progress, key: str, message: str, where=True):
             tqdm.write(f"warning: {message}", file=sys.stderr)
 
 
-def watch(env: Setup, progress: Progress, step: int, no_signal: bool, flat: float, accuracy: float | None):
+def watch(env: Setup, progress: Progress, step: int, no_signal: bool, flat: float, accuracy: float | None,
+          solved: bool = False):  # fmt: skip
     """The warnings of a run that goes wrong, each once (kept in summary.json): NO_SIGNAL_STEPS steps in a row
     without signal; held-out `accuracy` COLLAPSE_DROP below step 0's at COLLAPSE_EVALS evaluations in a row; more
     than FLAT_SHARE of the last FLAT_WINDOW steps' groups all at the batch's lowest reward (`flat`: this step's
-    share; all-equal at any value would count a learning run's solved prompts: docs/metrics.md)."""
+    share; all-equal at any value would count a learning run's solved prompts: docs/metrics.md). `solved`: this
+    step's every reward is the highest the run has sampled (the no-signal warning then says so)."""
     progress.no_signal_steps += bool(no_signal)
     progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
     if progress.no_signal_streak == NO_SIGNAL_STEPS:
         first = step - NO_SIGNAL_STEPS + 1
-        why = ("every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
+        why = ("every completion scored the highest reward the run has sampled: the task may be solved" if solved
+               else "every group's rewards were equal, so every advantage was 0 and the updates had no gradient"
                if env.needs_group else "every reward in the batch was equal, or the policy's entropy stayed below "
                f"{NO_SIGNAL_ENTROPY} nats (a prompt's completions all alike): nothing tells the update which "
                "completion is better")  # fmt: skip
@@ -1814,6 +1692,7 @@ class Progress:
     no_signal_streak: int = 0  # steps in a row without a learning signal
     no_signal_steps: int = 0
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
+    reward_high: float = -math.inf  # the highest reward sampled so far: a batch all at it is solved, not flat
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
     warned: dict = field(default_factory=dict)  # each warning given (`warn`), and where
 
@@ -2064,6 +1943,22 @@ def on_any_rank(flag: bool) -> bool:
 def all_reduce_sum(x: torch.Tensor, op: str = "SUM") -> torch.Tensor:
     """Sum (op "MAX" / "MIN": elementwise maximum / minimum) of `x` over the ranks; without torchrun `x` itself."""
     return x if _torchrun() is None else _torchrun().all_reduce(x, op)
+
+
+def global_sums(totals: dict) -> dict:
+    """{name: sum over the ranks} of the numbers each rank added up, in one all-reduce in float64 (a name some rank
+    lacks counts 0 there; one no rank has reads 0): how a script's step pools its updates' numbers."""
+    totals = {name: float(value) for name, value in totals.items()}
+    return collections.Counter(totals if _torchrun() is None else _torchrun().global_sums(totals))
+
+
+def global_max(x) -> float:
+    """The largest element of `x` (a tensor or a number) on every rank; global_min the smallest."""
+    return all_reduce_sum(torch.as_tensor(x, dtype=torch.float64).max(), op="MAX").item()
+
+
+def global_min(x) -> float:
+    return all_reduce_sum(torch.as_tensor(x, dtype=torch.float64).min(), op="MIN").item()
 
 
 def global_mean(x: torch.Tensor) -> float:

@@ -33,6 +33,8 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -130,7 +132,8 @@ def gspo_loss(
     variant="token": GSPO-token (section 4.3), advantages [B] or [B, T], clipped per token and
     aggregated as the mean over sequences of the mean over each sequence's tokens.
     Returns (loss, info): info holds the ratio and the clip decisions, detached ([B] or [B, T]), the
-    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token) and ratio statistics.
+    share clipped (clip_frac_seqs: of sequences; clip_frac: of tokens, GSPO-token), the sequence ratios'
+    statistics and the tokens' log-ratio statistics, each with what it counts (ratio_seqs, tokens).
     Argument order: (logp, old_logp, ...), then keywords only. verl's compute_policy_loss_gspo takes
     (old_log_prob, log_prob, advantages, response_mask, ...): pi_old first; TRL computes it inside
     GRPOTrainer._compute_loss (importance_sampling_level="sequence") from named inputs. Port by name."""
@@ -162,16 +165,34 @@ def gspo_loss(
         loss = masked_mean(per_item, mask, dim=1).sum() / n_seqs
         clip_frac = {"clip_frac": masked_mean(is_clipped.float(), mask).item()}  # a share of tokens
     seq_ratio = log_s.detach().exp()[mask.any(1)] if mask.any() else torch.ones(1)  # empty rows left out
+    log_ratio = (logp.detach() - old_logp)[mask].double()  # [N] each token's log(pi / pi_old): how far it moved
+    n_tokens = max(1, len(log_ratio))
     info = {
         "ratio": ratio.detach(),
         "clipped": is_clipped,
         **clip_frac,
+        "ratio_seqs": int(mask.any(1).sum()),  # the sequences the ratio statistics are of
         "ratio_mean": seq_ratio.mean().item(),
-        "ratio_max_dev": (seq_ratio - 1).abs().max().item(),
         "ratio_std": seq_ratio.std(unbiased=False).item(),  # spread of the sequence ratios
-        "ratio_seqs": int(mask.any(1).sum()),  # the sequences they are of: Run pools them by it, not by tokens
+        "ratio_max_dev": (seq_ratio - 1).abs().max().item(),
+        # the same token-level yardstick in all three scripts: the spread of log(pi / pi_old) and the share of tokens
+        # whose own ratio is outside [0.8, 1.2], GRPO's usual clip (GSPO's 1e-4 band would flag every token)
+        "tokens": len(log_ratio),
+        "log_ratio_mean": log_ratio.sum().item() / n_tokens,
+        "log_ratio_std": log_ratio.std(unbiased=False).item() if len(log_ratio) else 0.0,
+        "ratio_outside_grpo_clip": ((log_ratio.exp() < 0.8) | (log_ratio.exp() > 1.2)).sum().item() / n_tokens,
     }
     return loss, info
+
+
+def rows_with_signal(idx: torch.Tensor, advantages: torch.Tensor, entropy_coef: float) -> tuple[torch.Tensor, bool]:
+    """(rows, real): the rows of minibatch `idx` an update forwards. A row whose advantage is 0 adds exactly 0 to the
+    loss and its gradient, so only the others are (the loss still divides by len(idx)), unless --entropy-coef gives
+    every row a gradient. With none left the first row stands in (real False), so that the update runs on every rank:
+    it adds 0 to the loss, and the step's logged numbers count none of it. Saves a quarter of a default step
+    (docs/results.md)."""
+    rows = idx if entropy_coef > 0 else idx[advantages[idx] != 0]
+    return (rows, True) if len(rows) else (idx[:1], False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,10 +213,12 @@ def train(args: Args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
+    shuffle = torch.Generator().manual_seed(args.seed)  # the minibatches' order (the same on every rank)
     guard = common.NonFiniteGuard()
     progress = common.Progress()  # the step, the evaluations, the warnings given
-    # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
-    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, progress=progress)
+    # all that moves during a run besides the weights: a checkpoint saves each, --resume restores it bit for bit
+    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, shuffle_gen=shuffle, guard=guard,
+                 progress=progress)  # fmt: skip
     writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
 
     for step in (bar := common.progress_bar(args, env, progress)):
@@ -231,44 +254,34 @@ def train(args: Args):
         # 4. Advantages: each completion against its group (Eq. 6).
         advantages = group_advantages(rewards, args.group_size).to(env.device)  # [B]
 
-        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
-        #    weights), without gradient, once per rollout, over the rows the updates will forward. The minibatches
-        #    are drawn first; a row whose advantage is 0 adds exactly 0 to the loss and its gradient, so an update
-        #    forwards only its rows with signal (the loss still divides by the whole minibatch), unless
-        #    --entropy-coef gives every row a gradient. A measurement that reads every row (an MoE model's routing,
-        #    --reward-model's kl_to_init) has pi_old on all of them. --old-logp rollout: the sampler's own log-probs.
-        plan = []  # (idx, rows): each update's minibatch and the rows it forwards
-        for idx in common.minibatches(len(roll), args.epochs, args.minibatches, env.device):
-            rows = idx[advantages[idx] != 0] if args.entropy_coef == 0 else idx
-            plan.append((idx, rows if len(rows) else idx[:1]))  # at least one row: every update (and rank) runs
-        has_old = torch.zeros(len(roll), dtype=torch.bool, device=env.device)  # [B] the rows pi_old is computed on
-        has_old[torch.cat([rows for _, rows in plan])] = True
-        has_old |= moe is not None or ref_model is not None
+        # 5. pi_old: the log-probs of the weights that sampled the batch (no update has run since: the current weights),
+        #    without gradient, over every row, once per rollout. --old-logp rollout: the sampler's own, no forward.
         if args.old_logp == "rollout":  # (of its whole distribution: with --top-p < 1 like with like)
-            old_logp = torch.where(has_old[:, None] & mask.bool(), roll.sample_logp_full, 0.0)  # [B, T]
+            old_logp = roll.sample_logp_full * mask  # [B, T]
         else:
-            old_logp = torch.zeros_like(mask)  # [B, T], 0 on the rows no update forwards
             with torch.no_grad(), common.recording_experts(moe, roll):  # MoE: each token's experts, into roll.experts
-                old_logp[has_old] = common.completion_logprobs(model, roll[has_old], args.temperature)[0]
+                old_logp = common.completion_logprobs(model, roll, args.temperature)[0]  # [B, T]
         is_weights = None  # --is-correction: weigh the loss by pi_old / mu, one weight per sequence (variant sequence)
         if args.is_correction != "none":
             precision = common.extra("rollout_precision", "--is-correction")
-            is_weights = precision.is_weights(old_logp, roll.sample_logp, mask * has_old[:, None], args.is_correction,
-                                              args.is_cap, per=args.variant)  # fmt: skip
+            is_weights = precision.is_weights(old_logp, roll.sample_logp, mask, args.is_correction, args.is_cap,
+                                              per=args.variant)  # fmt: skip
 
-        # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5).
-        # --trace-every: every token of a few groups, as sampled, scored and updated (OUT/traces.jsonl)
-        trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
-                                   has_old)  # fmt: skip
+        # 6. Updates: epochs x minibatches of the clipped sequence-level objective (Eq. 5), each epoch a fresh order of
+        #    the rows drawn from `shuffle`. --trace-every: a few groups token by token (OUT/traces.jsonl).
+        trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp)
         # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
         mismatch = {}
         if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
             precision = common.extra("rollout_precision", "--rollout-dtype")
-            mismatch = precision.rollout_mismatch(roll, old_logp, has_old, is_weights, args)
+            mismatch = precision.rollout_mismatch(roll, old_logp, is_weights, args)
         model.train()
-        updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
-        for k, (idx, rows) in enumerate(plan):
+        totals, max_dev = collections.Counter(), 0.0  # the updates' numbers, summed with their weights (step 7)
+        orders = [torch.randperm(len(roll), generator=shuffle).to(env.device) for _ in range(args.epochs)]  # [B] each
+        minibatches = [idx for order in orders for idx in order.chunk(args.minibatches)]  # each epoch's in turn
+        for k, idx in enumerate(minibatches):
             on_policy = k == 0  # this forward runs at the weights that sampled the batch (the first update's)
+            rows, real = rows_with_signal(idx, advantages, args.entropy_coef)  # real: False for a stand-in row
             logp, entropy = policy(roll[rows], args.temperature, entropy_grad=args.entropy_coef > 0)
             weights = None if is_weights is None else is_weights[rows]
             # divided by the whole minibatch's size, len(idx)
@@ -280,35 +293,65 @@ def train(args: Args):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
-                optimizer.step()
-                info.update(loss=loss.item(), grad_norm=grad_norm.item())
-                # this update's numbers, each with what it counts (tokens, sequences): `pool` adds them up below
-                updates.append(common.update_terms(info, logp, old_logp[rows], loss_mask[rows], mask[idx], len(rows)))
-            else:
-                skipped += 1
+            if not guard.ok(step, loss, grad_norm):  # a non-finite loss or gradient skips the update
+                totals["skipped"] += 1
+                continue
+            optimizer.step()
+            # this update's numbers, each times the count it is a mean of (a stand-in row counts 0): step 7 divides
+            seqs, tokens = real * info["ratio_seqs"], real * info["tokens"]
+            totals.update(updates=1, loss=loss.item(), grad_norm=grad_norm.item(),
+                          clipped=real * (info["clip_frac_seqs"] * len(rows) if args.variant == "sequence"
+                                          else info["clip_frac"] * info["tokens"]),
+                          minibatch_seqs=len(idx), minibatch_tokens=mask[idx].sum().item(),
+                          seqs=seqs, ratio=seqs * info["ratio_mean"],
+                          ratio_sq=seqs * (info["ratio_std"] ** 2 + info["ratio_mean"] ** 2),
+                          tokens=tokens, log_ratio=tokens * info["log_ratio_mean"],
+                          log_ratio_sq=tokens * (info["log_ratio_std"] ** 2 + info["log_ratio_mean"] ** 2),
+                          outside=tokens * info["ratio_outside_grpo_clip"])  # fmt: skip
+            max_dev = max(max_dev, real * info["ratio_max_dev"])
             if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
-                mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows])
-            if trace is not None:  # the ratio and clip decisions of each traced row
+                mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows] * real)
+            if trace is not None and real:  # the ratio and clip decisions of each traced row
                 trace.update(rows, logp, entropy, info, on_policy)
 
-        # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it),
-        #    of the updates (pooled by what each number counts), and of the policy where a flag asks.
+        # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it), of
+        #    the updates (each number's sum over updates and ranks divided by its count), of the policy where asked.
         s_roll, s_rewards, s_parts = sampled
         s_mask = s_roll.completion_mask
+        groups = s_rewards.view(-1, args.group_size)  # [groups, G] every group sampled this step
+        constant = groups.max(1).values == groups.min(1).values  # all rewards equal: A = 0, nothing to learn from
+        totals.update(groups_sampled=len(groups), groups_kept=(advantages.view(-1, args.group_size) != 0).any(1).sum())
+        t = common.global_sums(totals)  # each sum over the ranks
+        ratio_mean = t["ratio"] / t["seqs"] if t["seqs"] else 1.0  # (no sequence: ratio 1)
+        log_ratio_mean = t["log_ratio"] / max(t["tokens"], 1)
+        lowest = common.global_min(s_rewards)
         row = {
             "step": step,
             "lr": optimizer.param_groups[0]["lr"],
             **common.global_means({"reward": s_rewards, **s_parts}),  # reward/<name> per --reward; accuracy, ...
             "truncated_frac": common.global_mean((~common.completion_ends(s_roll, sampler.eos_ids)).float()),
-            **common.pool(updates, skipped),  # loss, grad_norm, clip_frac_seqs, ratio_*: pooled over updates, ranks
+            "loss": t["loss"] / max(t["updates"], 1),  # means over the updates that stepped
+            "grad_norm": t["grad_norm"] / max(t["updates"], 1),
+            "skipped_updates": t["skipped"] / env.world,  # the non-finite guard's, per rank
+            # of every minibatch's sequences (tokens, GSPO-token), as TRL and verl count it: a row left out never clips
+            **({"clip_frac_seqs": t["clipped"] / t["minibatch_seqs"]} if args.variant == "sequence"
+               else {"clip_frac": t["clipped"] / t["minibatch_tokens"]}),
+            "ratio_mean": ratio_mean,  # the sequence ratios s_i of every update: their mean, spread, largest |s - 1|
+            "ratio_std": math.sqrt(max(0.0, t["ratio_sq"] / max(t["seqs"], 1) - ratio_mean**2)),
+            "ratio_max_dev": common.global_max(max_dev),
+            "log_ratio_std": math.sqrt(max(0.0, t["log_ratio_sq"] / max(t["tokens"], 1) - log_ratio_mean**2)),
+            "ratio_outside_grpo_clip": t["outside"] / max(t["tokens"], 1),
             "entropy": common.global_token_mean(s_roll.entropy, s_mask),  # of the sampling distribution, per token
             "response_len": common.global_mean(s_mask.sum(1)),
             "tokens_per_s": common.tokens_per_s(s_roll),  # every rank's sampled tokens per second of sampling
-            # zero_std_frac: groups whose rewards are all equal (A = 0); groups_kept: those trained (--filter-groups)
-            **common.group_metrics(s_rewards, rewards, s_roll.draws, args.group_size),
+            "zero_std_frac": common.global_mean(constant.float()),  # groups whose rewards are all equal
+            # ... all at the batch's lowest reward (all failed, unless the whole batch is solved: the collapse warning)
+            "zero_std_low_frac": common.global_mean((constant & (groups[:, 0] == lowest)).float()),
+            "sample_rounds": s_roll.draws,  # --filter-groups: rounds sampled to fill the step; groups sampled, trained
+            "groups_sampled": round(t["groups_sampled"]),
+            "groups_kept": round(t["groups_kept"]),
             **(mismatch or {}),  # mu against pi_old: mismatch_*, is_* (--rollout-dtype, --old-logp, --is-correction)
-        }
+        }  # fmt: skip
         if ref_model is not None:  # --reward-model: how far the policy moved from where it started
             row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
                                                                                  args.temperature))  # fmt: skip
@@ -317,8 +360,10 @@ def train(args: Args):
 
         # 8. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
         #    group's rewards equal) or collapsed, write the row, and checkpoint (every --save-every steps, on Ctrl-C).
+        samples = common.evaluate_if_due(args, env, model, tok, progress, row)  # eval_*: greedy, held-out prompts
+        row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
         no_signal = not common.on_any_rank(bool(advantages.any()))
-        common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace)
+        common.log_step(args, env, progress, writer, bar, row, s_rewards, no_signal, samples, trace)
         if common.save_checkpoint_if_due(args, env, model, tok, state, step):
             break  # a stop signal came: checkpoint saved
     return common.finish(args, env, model, tok, progress, writer)

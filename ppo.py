@@ -40,6 +40,8 @@ Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradien
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from dataclasses import dataclass
 
@@ -164,7 +166,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0
     """Token-mean clipped surrogate with dual-clip for negative advantages; [B, T] inputs. `weights`
     [B, T], detached (--is-correction), multiply each token's term. Returns (loss, info): info holds
     each token's ratio and clip decision, detached, the shares of tokens clipped and dual-clipped,
-    approx_kl and the mean ratio. Argument order: (logp, old_logp, ...), then keywords only. verl's
+    approx_kl, the mean ratio and log-ratio statistics, each a mean over `tokens` tokens. Argument
+    order: (logp, old_logp, ...), then keywords only. verl's
     compute_policy_loss_vanilla takes (old_log_prob, log_prob, advantages, response_mask, ...): pi_old
     first; TRL's PPOTrainer computes it inline in its training loop. Port by name."""
     mask = mask.bool()
@@ -180,6 +183,7 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0
         per_token = per_token * weights
     loss = masked_mean(per_token, mask)
     clipped = (((advantages > 0) & (ratio > 1 + eps_high)) | ((advantages < 0) & (ratio < 1 - eps_low))) & mask
+    moved = (logp.detach() - old_logp)[mask].double()  # [N] each token's log(pi / pi_old): how far the update moved
     info = {
         "ratio": ratio.detach(),  # [B, T]
         "clipped": clipped,  # [B, T]
@@ -187,6 +191,12 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0
         "dual_clip_frac": masked_mean(dual.float(), mask).item(),
         "approx_kl": masked_mean((ratio - 1 - log_ratio).detach(), mask).item(),  # k3(old || new)
         "ratio_mean": masked_mean(ratio.detach(), mask).item(),
+        # the same token-level yardstick in all three scripts: the spread of log(pi / pi_old) and the share of tokens
+        # whose own ratio is outside [0.8, 1.2], GRPO's usual clip (whatever this run's --eps-low / --eps-high)
+        "tokens": len(moved),  # the tokens every number here is a mean over
+        "log_ratio_mean": moved.sum().item() / max(1, len(moved)),
+        "log_ratio_std": moved.std(unbiased=False).item() if len(moved) else 0.0,
+        "ratio_outside_grpo_clip": ((moved.exp() < 0.8) | (moved.exp() > 1.2)).sum().item() / max(1, len(moved)),
     }
     return loss, info
 
@@ -264,10 +274,11 @@ def train(args: Args):
     )
     stream = common.PromptStream(env.train_set, args.seed)
     rng = torch.Generator(env.device).manual_seed(args.seed + env.rank)  # sampling's own; each rank its own samples
+    shuffle = torch.Generator().manual_seed(args.seed)  # the minibatches' order (the same on every rank)
     guard = common.NonFiniteGuard()
     progress = common.Progress()  # the step, the evaluations, the warnings given
-    # what a checkpoint saves beside the policy's weights (--resume restores each, and the RNG states, bit for bit)
-    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, guard=guard, critic=critic,
+    # all that moves during a run besides the policy's weights: a checkpoint saves each, --resume restores it exactly
+    state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, shuffle_gen=shuffle, guard=guard, critic=critic,
                  critic_optimizer=critic_optimizer, progress=progress)  # fmt: skip
     writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
 
@@ -307,20 +318,22 @@ def train(args: Args):
             advantages, returns = gae(per_token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = whiten(advantages, mask)
 
-        # 4. Updates of the policy and the critic: epochs x minibatches.
+        # 4. Updates of the policy and the critic: epochs x minibatches, each epoch a fresh order drawn from `shuffle`.
         # --trace-every: every token of a few completions, as sampled, scored and updated (OUT/traces.jsonl)
         trace = common.start_trace(args, env, tok, sampler, step, roll, records, rewards, parts, advantages, old_logp,
-                                   None, ref_logp=ref_logp, value=old_values,
+                                   ref_logp=ref_logp, value=old_values,
                                    token_reward=per_token_rewards)  # fmt: skip
         # mu recorded (--rollout-dtype, --old-logp rollout, --is-correction): the sampler against pi_old (mismatch_*)
         mismatch = {}
         if sampler.records:  # (None under --old-logp rollout: no pi_old forward to compare; the first update's is)
             precision = common.extra("rollout_precision", "--rollout-dtype")
-            mismatch = precision.rollout_mismatch(roll, old_logp, None, is_weights, args)
+            mismatch = precision.rollout_mismatch(roll, old_logp, is_weights, args)
         model.train()
         critic.train()  # (no dropout in Qwen) train mode: gradient checkpointing applies only there
-        updates, skipped = [], 0  # what each update measured; those the non-finite guard skipped
-        for k, idx in enumerate(common.minibatches(len(roll), args.epochs, args.minibatches, env.device)):
+        totals = collections.Counter()  # the updates' numbers, summed with their weights (step 5)
+        orders = [torch.randperm(len(roll), generator=shuffle).to(env.device) for _ in range(args.epochs)]  # [B] each
+        minibatches = [idx for order in orders for idx in order.chunk(args.minibatches)]  # each epoch's in turn
+        for k, idx in enumerate(minibatches):
             on_policy = k == 0  # this forward runs at the weights that sampled the batch (the first update's)
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
@@ -340,36 +353,59 @@ def train(args: Args):
             (pg_loss * scale).backward()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             critic_grad_norm = common.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            if guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm):  # a non-finite one skips the update
-                optimizer.step()
-                critic_optimizer.step()
-                info.update(v_info, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
-                            critic_grad_norm=critic_grad_norm.item())  # fmt: skip
-                # this update's numbers, each with what it counts (tokens, sequences): `pool` adds them up below
-                updates.append(common.update_terms(info, logp, old_logp[idx], mask[idx], mask[idx], len(idx)))
-            else:
-                skipped += 1
+            if not guard.ok(step, pg_loss, v_loss, grad_norm, critic_grad_norm):  # a non-finite one skips the update
+                totals["skipped"] += 1
+                continue
+            optimizer.step()
+            critic_optimizer.step()
+            # this update's numbers, each times the count it is a mean of: step 5 divides
+            tokens = info["tokens"]
+            totals.update(updates=1, loss=pg_loss.item(), value_loss=v_loss.item(), grad_norm=grad_norm.item(),
+                          critic_grad_norm=critic_grad_norm.item(), tokens=tokens, clipped=tokens * info["clip_frac"],
+                          dual_clipped=tokens * info["dual_clip_frac"], vf_clipped=tokens * v_info["vf_clip_frac"],
+                          approx_kl=tokens * info["approx_kl"], ratio=tokens * info["ratio_mean"],
+                          log_ratio=tokens * info["log_ratio_mean"],
+                          log_ratio_sq=tokens * (info["log_ratio_std"] ** 2 + info["log_ratio_mean"] ** 2),
+                          outside=tokens * info["ratio_outside_grpo_clip"])  # fmt: skip
             if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[idx], mask[idx])
             if trace is not None:  # the ratio and clip decisions of each traced row
                 trace.update(idx, logp, entropy, info, on_policy)
 
-        # 5. The step's metrics, means over every rank: of the rollout, of the updates (pooled by what each number
-        #    counts), PPO's own (the critic's, the KL to the reference), and of the policy where a flag asks.
+        # 5. The step's metrics, means over every rank: of the rollout, of the updates (each number's sum over updates
+        #    and ranks divided by its count), PPO's own (the critic's, the KL to the reference), the policy's if asked.
+        t = common.global_sums(totals)  # each sum over the ranks
+        n, n_updates = max(t["tokens"], 1), max(t["updates"], 1)  # the updates' tokens, the updates that stepped
+        log_ratio_mean = t["log_ratio"] / n
         row = {
             "step": step,
             "lr": optimizer.param_groups[0]["lr"],
             **common.global_means({"reward": rewards, **parts}),  # reward/<name> per --reward; accuracy, ...
             "truncated_frac": common.global_mean((~ends).float()),
-            **common.pool(updates, skipped),  # loss, value_loss, grad_norm, clip_frac, ratio_*: over updates, ranks
+            "loss": t["loss"] / n_updates,  # means over the updates
+            "value_loss": t["value_loss"] / n_updates,
+            "grad_norm": t["grad_norm"] / n_updates,
+            "critic_grad_norm": t["critic_grad_norm"] / n_updates,
+            "skipped_updates": t["skipped"] / env.world,  # the non-finite guard's, per rank
+            "clip_frac": t["clipped"] / n,  # means over the updates' tokens
+            "dual_clip_frac": t["dual_clipped"] / n,
+            "vf_clip_frac": t["vf_clipped"] / n,
+            "approx_kl": t["approx_kl"] / n,
+            "ratio_mean": t["ratio"] / t["tokens"] if t["tokens"] else 1.0,
+            "log_ratio_std": math.sqrt(max(0.0, t["log_ratio_sq"] / n - log_ratio_mean**2)),
+            "ratio_outside_grpo_clip": t["outside"] / n,
             "entropy": common.global_token_mean(roll.entropy, mask),  # of the sampling distribution, per token
             "response_len": common.global_mean(mask.sum(1)),
             "tokens_per_s": common.tokens_per_s(roll),  # every rank's sampled tokens per second of sampling
-            # --group-size > 1: zero_std_frac, the groups whose rewards are all equal, ...; else none
-            **common.group_metrics(rewards, rewards, roll.draws, args.group_size),
             **(mismatch or {}),  # mu against pi_old: mismatch_*, is_* (--rollout-dtype, --old-logp, --is-correction)
             **common.rank_means(ppo_metrics(old_values, returns, mask, old_logp, ref_logp)),  # each rank's, averaged
         }
+        if args.group_size > 1:  # completions of one prompt: the groups whose rewards are all equal
+            groups = rewards.view(-1, args.group_size)  # [groups, G]
+            constant = groups.max(1).values == groups.min(1).values
+            row["zero_std_frac"] = common.global_mean(constant.float())
+            lowest = common.global_min(rewards)  # ... all at the batch's lowest reward (all failed, unless solved)
+            row["zero_std_low_frac"] = common.global_mean((constant & (groups[:, 0] == lowest)).float())
         if args.reward_model:  # --reward-model: how far the policy moved from where it started
             row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
                                                                                  args.temperature))  # fmt: skip
@@ -379,9 +415,10 @@ def train(args: Args):
         # 6. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
         #    score in the batch equal, or no exploration left: entropy near 0, completions all alike) or collapsed,
         #    write the row, and checkpoint (every --save-every steps, on Ctrl-C).
+        samples = common.evaluate_if_due(args, env, model, tok, progress, row, shown=("explained_variance",))  # eval_*
+        row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
         no_signal = common.all_equal(scores) or row["entropy"] < common.NO_SIGNAL_ENTROPY  # (all ranks' tokens)
-        common.log_step(args, env, model, tok, progress, writer, bar, row, no_signal, started, trace,
-                        shown=("explained_variance",))  # fmt: skip
+        common.log_step(args, env, progress, writer, bar, row, scores, no_signal, samples, trace)
         if common.save_checkpoint_if_due(args, env, model, tok, state, step):
             break  # a stop signal came: checkpoint saved
     return common.finish(args, env, model, tok, progress, writer, critic=critic)  # final/critic.pt beside the policy

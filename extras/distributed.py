@@ -79,6 +79,16 @@ def rank_means(values: dict) -> dict:
     return {k: (largest if k.endswith("_max_dev") else mean)[i].item() for i, k in enumerate(values)}
 
 
+def global_sums(totals: dict) -> dict:
+    """common.global_sums under torchrun: the names every rank holds (gathered: a rank whose updates were all skipped
+    may lack some), then their sums in one float64 all-reduce."""
+    names = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, sorted(totals))
+    names = sorted(set().union(*names))
+    summed = all_reduce(torch.tensor([float(totals.get(n, 0.0)) for n in names], dtype=torch.float64))
+    return dict(zip(names, summed.tolist(), strict=True))
+
+
 def raise_if_any_rank_failed(error: Exception | None):
     """common.raise_on_every_rank under torchrun: when another rank failed (its error is on stderr) and this one
     did not, a UsageError naming it, so that one rank's failure stops the job instead of leaving the others

@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common import Rollout, all_reduce_sum, constant_groups
+from common import Rollout, all_reduce_sum
+
+
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B / G] bool: the groups (G consecutive rows) whose rewards are all equal, max == min, as each script's
+    group_advantages decides it (their advantages are exactly 0)."""
+    r = rewards.view(-1, group_size)
+    return r.max(1).values == r.min(1).values
 
 
 def concat(rolls: list[Rollout], pad_id: int) -> Rollout:

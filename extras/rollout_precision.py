@@ -92,15 +92,15 @@ def is_weights(old_logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mod
     return torch.where(m, w, torch.ones_like(w))
 
 
-def rollout_mismatch(roll, old_logp: torch.Tensor, has_old, weights, args) -> dict | None:
+def rollout_mismatch(roll, old_logp: torch.Tensor, weights, args) -> dict | None:
     """A step's mismatch_* and is_* metrics, before its updates: mu (the sampler) against the script's pi_old over
-    the rows `has_old` ([B] bool; None: every row); {} when mu was not recorded; None under --old-logp rollout, which
+    every row; {} when mu was not recorded; None under --old-logp rollout, which
     has no trainer pi_old (the script measures it on its first update's forward, `on_policy`)."""
     if roll.sample_logp is None:
         return {}
     if args.old_logp == "rollout":
         return None
-    mask = roll.completion_mask if has_old is None else roll.completion_mask * has_old[:, None]
+    mask = roll.completion_mask
     stats = mismatch_stats(old_logp, roll.sample_logp, mask)
     if weights is not None and mask.bool().any():  # is_weight_mean, and the share truncated at cap (tis) or masked
         w, tis = weights[mask.bool()], args.is_correction == "tis"

@@ -34,10 +34,9 @@ def traced_groups(signal: list[bool], n: int, seed: int, step: int) -> list[int]
 class Trace:
     """One step's values for --trace-groups groups of this rank's rollout: what sampling, scoring and the no-grad
     passes computed, and what each update's loss used (`update`); `records()`: traces.jsonl's, one per group. It
-    computes nothing: old_logp is the script's pi_old on the rows `has_old` ([B] bool; None: every row), else null."""
+    computes nothing: old_logp is the script's pi_old of every row."""
 
-    def __init__(self, args, tok, eos_ids, step, roll, records, rewards, parts, advantages, old_logp, has_old,
-                 per_token):  # fmt: skip
+    def __init__(self, args, tok, eos_ids, step, roll, records, rewards, parts, advantages, old_logp, per_token):
         self.args, self.tok, self.eos_ids, self.step, self.roll, self.examples = args, tok, eos_ids, step, roll, records
         self.rewards, self.parts, self.advantages, self.per_token = rewards, parts, advantages, per_token
         G = args.group_size
@@ -45,7 +44,6 @@ class Trace:
         self.groups = traced_groups(self.signal, args.trace_groups, args.seed, step)
         self.rows = [g * G + i for g in self.groups for i in range(G)]  # the traced rows, in rollout order
         self.old_logp = old_logp[self.rows].detach().clone()  # [n, T], n = len(self.rows)
-        self.has_old = [True] * len(self.rows) if has_old is None else has_old[self.rows].tolist()  # [n]
         self.updates = []  # per update: (rows [b], logp [b, T], entropy [b, T] or None, the loss's dict)
 
     def update(self, rows, logp, entropy, info: dict, on_policy: bool = False):
@@ -90,7 +88,7 @@ class Trace:
                 "reward": float(self.rewards[r]),
                 "rewards": {name: float(v[r]) for name, v in components.items()},
                 "advantage": _values(adv, n) if adv.dim() else float(adv),
-                "old_logp": _values(self.old_logp[k], n) if self.has_old[k] else None,  # null: no pi_old computed
+                "old_logp": _values(self.old_logp[k], n),
                 "mu": _values(roll.sample_logp[r], n) if roll.sample_logp is not None else None,  # the sampler's
                 "entropy": _values(None if roll.entropy is None else roll.entropy[r], n),
                 **{name: _values(None if v is None else v[r], n) for name, v in self.per_token.items()},

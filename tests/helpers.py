@@ -214,6 +214,15 @@ def main_in_process(module, argv, capsys) -> tuple:
     return in_process(lambda a: common.main(module.train, module.Args, argv=a), argv, capsys)
 
 
+def recorded_rows(monkeypatch) -> list[dict]:
+    """A list that each metrics row a run writes is appended to, as its script made it (metrics.jsonl rounds)."""
+    import common
+
+    rows, log = [], common.RunLogger.log
+    monkeypatch.setattr(common.RunLogger, "log", lambda self, row: rows.append(dict(row)) or log(self, row))
+    return rows
+
+
 def greedy_generate(model, prompts, T, eos, pad) -> list[list[int]]:
     """Hugging Face's generate, greedy, on the left-padded batch of `prompts` (on the model's device): each
     completion up to and including its first EOS id (the reference for common.sample's greedy completion_lists)."""

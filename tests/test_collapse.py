@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import main_in_process
+from helpers import SCRIPTS, main_in_process
 
 import common
 
@@ -78,22 +78,45 @@ def test_exactly_ninety_percent_of_shares_stays_below_whatever_the_order():
     assert not any(common.mostly_flat(flat) for flat in orders)
 
 
-@pytest.mark.parametrize(
-    "rewards, group_size, expected",
-    [
-        ([0, 0, 1, 1, 0, 1], 2, [True, False, False]),  # all failed; all right (a learning run's); mixed
-        ([1, 1, 1, 1, 0, 1], 2, [False, False, False]),  # solved prompts are not a collapse
-        ([1, 1, 1, 1], 2, [True, True]),  # every reward equal: the lowest is that value
-        ([-1.0, -1.0, 0.5, 0.5, -1.0, 0.5], 2, [True, False, False]),
-        ([0.2, 0.2, 0.2, 0.0, 0.0, 0.0], 3, [False, True]),
-    ],
-)
-def test_lowest_groups_hand_worked(rewards, group_size, expected):
-    """The groups whose completions all scored the batch's lowest reward, checked against a plain loop too."""
-    r = torch.tensor(rewards, dtype=torch.float32)
-    low = min(rewards)
-    loop = [all(x == low for x in rewards[i : i + group_size]) for i in range(0, len(rewards), group_size)]
-    assert common.lowest_groups(r, group_size, r.min()).tolist() == expected == loop
+# --- through each script's train(): a solved task is no collapse (issue 65), a collapsing run still warns ---
+
+# 4 prompts x 2 completions a step (8 rewards; the evaluation's batches hold 3): every completion scores 1, or the
+# first 3 training batches (the reward's start-up check among them) hold one success and every later one none
+REWARDS = """
+calls = 0
+def solved(prompts, completions, **kw):
+    return [1.0] * len(completions)
+def collapsing(prompts, completions, **kw):
+    global calls
+    calls += len(completions) == 8
+    return [float(i == 0 and calls <= 3) for i in range(len(completions))]
+"""
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("reward", ["solved", "collapsing"])
+def test_a_solved_task_gives_no_collapse_warning_and_a_collapsing_run_does(tmp_path, capsys, name, reward):
+    """60 steps of every completion scoring the maximum: every group is constant at the batch's lowest reward (and
+    PPO's every step has no signal), which used to count as flat, so the run warned "collapsing" at step 50; now a
+    batch all at the highest reward the run has sampled is solved. A run whose groups all fail after it once
+    succeeded still warns at step 50 (47 of the last 50 steps flat)."""
+    module = importlib.import_module(name)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    argv = ["--reward", f"{tmp_path}/rewards.py:{reward}", "--steps", 60, "--prompts-per-step", 4, "--group-size", 2,
+            "--minibatches", 1, "--max-new-tokens", 6, "--eval-every", 0, "--eval-size", 3, "--out", tmp_path / "out",
+            *(["--kl-coef", 0, "--missing-eos-penalty", 0] if name == "ppo" else [])]  # fmt: skip
+    status, _, err = main_in_process(module, argv, capsys)
+    assert status == 0, err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    if name != "ppo":  # what the warning reads: every group all at the batch's lowest reward, at every step
+        flat = [r["zero_std_low_frac"] for r in rows]
+        assert flat == [1.0] * 60 if reward == "solved" else flat[3:] == [1.0] * 57, flat
+    if reward == "solved":
+        assert summary["flat_groups"] is None and "collapsing" not in err, err
+    else:
+        assert summary["flat_groups"]["warned_at_step"] == 50, summary["flat_groups"]
+        assert "the policy may be collapsing" in err
 
 
 # --- common.watch, step by step ---

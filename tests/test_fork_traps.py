@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, traits
+from helpers import ROOT, SCRIPTS, entropy_tol, import_file, logit_scale, main_in_process, recorded_rows, traits
 
 import common
 import grpo
@@ -209,27 +209,21 @@ class RecordingAdamW(torch.optim.AdamW):
 def test_the_entropy_bonus_gradient_equals_float64(tmp_path, capsys, monkeypatch, case):
     """train() with --entropy-coef 1, every reward 0 (so every advantage 0) and log-probs in chunks: the first
     update's loss and gradient are minus float64's through a plain loop's entropies, aggregated as the script does."""
-    import inspect
-
     name, flags, aggregation, chunk_tokens = BONUS_CASES[case]
     module, temperature = MODULES[name], 0.7
     model64, _ = common.load_model("tiny", torch.device("cpu"))  # the weights train() starts from
     if chunk_tokens is not None:  # chunk_tokens="auto" on a CPU: LOGITS_CHUNK_ELEMENTS // vocabulary
         monkeypatch.setattr(common, "LOGITS_CHUNK_ELEMENTS", chunk_tokens * model64.config.vocab_size)
-    seen = {"rolls": [], "losses": []}
-    forward, update_terms = common.CompletionLogprobs.forward, common.update_terms
+    seen = {"rolls": []}
+    forward = common.CompletionLogprobs.forward
 
     def recording_forward(self, roll, *args, **kwargs):
         if kwargs.get("entropy_grad"):  # an update's forward (pi_old's and the sampler's have no entropy gradient)
             seen["rolls"].append(roll)
         return forward(self, roll, *args, **kwargs)
 
-    def recording_update(*args, **kwargs):  # an update that stepped: what its loss was
-        seen["losses"].append(inspect.signature(update_terms).bind(*args, **kwargs).arguments["info"]["loss"])
-        return update_terms(*args, **kwargs)
-
     monkeypatch.setattr(common.CompletionLogprobs, "forward", recording_forward)
-    monkeypatch.setattr(common, "update_terms", recording_update)
+    rows = recorded_rows(monkeypatch)  # the step's row as logged, before rounding: its loss is the one update's
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     monkeypatch.setattr(RecordingAdamW, "first", None)
     (tmp_path / "rewards.py").write_text(ZERO)
@@ -239,7 +233,7 @@ def test_the_entropy_bonus_gradient_equals_float64(tmp_path, capsys, monkeypatch
             "--out", tmp_path / "out"]  # fmt: skip
     status, _, err = main_in_process(module, argv, capsys)
     assert status == 0 and RecordingAdamW.first is not None, err
-    roll, loss, grads = seen["rolls"][0], seen["losses"][0], RecordingAdamW.first.grads
+    roll, loss, grads = seen["rolls"][0], rows[0]["loss"], RecordingAdamW.first.grads
     assert len({int(n) for n in roll.completion_mask.sum(1)}) > 1, "one length: the aggregations would agree"
     length, max_z = logit_scale(model64, roll, temperature)  # (the float32 model's)
     m64 = model64.double()
@@ -425,7 +419,7 @@ def fork_module(tmp_path, name: str, edit) -> object:
 def test_skipped_updates_counts_skips_not_the_updates_a_fork_left_out(tmp_path, capsys, name):
     """A fork that runs only the first planned update of each step skips nothing: skipped_updates is 0
     (it used to be epochs x minibatches minus the updates that stepped: 1 here, a skip that never happened)."""
-    module = fork_module(tmp_path, name, lambda s: s.replace("in enumerate(plan):", "in enumerate(plan[:1]):"))
+    module = fork_module(tmp_path, name, lambda s: s.replace("enumerate(minibatches):", "enumerate(minibatches[:1]):"))
     argv = [*TINY_RUN, "--minibatches", 2, "--steps", 1, "--out", tmp_path / "out"]
     status, _, err = main_in_process(module, argv, capsys)
     assert status == 0, err

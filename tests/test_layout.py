@@ -197,13 +197,15 @@ REWARDS = st.sampled_from([0.0, 1.0, 0.1, 0.2, 0.3, 0.1 + 0.2, 1 / 3, -0.5, 1e-8
 @LIGHT
 @given(group_size=st.integers(1, 4), n_groups=st.integers(1, 4), data=st.data())
 def test_constant_groups_is_max_equals_min(group_size, n_groups, data):
-    """One constant group: common.constant_groups (zero_std_frac), a plain loop's, and group_advantages' exact 0s."""
+    """One constant group: --filter-groups' constant_groups, a plain loop's, and group_advantages' exact 0s."""
+    from extras.filter_groups import constant_groups
+
     flat = data.draw(st.lists(REWARDS, min_size=group_size * n_groups, max_size=group_size * n_groups))
     if data.draw(st.booleans()):  # ties: whole groups of one repeated value (0.1 x G: its float32 mean is not 0.1)
         flat = [flat[i - i % group_size] for i in range(len(flat))]
     rewards = torch.tensor(flat, dtype=torch.float32)  # as the reward functions return them
     expected = loop_constant_groups(rewards.tolist(), group_size)
-    assert common.constant_groups(rewards, group_size).tolist() == expected
+    assert constant_groups(rewards, group_size).tolist() == expected
     grouped = [name for name in SCRIPTS if traits(name).grouped]  # (a group of one is refused: test_group_advantages)
     for name, scale in [(name, scale) for name in grouped for scale in ("std", "none") if group_size > 1]:
         adv = MODULES[name].group_advantages(rewards, group_size, scale).view(-1, group_size)

@@ -159,3 +159,30 @@ def test_info_holds_each_tokens_ratio_and_clip_decision(name, b, eps, data):
     # a float32 mean of 0/1 flags: the count exact, one division; the expected one more
     frac_tol = unit_roundoff(torch.float32) + unit_roundoff(torch.float64)
     assert info["clip_frac"] == pytest.approx(sum(rule.values()) / len(real), abs=frac_tol)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", NAMES)
+def test_log_ratio_statistics_hand_worked(name):
+    """Every loss's info measures how far an update moved the same way: the population std of its tokens'
+    log(pi / pi_old) and the share of tokens whose ratio is outside [0.8, 1.2], counted over `tokens` tokens.
+    Row 0: log-ratios 0.1, -0.3 and a padded slot (ignored, however far off); row 1: 0.25, 0.0."""
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -9.0]])
+    logp = old + torch.tensor([[0.1, -0.3, 50.0], [0.25, 0.0, -50.0]])
+    mask, adv = torch.tensor([[1, 1, 0], [1, 1, 0]]), torch.tensor([1.0, -1.0])
+    info = loss_of(name, logp, old, adv, mask)[1]
+    d = [0.1, -0.3, 0.25, 0.0]
+    mean = sum(d) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)  # the population std, by hand
+    # float32: d back from old + d within u (|old + d| <= 3.3 + 0.3) and the literal's own u 0.3: 4u each; a std is
+    # a seminorm (moved by <= max|e|), and rounds <= 10 times itself
+    f32 = torch.float32
+    assert info["tokens"] == 4
+    assert info["log_ratio_mean"] == pytest.approx(mean, abs=4 * unit_roundoff(f32) + gamma_n(10, f32) * 0.3)
+    assert info["log_ratio_std"] == pytest.approx(std, abs=4 * unit_roundoff(f32) + gamma_n(10, f32) * std)
+    # exp(0.1) = 1.105 inside; exp(-0.3) = 0.741 < 0.8; exp(0.25) = 1.284 > 1.2; exp(0) = 1 inside
+    assert info["ratio_outside_grpo_clip"] == 0.5
+    still = loss_of(name, old, old, adv, mask)[1]
+    assert (still["log_ratio_std"], still["ratio_outside_grpo_clip"]) == (0.0, 0.0)
+    empty = loss_of(name, logp, old, adv, torch.zeros_like(mask))[1]
+    assert (empty["tokens"], empty["log_ratio_std"], empty["ratio_outside_grpo_clip"]) == (0, 0.0, 0.0)
