@@ -1,5 +1,7 @@
-"""common.py: what ppo.py, grpo.py and gspo.py share that is not the algorithm, as plain functions each script's
-train() calls where they act, in numbered sections from the command line (1) to torchrun (11).
+"""common.py: the runtime ppo.py, grpo.py and gspo.py share (command line, data, models, sampling, rewards, log-probs,
+evaluation, logging, checkpoints, torchrun), as plain functions each script's train() calls where they act, in
+numbered sections from the command line (1) to torchrun (11). The algorithms, their losses, advantages and
+metrics, are in the scripts.
 
 What a flag (or the model) switches on lives in extras/, one module per capability, imported through
 `extra(name, flag)` only when asked for (a missing one is a one-line error naming it). tools/, experiments/ and
@@ -1123,9 +1125,10 @@ def _clip(text, width: int = 40) -> str:
 
 class Rewards:
     """The run's reward, reward_i = sum_k w_k f_k(row i), over --reward f_1 .. f_K with --reward-weights w_k (default
-    1). The built-ins score the run's answer parser (`score`); `accuracy` and `format_rate` are reported whenever
-    every record has an answer, so that "correct" means the same in training and in evaluation. All but exact or
-    format alone load extras/reward_functions.py (docs/rewards.md)."""
+    1). By default f is --reward exact alone: `score`, 1.0 when the completion's answer (after its last '####')
+    equals the record's. The built-ins score the run's answer parser (`score`); `accuracy` and `format_rate` are
+    reported whenever every record has an answer, so that "correct" means the same in training and in evaluation.
+    All but exact or format alone load extras/reward_functions.py (docs/rewards.md)."""
 
     def __init__(self, specs=("exact",), weights=(), records=(), reward_model=None, reward_model_weight: float = 1.0):
         self.names, self.fns, self.weights = list(specs), [None] * len(specs), [1.0] * len(specs)

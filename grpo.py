@@ -16,8 +16,9 @@ a constant normaliser, no length bias).
 
 The defaults are the paper's aggregation and beta = 0 (no reference model in memory; the
 measurements behind them are in docs/results.md). A group whose rewards are all equal has A_i = 0
-and adds nothing; it stays in the batch, and the updates do not forward its rows unless the KL term
-or --entropy-coef gives them a gradient (step 5). --filter-groups drops such groups and samples the
+and adds nothing; it stays in the batch, and an update forwards only its rows with A != 0
+(`rows_with_signal`; all of them when the KL term or --entropy-coef gives them a gradient), or, when
+its minibatch has none, one stand-in row that no logged number counts. --filter-groups drops such groups and samples the
 stream's next prompts until the step is full (DAPO's dynamic sampling, step 3), so DAPO (Yu et al.
 2025, arXiv 2503.14476) is
     python grpo.py --filter-groups --eps-high 0.28 --loss-agg token-mean --mask-truncated
@@ -26,7 +27,8 @@ What this file leaves out, as all three do (a separate inference engine, tensor 
 docs/scope.md.
 
 Where to read: `grpo_loss` (the objective), `aggregate`, `kl_k3`, `group_advantages`, then
-`train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
+`train()`, whose numbered steps are the algorithm and make every logged number; `common.py` holds the
+runtime (sampling, log-probs, rewards, evaluation, checkpoints, torchrun).
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python grpo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
@@ -271,7 +273,8 @@ def train(args: Args):
                 tok, examples, args.group_size, env.system_prompt, args.thinking
             )
             roll = sampler.sample(prompts, rng)
-            # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
+            # 2. Score (env.reward_fn, a common.Rewards): the weighted sum of the --reward functions and --reward-model;
+            #    the default, --reward exact, is `common.score`: 1 if the answer after the last '####' is the record's.
             rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
             return roll, records, rewards, parts
 
@@ -353,8 +356,8 @@ def train(args: Args):
             max_dev = max(max_dev, real * info["ratio_max_dev"])
             if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows] * real)
-            if trace is not None and real:  # the ratio and clip decisions of each traced row
-                trace.update(rows, logp, entropy, info, on_policy)
+            if trace is not None:  # the ratio and clip decisions of each traced row (a stand-in row left out)
+                trace.update(rows if real else rows[:0], logp, entropy, info, on_policy)
 
         # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it), of
         #    the updates (each number's sum over updates and ranks divided by its count), of the policy where asked.

@@ -11,15 +11,16 @@ sequences, where GRPO clips token by token. GSPO-token (section 4.3) gives every
 ratio value, log s_it = sg[log s_i] + logp_t - sg[logp_t], so that per-token advantages can be
 used; with one advantage per sequence its loss and gradient equal GSPO's. As in the paper there
 is no KL term and no reference model. A group whose rewards are all equal has A_i = 0 and adds
-nothing; it stays in the batch (no DAPO-style resampling), and the updates do not forward its rows
-unless --entropy-coef gives them a gradient (pi_old's forward still covers them where a measurement
-reads every row: an MoE model's routing, --reward-model's kl_to_init).
+nothing; it stays in the batch (unless --filter-groups, DAPO's dynamic sampling, replaces it: step 3),
+and an update forwards only its rows with A != 0 (`rows_with_signal`; all of them with --entropy-coef),
+or, when its minibatch has none, one stand-in row that no logged number counts.
 
 What this file leaves out, as all three do (a separate inference engine, tensor parallelism, ...):
 docs/scope.md.
 
 Where to read: `gspo_loss` (the objective), `seq_log_ratio`, `group_advantages`, then `train()`,
-whose numbered steps are the algorithm; `common.py` holds everything else.
+whose numbered steps are the algorithm and make every logged number; `common.py` holds the runtime
+(sampling, log-probs, rewards, evaluation, checkpoints, torchrun).
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python gspo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python gspo.py --resume runs/gspo
@@ -233,7 +234,8 @@ def train(args: Args):
                 tok, examples, args.group_size, env.system_prompt, args.thinking
             )
             roll = sampler.sample(prompts, rng)
-            # 2. Score: the weighted sum of the --reward functions and --reward-model (1 if the answer is right).
+            # 2. Score (env.reward_fn, a common.Rewards): the weighted sum of the --reward functions and --reward-model;
+            #    the default, --reward exact, is `common.score`: 1 if the answer after the last '####' is the record's.
             rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, ...
             return roll, records, rewards, parts
 
@@ -298,11 +300,11 @@ def train(args: Args):
                 continue
             optimizer.step()
             # this update's numbers, each times the count it is a mean of (a stand-in row counts 0): step 7 divides
-            seqs, tokens = real * info["ratio_seqs"], real * info["tokens"]
-            totals.update(updates=1, loss=loss.item(), grad_norm=grad_norm.item(),
-                          clipped=real * (info["clip_frac_seqs"] * len(rows) if args.variant == "sequence"
-                                          else info["clip_frac"] * info["tokens"]),
-                          minibatch_seqs=len(idx), minibatch_tokens=mask[idx].sum().item(),
+            seqs, tokens = real * info["ratio_seqs"], real * info["tokens"]  # the loss's sequences and tokens
+            sequence = args.variant == "sequence"  # its clip share is of sequences (GSPO-token's: of tokens)
+            clipped = real * len(rows) * info["clip_frac_seqs"] if sequence else tokens * info["clip_frac"]
+            totals.update(updates=1, loss=loss.item(), grad_norm=grad_norm.item(),  # per update
+                          minibatch_seqs=len(idx), minibatch_tokens=mask[idx].sum().item(), clipped=clipped,
                           seqs=seqs, ratio=seqs * info["ratio_mean"],
                           ratio_sq=seqs * (info["ratio_std"] ** 2 + info["ratio_mean"] ** 2),
                           tokens=tokens, log_ratio=tokens * info["log_ratio_mean"],
@@ -311,8 +313,8 @@ def train(args: Args):
             max_dev = max(max_dev, real * info["ratio_max_dev"])
             if mismatch is None and on_policy:  # --old-logp rollout: mu against the trainer at mu's weights
                 mismatch = precision.mismatch_stats(logp.detach(), roll.sample_logp[rows], loss_mask[rows] * real)
-            if trace is not None and real:  # the ratio and clip decisions of each traced row
-                trace.update(rows, logp, entropy, info, on_policy)
+            if trace is not None:  # the ratio and clip decisions of each traced row (a stand-in row left out)
+                trace.update(rows if real else rows[:0], logp, entropy, info, on_policy)
 
         # 7. The step's metrics, means over every rank: of everything sampled (--filter-groups trains part of it), of
         #    the updates (each number's sum over updates and ranks divided by its count), of the policy where asked.

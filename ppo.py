@@ -26,7 +26,8 @@ What this file leaves out, as all three do (a separate inference engine, tensor 
 docs/scope.md.
 
 Where to read: `token_rewards`, `gae`, `whiten`, `ppo_policy_loss`, `value_loss`, `Critic`, then
-`train()`, whose numbered steps are the algorithm; `common.py` holds everything else.
+`train()`, whose numbered steps are the algorithm and make every logged number; `common.py` holds the
+runtime (sampling, log-probs, rewards, evaluation, checkpoints, torchrun).
 
 Run (CPU, embedded tiny Qwen3; 531 s on 2 cores, docs/results.md):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
@@ -81,7 +82,7 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     """passes over each rollout"""
     # PPO's own
     critic_lr: float = 1e-3
-    """critic AdamW learning rate (the value loss's only knob: its AdamW is its own)"""
+    """critic AdamW learning rate (no value-loss coefficient: the critic's own AdamW would normalise it away)"""
     eps_low: float = 0.2
     """lower clip range of the token ratio"""
     eps_high: float = 0.2
@@ -89,7 +90,8 @@ class Args(common.SharedArgs):  # the flags every script shares (model, data, ou
     dual_clip: float | None = 3.0
     """dual-clip constant c for negative advantages (None: off)"""
     kl_coef: float = 0.1
-    """beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, no reference loaded)"""
+    """beta of the per-token KL penalty in the reward (k1, to a frozen reference; 0: none, and no reference unless
+    --reward-model's kl_to_init needs one)"""
     gamma: float = 1.0
     """discount"""
     lam: float = 0.95
@@ -292,8 +294,9 @@ def train(args: Args):
         roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score: the weighted sum of the --reward functions and --reward-model (default: 1 if the answer is right);
-        #    minus --missing-eos-penalty for a completion without EOS.
+        # 2. Score (env.reward_fn, a common.Rewards): the weighted --reward functions and --reward-model (the default,
+        #    --reward exact, is `common.score`: 1 when the answer after the last '####' is the record's), minus
+        #    --missing-eos-penalty for a completion without EOS.
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         ends = common.completion_ends(roll, sampler.eos_ids)  # [B]
         scores = rewards.to(env.device) - args.missing_eos_penalty * (~ends).float()

@@ -4,7 +4,15 @@ GRPO: token level) on the same tiny checkpoint, prompts and sizes, CPU.
     pip install trl==1.16.0 -c <(pip freeze | grep -E '^(torch|transformers|tokenizers|numpy)==')
     python benchmarks/speed.py [--algos gspo,grpo] [--rounds 3] [--steps 4]
 
-TRL is needed only here (it is not in requirements.txt); the constraint keeps pip from touching
+Ours against another copy of ours, no TRL needed (the same flags, alternating):
+
+    python benchmarks/speed.py --against DIR [--defaults] [--algos gspo,grpo,ppo] [--rounds 3] [--steps 10]
+
+DIR is another checkout (a `git worktree add` of an earlier commit, or a copy with one change); `--defaults` runs
+each script at its own recipe (only --steps, --eval-every 0 and --eval-size 16 given; the last step, which
+evaluates, is dropped with the first). Printed: each side's median step time and their ratio.
+
+TRL is needed only for the comparison with TRL (it is not in requirements.txt); the constraint keeps pip from touching
 torch and transformers (TRL 1.16.0 runs on transformers 5.23; its new dependencies are
 accelerate, datasets, pandas, pyarrow and a few small ones).
 
@@ -41,40 +49,38 @@ PROMPTS_PER_STEP, GROUP, MAX_NEW, MINIBATCHES = 16, 8, 32, 4
 CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
 
 
-def run_ours(algo: str, steps: int) -> dict:
+def run_ours(algo: str, steps: int, root: Path = ROOT, defaults: bool = False) -> dict:
+    shape = [] if defaults else ["--prompts-per-step", PROMPTS_PER_STEP, "--group-size", GROUP, "--max-new-tokens",
+                                 MAX_NEW, "--minibatches", MINIBATCHES]  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            str(ROOT / f"{algo}.py"),
-            "--steps",
-            str(steps + 1),
-            "--prompts-per-step",
-            str(PROMPTS_PER_STEP),
-            "--group-size",
-            str(GROUP),
-            "--max-new-tokens",
-            str(MAX_NEW),
-            "--minibatches",
-            str(MINIBATCHES),
-            "--eval-every",
-            "0",
-            "--eval-size",
-            "16",
-            "--out",
-            out,
-            "--device",
-            "cpu",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        cmd = [sys.executable, root / f"{algo}.py", "--steps", steps + 1 + defaults, *shape, "--eval-every", 0,
+               "--eval-size", 16, "--out", out, "--device", "cpu"]  # fmt: skip
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=root)
         if proc.returncode != 0:
             raise RuntimeError(f"{algo}.py failed: {proc.stderr.strip().splitlines()[-1:]}")
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    rows = rows[1:]  # the first step is warm-up
+    rows = rows[1 : len(rows) - defaults]  # the first step is warm-up; --defaults: the last evaluates
     return {
         "step_s": [r["step_time_s"] for r in rows],
         "tokens_per_s": [r["tokens_per_s"] for r in rows],
         "response_len": [r["response_len"] for r in rows],
     }
+
+
+def against(args):
+    """This tree's scripts and DIR's, alternating, at the same flags: median step times and their ratio."""
+    other = Path(args.against).resolve()
+    shape = "each script's defaults" if args.defaults else f"{PROMPTS_PER_STEP} prompts x {GROUP}, <= {MAX_NEW} tokens"
+    print(f"{ROOT} against {other}; {shape}; {args.rounds} alternating rounds x {args.steps} timed steps")
+    for algo in args.algos.split(","):
+        steps = {"this": [], "other": []}
+        for r in range(args.rounds):
+            for side, root in (("this", ROOT), ("other", other)):
+                res = run_ours(algo, args.steps, root, args.defaults)
+                steps[side] += res["step_s"]
+                print(f"  {algo} round {r + 1} {side:5}: step {statistics.median(res['step_s']):.4f} s", flush=True)
+        this, that = statistics.median(steps["this"]), statistics.median(steps["other"])
+        print(f"{algo}: this {this:.4f} s, other {that:.4f} s, this/other {this / that:.3f}")
 
 
 def run_trl(algo: str, steps: int) -> dict:
@@ -200,11 +206,16 @@ def main():
     ap.add_argument("--algos", default="gspo,grpo")
     ap.add_argument("--rounds", type=int, default=3, help="ours/TRL alternations per algorithm")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per process (plus one warm-up)")
+    ap.add_argument("--against", help="another checkout of this project: compare with it instead of TRL")
+    ap.add_argument("--defaults", action="store_true", help="with --against: each script's own default recipe")
     ap.add_argument("--trl-child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_child:
         trl_child(args.trl_child, args.steps, args.result)
+        return
+    if args.against:
+        against(args)
         return
 
     import trl

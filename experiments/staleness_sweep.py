@@ -22,7 +22,7 @@ seeds) and OUT/staleness_accuracy.png, OUT/staleness_ratios.png. Definitions, us
                 (`collapse_step`); the table counts collapsed seeds
   grad spikes   steps whose gradient norm (before clipping, mean over the step's updates) exceeds
                 SPIKE_FACTOR x the run's median (`grad_norm_spikes`); mean count per run
-  log_ratio_std, ratio_outside_grpo_clip   common.token_ratio_stats, the same for every algorithm;
+  log_ratio_std, ratio_outside_grpo_clip   each loss's info, the same lines in every algorithm;
                 means over the run's steps
 Not collected by pytest; tests/test_long_task.py tests its functions and the resume through run_all.sh.
 """

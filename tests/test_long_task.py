@@ -1,6 +1,5 @@
 """The long `sums` task and the staleness sweep's reductions on hand-made curves."""
 
-
 import pytest
 import staleness_sweep
 import sums_task
