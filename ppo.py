@@ -280,6 +280,7 @@ def train(args: Args):
     guard = common.NonFiniteGuard()
     progress = common.Progress()  # the step, the evaluations, the warnings given
     # all that moves during a run besides the policy's weights: a checkpoint saves each, --resume restores it exactly
+    # (common.start_run; the global RNGs too, which nothing here draws from but your own --reward might)
     state = dict(optimizer=optimizer, stream=stream, sampling_gen=rng, shuffle_gen=shuffle, guard=guard, critic=critic,
                  critic_optimizer=critic_optimizer, progress=progress)  # fmt: skip
     writer = common.start_run(args, env, model, tok, state)  # --resume: loads state; else evaluates step 0. Opens OUT
