@@ -1515,10 +1515,11 @@ def log_step(args, env: Setup, progress: Progress, writer: RunLogger, bar, row: 
              f"{row['groups_kept']} of --prompts-per-step {args.prompts_per_step} groups with signal; such steps "
              "train on what they have (said once; the run goes on)")  # fmt: skip
     # PPO, whose baseline is no group, counts its steps without signal as flat; a batch all at the highest reward
-    # the run has sampled is solved, not flat
-    lowest, progress.reward_high = global_min(rewards), max(progress.reward_high, global_max(rewards))
-    solved = lowest == progress.reward_high
-    flat = 0.0 if solved else row["zero_std_low_frac"] if env.needs_group else float(no_signal)
+    # the run has sampled is not (a collapse falls from something better), and solved if the run has sampled worse
+    lowest, highest = global_min(rewards), global_max(rewards)
+    progress.reward_low, progress.reward_high = min(progress.reward_low, lowest), max(progress.reward_high, highest)
+    flat = 0.0 if lowest == progress.reward_high else row["zero_std_low_frac"] if env.needs_group else float(no_signal)
+    solved = progress.reward_low < lowest == progress.reward_high
     watch(env, progress, step, no_signal, flat, row.get("eval_accuracy"), solved)
     writer.log(row)
     if trace is not None:
@@ -1553,7 +1554,7 @@ def watch(env: Setup, progress: Progress, step: int, no_signal: bool, flat: floa
     without signal; held-out `accuracy` COLLAPSE_DROP below step 0's at COLLAPSE_EVALS evaluations in a row; more
     than FLAT_SHARE of the last FLAT_WINDOW steps' groups all at the batch's lowest reward (`flat`: this step's
     share; all-equal at any value would count a learning run's solved prompts: docs/metrics.md). `solved`: this
-    step's every reward is the highest the run has sampled (the no-signal warning then says so)."""
+    step's every reward is the highest the run has sampled, and it has sampled lower (the no-signal warning says so)."""
     progress.no_signal_steps += bool(no_signal)
     progress.no_signal_streak = progress.no_signal_streak + 1 if no_signal else 0
     if progress.no_signal_streak == NO_SIGNAL_STEPS:
@@ -1695,7 +1696,8 @@ class Progress:
     no_signal_streak: int = 0  # steps in a row without a learning signal
     no_signal_steps: int = 0
     flat_window: list = field(default_factory=list)  # the last FLAT_WINDOW steps' zero_std_low_frac (PPO: no signal)
-    reward_high: float = -math.inf  # the highest reward sampled so far: a batch all at it is solved, not flat
+    reward_low: float = math.inf  # the lowest and highest rewards sampled so far: a batch all at the highest is
+    reward_high: float = -math.inf  # not flat (and solved, if the run has sampled lower)
     eval_accuracies: list = field(default_factory=list)  # [step, held-out accuracy] of the last COLLAPSE_EVALS evals
     warned: dict = field(default_factory=dict)  # each warning given (`warn`), and where
 

@@ -86,8 +86,9 @@ CASES = {
     "mask_truncated": ((("--mask-truncated",),), ("--max-new-tokens", "2")),  # some rows cut at 2 tokens
     "routing_replay": ((("--routing-replay",),), ("--model", "tiny-moe")),
     # PPO's own
-    # (none against the default 3 changes nothing here: no ratio of one step reaches 3)
-    "dual_clip": ((("--dual-clip", "1.001"),), ()),
+    # (none against the default 3 changes nothing here: no ratio of one step reaches 3); four minibatches, so that
+    # a later one holds a token with A < 0 whose ratio has passed 1.001, whatever the minibatches' order
+    "dual_clip": ((("--dual-clip", "1.001"),), ("--minibatches", "4")),
     "missing_eos_penalty": ((("--missing-eos-penalty", "1"),), ("--max-new-tokens", "2")),
     "cliprange_value": ((("--cliprange-value", "1e-4"),), ()),
 }
