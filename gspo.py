@@ -337,8 +337,8 @@ def train(args: Args):
             "grad_norm": t["grad_norm"] / max(t["updates"], 1),
             "skipped_updates": t["skipped"] / env.world,  # the non-finite guard's, per rank
             # of every minibatch's sequences (tokens, GSPO-token), as TRL and verl count it: a row left out never clips
-            **({"clip_frac_seqs": t["clipped"] / t["minibatch_seqs"]} if args.variant == "sequence"
-               else {"clip_frac": t["clipped"] / t["minibatch_tokens"]}),
+            **({"clip_frac_seqs": t["clipped"] / max(t["minibatch_seqs"], 1)} if args.variant == "sequence"
+               else {"clip_frac": t["clipped"] / max(t["minibatch_tokens"], 1)}),
             "ratio_mean": ratio_mean,  # the sequence ratios s_i of every update: their mean, spread, largest |s - 1|
             "ratio_std": math.sqrt(max(0.0, t["ratio_sq"] / max(t["seqs"], 1) - ratio_mean**2)),
             "ratio_max_dev": common.global_max(max_dev),
