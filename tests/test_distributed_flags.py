@@ -162,15 +162,16 @@ MAIN = "common.main(algo.train"
 RUNS = {}  # the arguments of a run -> its record directory: each run made once (test_distributed_metrics reuses)
 
 
-def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
-    key = (algo, tuple(flags), nproc, tuple(torchrun_flags), offset, name)
+def run(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name="", reward=None):
+    key = (algo, tuple(flags), nproc, tuple(torchrun_flags), offset, name, reward)
     if key not in RUNS:
-        RUNS[key] = launch(tmp_path, algo, flags, nproc, torchrun_flags, offset, name)
+        RUNS[key] = launch(tmp_path, algo, flags, nproc, torchrun_flags, offset, name, reward)
     return RUNS[key]
 
 
-def launch(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""):
-    """One update on the fixed rollout (nproc 0: one process, else torchrun's): its record-{nproc}{name} directory."""
+def launch(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name="", reward=None):
+    """One update on the fixed rollout (nproc 0: one process, else torchrun's): its record-{nproc}{name} directory.
+    `reward`: a --reward in place of the graded one, which varies within every group."""
     assert all(s in FIXED_ROLLOUT_RUN for s in (ENDS, RETURN, MAIN))
     script = tmp_path / f"fixed_cut_rollout_run{name}.py"
     pi_old = "" if offset is None else OFF_POLICY_PI_OLD.replace("{offset}", repr(float(offset)))
@@ -183,7 +184,7 @@ def launch(tmp_path, algo, flags, nproc, torchrun_flags=(), offset=None, name=""
     cmd = [*(launcher or [sys.executable]), str(script), algo, "--device", "cpu", "--steps", "1", "--prompts-per-step",
            "4", "--group-size", "4", "--minibatches", "1", "--epochs", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--max-grad-norm", "1e30", "--no-anneal-lr", "--eval-size", "1", "--eval-every", "0", "--reward",
-           graded_reward(tmp_path), *flags, *(torchrun_flags if nproc else ()),
+           reward or graded_reward(tmp_path), *flags, *(torchrun_flags if nproc else ()),
            "--out", str(tmp_path / f"out-{nproc}{name}")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLREF_THREADS": "1", "RECORD_DIR": str(record)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

@@ -12,6 +12,8 @@ from test_distributed import WORLD
 from test_distributed_flags import OFF_POLICY_CASES, OFFSET, first_row
 from test_distributed_flags import run as flags_run
 
+import common
+
 pytestmark = pytest.mark.slow
 
 KEYS = ("clip_frac", "ratio_outside_grpo_clip", "ratio_mean", "ratio_max_dev", "ratio_std", "log_ratio_std")
@@ -55,3 +57,34 @@ def test_two_ranks_with_unequal_tokens_log_the_update_statistics_of_one_process(
     }
     for key in KEYS:  # and metrics.jsonl's rounding to 6 decimals, each run's
         assert abs(two[key] - one[key]) <= tol[key] + LOGGED_TOL, (key, two[key], one[key], tol[key])
+
+
+# rank 0's prompts (the first and third of the stream at --seed 0) each give their first completion 1, every other
+# completion 0: rank 1's two groups are constant, so its one update forwards a stand-in row
+RANK_0_ONLY = """
+SIGNAL = {signal!r}
+def rank_0_only(prompts, completions, **kw):
+    seen = set()
+    out = [float(p in SIGNAL and p not in seen) for p in prompts]
+    seen.update(prompts)
+    return out
+"""
+
+
+@needs_torchrun
+@pytest.mark.parametrize("case", ["grpo-token-mean", "gspo-sequence"])
+def test_a_rank_without_signal_logs_the_update_statistics_of_one_process(tmp_path, case):
+    """Issue 65: rank 1 holds no row of signal, so its update forwards one stand-in row (advantage 0) to keep DDP's
+    ranks in step. One process holds both ranks' rows in one update and no stand-in; the stand-in enters no logged
+    number, so the 2 ranks' ratio and clip statistics are one process's (it used to add its ratio to them)."""
+    examples = common.PromptStream(common.arith_split()[0], 0).next(4)
+    (tmp_path / "rank0.py").write_text(RANK_0_ONLY.format(signal={ex["prompt"] for ex in examples[0::2]}))
+    reward = f"{tmp_path / 'rank0.py'}:rank_0_only"
+    algo, flags = OFF_POLICY_CASES[case]
+    one = first_row(flags_run(tmp_path, algo, flags, 0, offset=OFFSET, name="-rank0-only", reward=reward))
+    two = first_row(flags_run(tmp_path, algo, flags, WORLD, offset=OFFSET, name="-rank0-only", reward=reward))
+    assert one["zero_std_frac"] == two["zero_std_frac"] == 0.5, (one, two)  # rank 1's two groups of the four
+    assert one["ratio_std"] > 0.01, one  # the offsets moved the ratios: a stand-in's would move the statistics
+    # the same tokens' log-ratios, from forwards of other batch shapes (within ~1e-6 here), rounded to 6 decimals
+    for key in ("clip_frac_seqs" if algo == "gspo" else "clip_frac", *KEYS[1:]):
+        assert two[key] == pytest.approx(one[key], abs=1e-5), (key, one[key], two[key])
