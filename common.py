@@ -335,8 +335,9 @@ def main(train, args_cls, argv=None):
     # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
-    streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # a closed reader never costs a checkpoint
+    streams, console = (sys.stdout, sys.stderr), Console()  # what both print, for OUT/console.log
+    # a closed reader never costs a checkpoint
+    sys.stdout, sys.stderr = Unbroken(sys.stdout, console), Unbroken(sys.stderr, console)
     try:
         train(parse_args(args_cls, argv))
     except (UsageError, NonFiniteError) as e:
@@ -346,7 +347,10 @@ def main(train, args_cls, argv=None):
     except KeyboardInterrupt:  # the second SIGINT / SIGTERM
         die("stopped at once, without a checkpoint", 128 + (_stop["signum"] or signal.SIGINT), "interrupted")
     finally:
+        for stream in (sys.stdout, sys.stderr):  # what a closed pipe still buffers fails here, not as exit status 120
+            stream.flush()
         sys.stdout, sys.stderr = streams
+        console.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
@@ -1613,10 +1617,31 @@ def check_rewards(args, env: Setup, model, tok):
 
 
 def progress_bar(args, env: Setup, progress: Progress):
-    """The steps still to run, as rank 0's progress bar."""
-    first = progress.step + 1
+    """The steps still to run, as rank 0's progress bar: redrawn on a terminal (not kept in OUT/console.log), else
+    (a file, a pipe) one line at most every BAR_EVERY_S seconds (kept)."""
+    first, tty = progress.step + 1, sys.stderr.isatty()
     return tqdm(range(first, args.steps + 1), initial=first - 1, total=args.steps, desc=args.algo,
-                dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
+                file=sys.stderr if tty else BarLines(sys.stderr), dynamic_ncols=tty, ascii=not tty,
+                disable=env.rank > 0)  # fmt: skip
+
+
+BAR_EVERY_S = 10.0
+
+
+class BarLines:
+    """A progress bar's redraws as lines for a stream that is no terminal, at most one per BAR_EVERY_S seconds."""
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, -math.inf
+
+    def write(self, text: str):
+        line = text.replace("\r", "").strip()  # a redraw; a clear (spaces) and the closing newline are none
+        if line and time.monotonic() - self.last >= BAR_EVERY_S:
+            self.stream.write(line + "\n")
+            self.last = time.monotonic()
+
+    def flush(self):
+        self.stream.flush()
 
 
 def log_step(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, bar, row: dict, no_signal: bool,
@@ -1783,7 +1808,8 @@ def duration(seconds: float) -> str:
 
 
 # What a run may write into --out, in the order the closing line names them
-OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "final", "checkpoint", "tensorboard")
+OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "console.log", "final", "checkpoint",
+           "tensorboard")  # fmt: skip
 
 
 def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
@@ -1834,6 +1860,8 @@ class RunLogger:
         self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
         if enabled:
             self.out.mkdir(parents=True, exist_ok=True)
+        if isinstance(sys.stdout, Unbroken) and sys.stdout.console:  # under main(): what it printed, and will print
+            sys.stdout.console.keep(self.out / "console.log" if enabled else None)
         names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
         self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
         resumed = extra("resume", "--resume").copy_rows(resume_from, self.files) if enabled and resume_from else None
@@ -1905,14 +1933,43 @@ class Interrupted(Exception):
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
 
 
-class Unbroken:
-    """stdout or stderr whose first failed write (a closed pipe: `| tee` stopped by the same Ctrl-C; a closed
-    terminal) points its file at /dev/null, so that the step finishes and its checkpoint is still written."""
+class Console:
+    """What the run prints, for OUT/console.log: held until RunLogger opens --out (`keep`), then appended there, each
+    write flushed, so the file keeps what a closed terminal or a `| tee` that died with the run lost."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self):
+        self.file, self.held = None, []
+
+    def write(self, text: str):
+        if "\r" in text:  # a progress bar's redraw on a terminal: not a line
+            return
+        if self.held is not None:
+            self.held.append(text)
+        elif self.file is not None:
+            self.file.write(text)
+            self.file.flush()
+
+    def keep(self, path: Path | None):  # None: a rank without files, nothing kept; --resume: appended
+        held, self.held, self.file = "".join(self.held), None, path and open(path, "a")
+        self.write(held)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        self.file = None
+
+
+class Unbroken:
+    """stdout or stderr, each write also kept in `console`, whose first failed write (a closed pipe: `| tee` stopped by
+    the same Ctrl-C; a closed terminal) points its file at /dev/null, so that the step finishes and its checkpoint is
+    still written."""
+
+    def __init__(self, stream, console: Console | None = None):
+        self.stream, self.console = stream, console
 
     def write(self, text: str) -> int:
+        if self.console is not None:
+            self.console.write(text)
         try:
             return self.stream.write(text)
         except OSError:
