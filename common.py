@@ -114,8 +114,8 @@ class SharedArgs:
     """held-out prompts used for evaluation"""
     eval_samples: int = 0
     """also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)"""
-    report_to: Literal["none", "tensorboard"] = "none"
-    """tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)"""
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
+    """also send every metric to a tracker (beside metrics.jsonl): tensorboard (OUT/tensorboard), wandb, trackio"""
     trace_every: int | None = None
     """write per-token traces to OUT/traces.jsonl every N steps (0: off; None: at each evaluation)"""
     trace_groups: int = 4
@@ -261,8 +261,6 @@ def check_common_args(args, needs_group: bool):
         (nan, f"{_flag(nan[0])} must be a number, got nan" if nan else ""),
         *((not holds(getattr(args, n)), f"{_flag(n)} must be {what}, got {getattr(args, n)}")
           for n, (holds, what) in ranges.items()),
-        (args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None,
-         "--report-to tensorboard needs the tensorboard package: pip install tensorboard"),
         (batch % max(1, args.minibatches), f"--minibatches {args.minibatches} does not divide the batch of {batch} "
          "completions (--prompts-per-step x --group-size)"),
         (args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % max(1, args.minibatches),
@@ -291,7 +289,7 @@ def check_common_args(args, needs_group: bool):
         ("fsdp", "--fsdp", args.fsdp),
         ("cuda_graph", "--cuda-graph", args.cuda_graph),
         ("traces", "--trace-every", args.trace_every),  # (the default, none: at each evaluation, if traces.py is there)
-        ("tensorboard_log", "--report-to tensorboard", args.report_to == "tensorboard"),
+        ("trackers", f"--report-to {args.report_to}", args.report_to != "none"),
     ]  # fmt: skip
     for name, flag, on in switched_on:
         if on and hasattr(module := extra(name, flag), "check_args"):
@@ -1581,7 +1579,7 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
     if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
         shutil.rmtree(args.out)
         print(f"--out {args.out}: --overwrite: replacing the earlier {env.replaces} there whole", file=sys.stderr)
-    writer = RunLogger(args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard")
+    writer = RunLogger(args.out, env.resume_from, env.rank == 0, args.report_to, dataclasses.asdict(args))
     writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
     writer.show(samples)
     return writer
@@ -1809,7 +1807,7 @@ def duration(seconds: float) -> str:
 
 # What a run may write into --out, in the order the closing line names them
 OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "console.log", "final", "checkpoint",
-           "tensorboard")  # fmt: skip
+           "tensorboard", "wandb")  # fmt: skip
 
 
 def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
@@ -1852,11 +1850,11 @@ class Progress:
 
 
 class RunLogger:
-    """OUT's metrics.jsonl, samples.jsonl, traces.jsonl and --report-to tensorboard's view of them, on rank 0.
+    """OUT's metrics.jsonl, samples.jsonl, traces.jsonl and --report-to's tracker (`config`: the args), on rank 0.
     Resumed, each starts with the checkpoint's rows (TensorBoard's later steps purged): a crash leaves no step twice."""
 
-    def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
-        self.out, self.enabled, self.tensorboard = Path(out), enabled, None
+    def __init__(self, out: str, resume_from: Path | None = None, enabled=True, report_to="none", config=None):
+        self.out, self.enabled, self.tracker = Path(out), enabled, None
         self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
         if enabled:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -1865,8 +1863,9 @@ class RunLogger:
         names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
         self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
         resumed = extra("resume", "--resume").copy_rows(resume_from, self.files) if enabled and resume_from else None
-        if enabled and tensorboard:  # resumed: its events after the checkpoint's step purged
-            self.tensorboard = extra("tensorboard_log", "--report-to tensorboard").Board(self.out, resumed)
+        if enabled and report_to != "none":
+            trackers = extra("trackers", f"--report-to {report_to}")
+            self.tracker = trackers.open_tracker(report_to, self.out, resumed, config or {})
 
     def write(self, name: str, rows: list):
         for row in rows:
@@ -1876,8 +1875,8 @@ class RunLogger:
     def log(self, metrics: dict):
         clean = rounded(metrics)
         self.write("metrics.jsonl", [clean])
-        if self.tensorboard is not None:
-            self.tensorboard.log(clean)
+        if self.tracker is not None:
+            self.tracker.log(clean)
 
     def show(self, samples: list):
         """Print each evaluation sample on one line and append them to samples.jsonl (rank 0)."""
@@ -1896,8 +1895,8 @@ class RunLogger:
     def close(self):
         for file in self.files.values():
             file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:
