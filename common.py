@@ -1627,16 +1627,19 @@ BAR_EVERY_S = 10.0
 
 
 class BarLines:
-    """A progress bar's redraws as lines for a stream that is no terminal, at most one per BAR_EVERY_S seconds."""
+    """A progress bar's redraws as lines for a stream that is no terminal, at most one per BAR_EVERY_S seconds, and
+    its last one when it closes (tqdm's closing newline)."""
 
     def __init__(self, stream):
-        self.stream, self.last = stream, -math.inf
+        self.stream, self.last, self.unwritten = stream, -math.inf, None
 
     def write(self, text: str):
-        line = text.replace("\r", "").strip()  # a redraw; a clear (spaces) and the closing newline are none
-        if line and time.monotonic() - self.last >= BAR_EVERY_S:
-            self.stream.write(line + "\n")
-            self.last = time.monotonic()
+        line = text.replace("\r", "").strip()  # a redraw; a clear (spaces) is none
+        if text == "\n" and self.unwritten or line and time.monotonic() - self.last >= BAR_EVERY_S:
+            self.stream.write((line or self.unwritten) + "\n")
+            self.last, self.unwritten = time.monotonic(), None
+        elif line:
+            self.unwritten = line
 
     def flush(self):
         self.stream.flush()

@@ -25,7 +25,7 @@ def env(**also):
     return e
 
 
-def test_bar_lines_one_line_per_interval_and_no_redraws(monkeypatch):
+def test_bar_lines_one_line_per_interval_and_the_last_at_close(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
     sink = io.StringIO()
@@ -34,8 +34,10 @@ def test_bar_lines_one_line_per_interval_and_no_redraws(monkeypatch):
         now[0] = float(t)
         lines.write(f"\rgspo:  {t}/26 [00:{t:02d}]")
         lines.write("\r" + " " * 40 + "\r")
-    lines.write("\n")  # the bar's close
     assert sink.getvalue() == "gspo:  0/26 [00:00]\ngspo:  10/26 [00:10]\ngspo:  20/26 [00:20]\n"
+    lines.write("\n")  # the bar's close: its last state, not yet written
+    lines.write("\n")
+    assert sink.getvalue().splitlines()[3:] == ["gspo:  25/26 [00:25]"]
 
 
 def test_console_holds_lines_until_kept_then_appends_and_skips_redraws(tmp_path):
@@ -99,7 +101,7 @@ def test_redirected_run_prints_lines_not_redraws_and_console_log_holds_them(tmp_
     assert status == 0, stderr[-2000:]
     assert "\r" not in stdout + stderr  # no redraws in a file
     bar = [line for line in stderr.splitlines() if line.startswith("gspo: ")]
-    assert 1 <= len(bar) <= 1 + seconds / common.BAR_EVERY_S, bar
+    assert len(bar) <= 2 + seconds / common.BAR_EVERY_S and "| 30/30 [" in bar[-1], bar  # at most one per interval
     # every line printed, and only those, in console.log
     printed = Counter(stdout.splitlines() + stderr.splitlines())
     assert Counter((out / "console.log").read_text().splitlines()) == printed
