@@ -117,8 +117,8 @@ class SharedArgs:
     """held-out prompts used for evaluation"""
     eval_samples: int = 0
     """also sample N >= 2 completions per eval prompt: eval_pass@1 and eval_pass@N (0: off)"""
-    report_to: Literal["none", "tensorboard"] = "none"
-    """tensorboard: also write every metric to OUT/tensorboard (beside metrics.jsonl)"""
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
+    """also send every metric to a tracker (beside metrics.jsonl): tensorboard (OUT/tensorboard), wandb, trackio"""
     trace_every: int | None = None
     """write per-token traces to OUT/traces.jsonl every N steps (0: off; None: at each evaluation)"""
     trace_groups: int = 4
@@ -264,8 +264,6 @@ def check_common_args(args, needs_group: bool):
         (nan, f"{_flag(nan[0])} must be a number, got nan" if nan else ""),
         *((not holds(getattr(args, n)), f"{_flag(n)} must be {what}, got {getattr(args, n)}")
           for n, (holds, what) in ranges.items()),
-        (args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None,
-         "--report-to tensorboard needs the tensorboard package: pip install tensorboard"),
         (batch % max(1, args.minibatches), f"--minibatches {args.minibatches} does not divide the batch of {batch} "
          "completions (--prompts-per-step x --group-size)"),
         (args.prompts_per_step % world or args.prompts_per_step // world * args.group_size % max(1, args.minibatches),
@@ -294,7 +292,7 @@ def check_common_args(args, needs_group: bool):
         ("fsdp", "--fsdp", args.fsdp),
         ("cuda_graph", "--cuda-graph", args.cuda_graph),
         ("traces", "--trace-every", args.trace_every),  # (the default, none: at each evaluation, if traces.py is there)
-        ("tensorboard_log", "--report-to tensorboard", args.report_to == "tensorboard"),
+        ("trackers", f"--report-to {args.report_to}", args.report_to != "none"),
     ]  # fmt: skip
     for name, flag, on in switched_on:
         if on and hasattr(module := extra(name, flag), "check_args"):
@@ -338,8 +336,9 @@ def main(train, args_cls, argv=None):
     # nohup's SIGHUP stays ignored: a run it started outlives its terminal, as asked
     previous = {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     _stop["signum"] = None
-    streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # a closed reader never costs a checkpoint
+    streams, console = (sys.stdout, sys.stderr), Console()  # what both print, for OUT/console.log
+    # a closed reader never costs a checkpoint
+    sys.stdout, sys.stderr = Unbroken(sys.stdout, console), Unbroken(sys.stderr, console)
     try:
         train(parse_args(args_cls, argv))
     except (UsageError, NonFiniteError) as e:
@@ -349,7 +348,10 @@ def main(train, args_cls, argv=None):
     except KeyboardInterrupt:  # the second SIGINT / SIGTERM
         die("stopped at once, without a checkpoint", 128 + (_stop["signum"] or signal.SIGINT), "interrupted")
     finally:
+        for stream in (sys.stdout, sys.stderr):  # what a closed pipe still buffers fails here, not as exit status 120
+            stream.flush()
         sys.stdout, sys.stderr = streams
+        console.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
@@ -1447,7 +1449,7 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
     if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
         shutil.rmtree(args.out)
         print(f"--out {args.out}: --overwrite: replacing the earlier {env.replaces} there whole", file=sys.stderr)
-    writer = RunLogger(args.out, env.resume_from, enabled=env.rank == 0, tensorboard=args.report_to == "tensorboard")
+    writer = RunLogger(args.out, env.resume_from, env.rank == 0, args.report_to, dataclasses.asdict(args))
     writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
     writer.show(samples)
     return writer
@@ -1483,10 +1485,34 @@ def check_rewards(args, env: Setup, model, tok):
 
 
 def progress_bar(args, env: Setup, progress: Progress):
-    """The steps still to run, as rank 0's progress bar."""
-    first = progress.step + 1
+    """The steps still to run, as rank 0's progress bar: redrawn on a terminal (not kept in OUT/console.log), else
+    (a file, a pipe) one line at most every BAR_EVERY_S seconds (kept)."""
+    first, tty = progress.step + 1, sys.stderr.isatty()
     return tqdm(range(first, args.steps + 1), initial=first - 1, total=args.steps, desc=args.algo,
-                dynamic_ncols=True, disable=env.rank > 0)  # fmt: skip
+                file=sys.stderr if tty else BarLines(sys.stderr), dynamic_ncols=tty, ascii=not tty,
+                disable=env.rank > 0)  # fmt: skip
+
+
+BAR_EVERY_S = 10.0
+
+
+class BarLines:
+    """A progress bar's redraws as lines for a stream that is no terminal, at most one per BAR_EVERY_S seconds, and
+    its last one when it closes (tqdm's closing newline)."""
+
+    def __init__(self, stream):
+        self.stream, self.last, self.unwritten = stream, -math.inf, None
+
+    def write(self, text: str):
+        line = text.replace("\r", "").strip()  # a redraw; a clear (spaces) is none
+        if text == "\n" and self.unwritten or line and time.monotonic() - self.last >= BAR_EVERY_S:
+            self.stream.write((line or self.unwritten) + "\n")
+            self.last, self.unwritten = time.monotonic(), None
+        elif line:
+            self.unwritten = line
+
+    def flush(self):
+        self.stream.flush()
 
 
 def evaluate_if_due(args, env: Setup, model, tok, progress: Progress, row: dict, shown: tuple = ()) -> list:
@@ -1665,7 +1691,8 @@ def duration(seconds: float) -> str:
 
 
 # What a run may write into --out, in the order the closing line names them
-OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "final", "checkpoint", "tensorboard")
+OUTPUTS = ("summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "console.log", "final", "checkpoint",
+           "tensorboard", "wandb")  # fmt: skip
 
 
 def closing_line(algo: str, before: dict, after: dict, seconds: float, out: Path) -> str:
@@ -1710,19 +1737,22 @@ class Progress:
 
 
 class RunLogger:
-    """OUT's metrics.jsonl, samples.jsonl, traces.jsonl and --report-to tensorboard's view of them, on rank 0.
+    """OUT's metrics.jsonl, samples.jsonl, traces.jsonl and --report-to's tracker (`config`: the args), on rank 0.
     Resumed, each starts with the checkpoint's rows (TensorBoard's later steps purged): a crash leaves no step twice."""
 
-    def __init__(self, out: str, resume_from: Path | None = None, enabled: bool = True, tensorboard: bool = False):
-        self.out, self.enabled, self.tensorboard = Path(out), enabled, None
+    def __init__(self, out: str, resume_from: Path | None = None, enabled=True, report_to="none", config=None):
+        self.out, self.enabled, self.tracker = Path(out), enabled, None
         self.t_start, self.clip_key = STARTED, "clip_frac"  # summary.json's wall_time_s and mean clip fraction
         if enabled:
             self.out.mkdir(parents=True, exist_ok=True)
+        if isinstance(sys.stdout, Unbroken) and sys.stdout.console:  # under main(): what it printed, and will print
+            sys.stdout.console.keep(self.out / "console.log" if enabled else None)
         names = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")
         self.files = {name: open(self.out / name if enabled else os.devnull, "w") for name in names}
         resumed = extra("resume", "--resume").copy_rows(resume_from, self.files) if enabled and resume_from else None
-        if enabled and tensorboard:  # resumed: its events after the checkpoint's step purged
-            self.tensorboard = extra("tensorboard_log", "--report-to tensorboard").Board(self.out, resumed)
+        if enabled and report_to != "none":
+            trackers = extra("trackers", f"--report-to {report_to}")
+            self.tracker = trackers.open_tracker(report_to, self.out, resumed, config or {})
 
     def write(self, name: str, rows: list):
         for row in rows:
@@ -1732,8 +1762,8 @@ class RunLogger:
     def log(self, metrics: dict):
         clean = rounded(metrics)
         self.write("metrics.jsonl", [clean])
-        if self.tensorboard is not None:
-            self.tensorboard.log(clean)
+        if self.tracker is not None:
+            self.tracker.log(clean)
 
     def show(self, samples: list):
         """Print each evaluation sample on one line and append them to samples.jsonl (rank 0)."""
@@ -1752,8 +1782,8 @@ class RunLogger:
     def close(self):
         for file in self.files.values():
             file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -1789,14 +1819,43 @@ class Interrupted(Exception):
 _stop = {"signum": None}  # set by the handler `main` installs, read by the training loops
 
 
-class Unbroken:
-    """stdout or stderr whose first failed write (a closed pipe: `| tee` stopped by the same Ctrl-C; a closed
-    terminal) points its file at /dev/null, so that the step finishes and its checkpoint is still written."""
+class Console:
+    """What the run prints, for OUT/console.log: held until RunLogger opens --out (`keep`), then appended there, each
+    write flushed, so the file keeps what a closed terminal or a `| tee` that died with the run lost."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self):
+        self.file, self.held = None, []
+
+    def write(self, text: str):
+        if "\r" in text:  # a progress bar's redraw on a terminal: not a line
+            return
+        if self.held is not None:
+            self.held.append(text)
+        elif self.file is not None:
+            self.file.write(text)
+            self.file.flush()
+
+    def keep(self, path: Path | None):  # None: a rank without files, nothing kept; --resume: appended
+        held, self.held, self.file = "".join(self.held), None, path and open(path, "a")
+        self.write(held)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        self.file = None
+
+
+class Unbroken:
+    """stdout or stderr, each write also kept in `console`, whose first failed write (a closed pipe: `| tee` stopped by
+    the same Ctrl-C; a closed terminal) points its file at /dev/null, so that the step finishes and its checkpoint is
+    still written."""
+
+    def __init__(self, stream, console: Console | None = None):
+        self.stream, self.console = stream, console
 
     def write(self, text: str) -> int:
+        if self.console is not None:
+            self.console.write(text)
         try:
             return self.stream.write(text)
         except OSError:

@@ -32,9 +32,11 @@ runtime (sampling, log-probs, rewards, evaluation, checkpoints, torchrun).
 
 Run (CPU, embedded tiny Qwen3, about 5 minutes on 2 cores):   python grpo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python grpo.py --resume runs/grpo
-A real Qwen on a GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_train.jsonl first):
+A real Qwen on one 24 GB GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_*.jsonl first; docs/running.md):
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data data/gsm8k_train.jsonl \
-    --max-new-tokens 512 --prompts-per-step 32 --lr 1e-6 --kl-coef 0.001
+      --eval-data data/gsm8k_test.jsonl --steps 200 --prompts-per-step 32 --group-size 8 --minibatches 8 \
+      --max-new-tokens 512 --lr 1e-6 --kl-coef 0.001 --grad-checkpointing --eval-every 20 --eval-size 500 \
+      --save-every 20 --out runs/grpo-gsm8k   # planned peak: 15.20 GB
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N grpo.py ...same flags...   (on CPU: gloo, --device cpu)
     torchrun --nproc_per_node N grpo.py --fsdp ...   (weights, gradients, AdamW state sharded: FSDP2)

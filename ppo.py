@@ -31,9 +31,11 @@ runtime (sampling, log-probs, rewards, evaluation, checkpoints, torchrun).
 
 Run (CPU, embedded tiny Qwen3; 531 s on 2 cores, docs/results.md):   python ppo.py
 Stop with Ctrl-C (it saves a checkpoint), then continue:   python ppo.py --resume runs/ppo
-A real Qwen on a GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_train.jsonl first):
+A real Qwen on one 24 GB GPU, on GSM8K (python tools/gsm8k.py writes data/gsm8k_*.jsonl first; docs/running.md):
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --data data/gsm8k_train.jsonl \
-    --max-new-tokens 512 --prompts-per-step 256 --lr 1e-6 --critic-lr 1e-5
+      --eval-data data/gsm8k_test.jsonl --steps 200 --prompts-per-step 64 --group-size 1 --minibatches 8 \
+      --max-new-tokens 512 --lr 1e-6 --critic-lr 1e-5 --kl-coef 0.001 --grad-checkpointing --eval-every 20 \
+      --eval-size 500 --save-every 20 --out runs/ppo-gsm8k   # planned peak: 19.07 GB
 Data parallel on N GPUs (each rank samples prompts-per-step / N prompts; gradients averaged):
     torchrun --nproc_per_node N ppo.py ...same flags...   (on CPU: gloo, --device cpu)
     torchrun --nproc_per_node N ppo.py --fsdp ...   (weights, gradients, AdamW state sharded: FSDP2)

@@ -198,9 +198,9 @@ def test_a_run_ends_with_one_closing_line_and_no_transformers_bars(cli_run):
     assert m.group(1, 2) == (f"{before:.3f}", f"{after:.3f}")
     assert int(m.group(3)) == round(summary["wall_time_s"])
     assert m.group(4) == str(out)
-    assert m.group(5).split(", ") == ["summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "final/"]
-    assert {p.name for p in out.iterdir()} == {"summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl",
-                                               "final"}  # fmt: skip
+    written = ["summary.json", "metrics.jsonl", "samples.jsonl", "traces.jsonl", "console.log", "final/"]
+    assert m.group(5).split(", ") == written
+    assert {p.name for p in out.iterdir()} == {name.rstrip("/") for name in written}
 
     both = proc.stdout + proc.stderr
     assert "Loading weights" not in both and "Writing model shards" not in both

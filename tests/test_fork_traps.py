@@ -336,7 +336,7 @@ def test_the_eval_shape_is_checked_on_resume(tmp_path, capsys, monkeypatch):
         ("gspo", ["--variant", "tokn"], "invalid choice 'tokn' for argument '--variant'"),
         ("grpo", ["--loss-agg", "token_mean"], "invalid choice 'token_mean' for argument '--loss-agg'"),
         ("grpo", ["--scale-rewards", "max"], "invalid choice 'max' for argument '--scale-rewards'"),
-        ("ppo", ["--report-to", "wandb"], "invalid choice 'wandb' for argument '--report-to'"),
+        ("ppo", ["--report-to", "mlflow"], "invalid choice 'mlflow' for argument '--report-to'"),
         ("ppo", ["--is-correction", "tiss"], "invalid choice 'tiss' for argument '--is-correction'"),
         ("gspo", ["--lr", "abc"], "--lr"),
         ("grpo", ["--prompts-per-step", "1.5"], "--prompts-per-step"),

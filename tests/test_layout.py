@@ -114,7 +114,7 @@ CAPABILITIES = [
     (("--resume", "a-run"), "resume"),
     (("--eval-samples", "4"), "pass_at_k"),
     (("--filter-groups",), "filter_groups"),
-    (("--report-to", "tensorboard"), "tensorboard_log"),
+    (("--report-to", "tensorboard"), "trackers"),
     (("--model", "Qwen/Qwen2.5-0.5B"), "hub"),
 ]
 NOT_FLAG_SWITCHED = {"distributed": "torchrun (WORLD_SIZE) imports it"}

@@ -1,6 +1,7 @@
-"""docs/running.md's real-Qwen commands, parsed by each script's Args, state the peak tools/plan_memory.py plans
-and fit a 24 GB GPU with docs/memory.md's 15% margin."""
+"""docs/running.md's real-Qwen commands, and each script's docstring one (the first a GPU user copies), parsed by
+each script's Args, state the peak tools/plan_memory.py plans and fit a 24 GB GPU with docs/memory.md's 15% margin."""
 
+import ast
 import re
 import shlex
 
@@ -14,9 +15,9 @@ TEXT = (ROOT / "docs" / "running.md").read_text()
 CARD_GB, MARGIN = 24, 1.15  # one 24 GB GPU; docs/memory.md: budget 15% over the planner's figure
 
 
-def real_model_commands() -> list[tuple[str, list[str], str]]:
+def real_model_commands(text: str = TEXT, where: str = "docs/running.md") -> list[tuple[str, list[str], str]]:
     """(script, its arguments, the stated planned peak) of every `python <script>.py --model Qwen/...` line."""
-    joined = TEXT.replace("\\\n", " ")  # continuation lines joined
+    joined = text.replace("\\\n", " ")  # continuation lines joined (a docstring's are joined already)
     lines = [line.strip() for line in joined.splitlines()]
     found = []
     for line in lines:
@@ -24,7 +25,7 @@ def real_model_commands() -> list[tuple[str, list[str], str]]:
         if m:
             command, _, comment = m.group(2).partition("#")
             stated = re.fullmatch(r" planned peak: (\d+\.\d\d) GB", comment)
-            assert stated, f"docs/running.md: `python {m.group(1)}.py {command}` states no planned peak"
+            assert stated, f"{where}: `python {m.group(1)}.py {command}` states no planned peak"
             found.append((m.group(1), shlex.split(command), stated.group(1)))
     return found
 
@@ -37,6 +38,8 @@ def planner_inputs() -> tuple[int, int]:
 
 
 COMMANDS = real_model_commands()
+DOCSTRING_COMMANDS = [command for script in ("grpo", "gspo", "ppo") for command in real_model_commands(
+    ast.get_docstring(ast.parse((ROOT / f"{script}.py").read_text())), f"{script}.py's docstring")]  # fmt: skip
 
 
 def test_the_page_has_the_three_scripts_commands():
@@ -44,7 +47,12 @@ def test_the_page_has_the_three_scripts_commands():
     assert planner_inputs()[1] == CARD_GB
 
 
-@pytest.mark.parametrize("script, argv, stated", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_each_scripts_docstring_command_is_the_pages_sized_one():
+    assert sorted(DOCSTRING_COMMANDS) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("script, argv, stated", COMMANDS + DOCSTRING_COMMANDS,
+                         ids=[c[0] for c in COMMANDS] + [f"{c[0]}-docstring" for c in DOCSTRING_COMMANDS])  # fmt: skip
 def test_a_real_model_command_states_its_planned_peak_and_fits_24_gb(script, argv, stated, capsys):
     args = common.parse_args(import_file(ROOT / f"{script}.py").Args, argv)
     model = args.model.split("/")[-1].lower().removesuffix("-instruct")  # Qwen/Qwen2.5-0.5B-Instruct: qwen2.5-0.5b
