@@ -64,9 +64,10 @@ def test_two_ranks_with_unequal_tokens_log_the_update_statistics_of_one_process(
 RANK_0_ONLY = """
 SIGNAL = {signal!r}
 def rank_0_only(prompts, completions, **kw):
-    seen = set()
-    out = [float(p in SIGNAL and p not in seen) for p in prompts]
-    seen.update(prompts)
+    seen, out = set(), []
+    for p in prompts:
+        out.append(float(p in SIGNAL and p not in seen))
+        seen.add(p)
     return out
 """
 
