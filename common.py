@@ -180,10 +180,14 @@ def _cli(args_cls, argv: list[str], defaults):
     except SystemExit as e:
         if not e.code:
             raise
-        # tyro's error box as one line: its first paragraph, after the title
+        # tyro's error box as one line: its first paragraph, after the title, and the flags it suggests
         lines = [re.sub(r"\x1b\[[\d;]*m", "", line).strip(" │|╭╮╰╯") for line in err.getvalue().strip().splitlines()]
         lines = ["" if re.fullmatch(r"[─-]*", line) else line for line in lines[1:]]
-        message = " ".join(itertools.takewhile(bool, lines[1:] if lines and not lines[0] else lines))
+        paragraphs = [list(p) for filled, p in itertools.groupby(lines, bool) if filled]
+        message = " ".join(paragraphs[0] if paragraphs else [])
+        near = [line.split()[0] for p in paragraphs[1:] if re.match(r"Perhaps you meant|Arguments similar", p[0])
+                for line in p[1:] if line.startswith("--")]  # fmt: skip
+        message += f"; did you mean {' or '.join(sorted(set(near)))}?" if near else ""
         raise UsageError(message or f"bad command line (python {sys.argv[0]} --help)") from None
 
 
@@ -272,7 +276,8 @@ def check_common_args(args, needs_group: bool):
          f"--device must be auto, cpu or cuda[:N], got {args.device!r}"),
         (gpu and int(gpu[1] or 0) >= gpus, f"--device {args.device}: only {gpus} CUDA device(s) visible"),
         (not existing.is_dir(), f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)"),
-        (not os.access(existing, os.W_OK), f"--out {args.out}: {existing} is not writable"),
+        (not os.access(existing, os.W_OK) or existing != out and not can_create_in(existing),
+         f"--out {args.out}: {existing} is not writable (cannot create {out} there)"),
         *((getattr(args, n) not in allowed, f"{_flag(n)} must be one of "  # --report-to, --variant, a fork's ...
            f"{', '.join(str(v) for v in allowed if v is not None)}, got {getattr(args, n)!r}")
           for n, allowed in choices.items()),
@@ -296,6 +301,14 @@ def check_common_args(args, needs_group: bool):
     for name, flag, on in switched_on:
         if on and hasattr(module := extra(name, flag), "check_args"):
             module.check_args(args)
+
+
+def can_create_in(directory: Path) -> bool:
+    """Whether a directory can be made in `directory`, tried (os.access passes root, and /proc): made and removed."""
+    with contextlib.suppress(OSError):
+        (probe := directory / f".rlref-probe-{os.getpid()}").mkdir()
+        return probe.rmdir() is None
+    return False
 
 
 def check_clip(eps_low: float, eps_high: float):
