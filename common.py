@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import importlib.util
 import io
@@ -183,10 +184,14 @@ def _cli(args_cls, argv: list[str], defaults):
     except SystemExit as e:
         if not e.code:
             raise
-        # tyro's error box as one line: its first paragraph, after the title
+        # tyro's error box as one line: its first paragraph, after the title, and the flags it suggests
         lines = [re.sub(r"\x1b\[[\d;]*m", "", line).strip(" │|╭╮╰╯") for line in err.getvalue().strip().splitlines()]
         lines = ["" if re.fullmatch(r"[─-]*", line) else line for line in lines[1:]]
-        message = " ".join(itertools.takewhile(bool, lines[1:] if lines and not lines[0] else lines))
+        paragraphs = [list(p) for filled, p in itertools.groupby(lines, bool) if filled]
+        message = " ".join(paragraphs[0] if paragraphs else [])
+        near = [line.split()[0] for p in paragraphs[1:] if re.match(r"Perhaps you meant|Arguments similar", p[0])
+                for line in p[1:] if line.startswith("--")]  # fmt: skip
+        message += f"; did you mean {' or '.join(sorted(set(near)))}?" if near else ""
         raise UsageError(message or f"bad command line (python {sys.argv[0]} --help)") from None
 
 
@@ -273,7 +278,8 @@ def check_common_args(args, needs_group: bool):
          f"--device must be auto, cpu or cuda[:N], got {args.device!r}"),
         (gpu and int(gpu[1] or 0) >= gpus, f"--device {args.device}: only {gpus} CUDA device(s) visible"),
         (not existing.is_dir(), f"--out {args.out}: {existing} is a file, expected a directory (or a path to create)"),
-        (not os.access(existing, os.W_OK), f"--out {args.out}: {existing} is not writable"),
+        (not os.access(existing, os.W_OK) or existing != out and not can_create_in(existing),
+         f"--out {args.out}: {existing} is not writable (cannot create {out} there)"),
         *((getattr(args, n) not in allowed, f"{_flag(n)} must be one of "  # --report-to, --variant, a fork's ...
            f"{', '.join(str(v) for v in allowed if v is not None)}, got {getattr(args, n)!r}")
           for n, allowed in choices.items()),
@@ -297,6 +303,14 @@ def check_common_args(args, needs_group: bool):
     for name, flag, on in switched_on:
         if on and hasattr(module := extra(name, flag), "check_args"):
             module.check_args(args)
+
+
+def can_create_in(directory: Path) -> bool:
+    """Whether a directory can be made in `directory`, tried (os.access passes root, and /proc): made and removed."""
+    with contextlib.suppress(OSError):
+        (probe := directory / f".rlref-probe-{os.getpid()}").mkdir()
+        return probe.rmdir() is None
+    return False
 
 
 def check_clip(eps_low: float, eps_high: float):
@@ -350,6 +364,7 @@ def main(train, args_cls, argv=None):
     finally:
         for stream in (sys.stdout, sys.stderr):  # what a closed pipe still buffers fails here, not as exit status 120
             stream.flush()
+        release_out()
         sys.stdout, sys.stderr = streams
         console.close()
         for s, handler in previous.items():
@@ -388,6 +403,10 @@ def setup(args, needs_group: bool = True) -> Setup:
     rank, world, local_rank = 0, 1, 0
     if "WORLD_SIZE" in os.environ:  # torchrun's: its process group joined
         rank, world, local_rank = extra("distributed", "torchrun").init_distributed(args.device)
+    # --out and --resume's checkpoint before the tokenizer and data: a refusal that needs no model comes early
+    resume = extra("resume", "--resume") if args.resume else None
+    replaces = check_out(args, resume and resume.find_checkpoint(args.resume, args.algo)[0], rank)
+    resume_from = resume and resume.open_checkpoint(args, args.algo, world)
     specs = args.reward or ([] if args.reward_model else ["exact"])  # --reward-model alone: the only component
     needs_answer = any(spec in BUILTIN_REWARDS for spec in specs)
     pin_mmap_threshold()  # before the first large tensor: freed activations leave RSS
@@ -411,8 +430,6 @@ def setup(args, needs_group: bool = True) -> Setup:
         print(f"warning: {overlap} of the {len(eval_set)} evaluation prompts also occur in the training data "
               f"({'--eval-data ' + args.eval_data if args.eval_data else '--data'})", file=sys.stderr)  # fmt: skip
     system_prompt = args.system_prompt if args.system_prompt is not None else SYSTEM_PROMPTS[reward_fn.parser]
-    resume_from = extra("resume", "--resume").open_checkpoint(args, args.algo, world) if args.resume else None
-    replaces = check_out(args, resume_from)
     if declares_experts(args.model):  # known from config.json, so a missing extras/moe.py stops before loading
         extra("moe", f"--model {args.model} (MoE)")
     if not _StaticKVDecoder.supports_config(local_config(args.model) or {"model_type": "llama"}):  # (hub id: later)
@@ -426,15 +443,55 @@ def setup(args, needs_group: bool = True) -> Setup:
                  replaces)  # fmt: skip
 
 
-def check_out(args, resume_from: Path | None) -> str | None:
+def check_out(args, resume_from: Path | None, rank: int = 0) -> str | None:
     """The earlier run in --out that --overwrite replaces whole (start_run does), or None: nothing to replace, or
-    the run --resume continues; else a UsageError (extras/resume.py: a directory that holds no run is never deleted)."""
+    the run --resume continues; else a UsageError (extras/resume.py: a directory that holds no run is never deleted).
+    A live run's directory, --out or the one --resume reads, is refused first (hold_out)."""
     out = Path(args.out)
+    hold_out(out, rank, create=False)
+    if resume_from is not None:
+        hold_out(resume_from.parent, rank, create=False)
     if resume_from is not None and out.resolve() == resume_from.resolve().parent:
         return None  # --resume continues the run in its own directory
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK for p in out.iterdir()):
         return None
     return extra("resume", f"--out {args.out} (it holds files: --resume, --overwrite)").check_out(args, resume_from)
+
+
+LOCK = ".lock"  # OUT/.lock: flock()ed by the one process writing OUT (rank 0 under torchrun), its PID and command in it
+_held = {}  # OUT (resolved) -> the open lock file this process holds, until release_out()
+
+
+def hold_out(out, rank: int = 0, create: bool = True):
+    """One writer per --out: rank 0 holds OUT/.lock (flock: the kernel lets go when the process dies, so a killed run
+    resumes at once) from start_run to the run's end, its PID written in; `create` False only tries an existing lock
+    file (nothing written). Held by a live process: a UsageError on every rank, naming its PID."""
+    path, error = Path(out) / LOCK, None
+    if rank == 0 and path.parent.resolve() not in _held and (create or path.is_file()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, "a+")  # noqa: SIM115 (held open until release_out)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            pid, _, command = (file.read().strip() or "?").partition("\n")
+            error = UsageError(f"{path.parent} is in use by the run in process {pid} ({command or '?'}): one process "
+                               f"writes a run directory at a time; wait for it to end, or stop it (kill {pid} "
+                               "saves a checkpoint), or choose another --out")  # fmt: skip
+        if create and error is None:
+            _held[path.parent.resolve()] = file
+            file.truncate(0)
+            file.write(f"{os.getpid()}\n{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}\n")
+            file.flush()
+        else:
+            file.close()
+    raise_on_every_rank(error)
+
+
+def release_out():
+    """Let go of every --out this process holds (at the run's end; a process that ends lets go anyway)."""
+    while _held:
+        _held.popitem()[1].close()
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -1446,8 +1503,12 @@ def start_run(args, env: Setup, model, tok, state: dict) -> RunLogger:
         progress.last_eval = progress.eval_before
         if env.rank == 0:
             tqdm.write(f"step 0: {describe_eval(progress.eval_before)}")
+    hold_out(args.out, env.rank)  # only now: a run that failed its checks has written nothing
+    if env.resume_from and env.rank == 0:
+        tqdm.write(extra("resume", "--resume").resuming(env.resume_from, args))
     if env.replaces is not None and env.rank == 0:  # only now: a run that failed its checks has deleted nothing
-        shutil.rmtree(args.out)
+        for p in Path(args.out).iterdir():  # all but the lock this run holds
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         print(f"--out {args.out}: --overwrite: replacing the earlier {env.replaces} there whole", file=sys.stderr)
     writer = RunLogger(args.out, env.resume_from, env.rank == 0, args.report_to, dataclasses.asdict(args))
     writer.t_start = STARTED - progress.wall_time_s  # from the script's start; a resumed run adds its own
@@ -1659,6 +1720,7 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
     if writer.enabled:
         (writer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     writer.close()
+    release_out()
     if interrupted:
         raise Interrupted(f"stopped after step {progress.step}; checkpoint in {writer.out / 'checkpoint'}; "
                           f"continue with --resume {writer.out}")  # fmt: skip

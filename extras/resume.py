@@ -1,13 +1,18 @@
 """extras/resume.py: --resume, continuing a run exactly from its checkpoint (docs/running.md, "Resume"): found and
-checked before any model loads, its flags the command line's defaults, then the weights, the optimizers, the streams
-and every random state restored. Also what --out may replace (`check_out`) and a fork's plain state (`plain_value`).
+checked before any model loads (a damaged file named with what can still be done), its flags the command line's
+defaults, then the weights, the optimizers, the streams and every random state restored, saying from which step.
+Also what --out may replace and the state of the run there (`check_out`), and a fork's plain state (`plain_value`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import struct
+import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -94,14 +99,153 @@ def find_checkpoint(path: str, algo: str) -> tuple[Path, dict]:
         raise UsageError(f"--resume {path}: the checkpoint was written by {meta['algo']}.py, not {algo}.py")
     missing = [n for n in ("policy", "trainer.pt", "metrics.jsonl") if not (found / n).exists()]
     if missing:
-        raise UsageError(f"--resume {path}: incomplete checkpoint, {found} has no {', '.join(missing)}")
+        raise UsageError(f"--resume {path}: incomplete checkpoint, {found} has no {', '.join(missing)}; "
+                         f"{what_else(found, algo, meta.get('world', 1))}")  # fmt: skip
     return found, meta
+
+
+LOGS = ("metrics.jsonl", "samples.jsonl", "traces.jsonl")  # a run's logs; a checkpoint holds their rows up to its step
+
+
+def log_rows(path: Path) -> tuple[list[int], list[int]]:
+    """The steps of the rows of a run's log, and the numbers of its lines that are not a JSON row with a step (torn by
+    a crash while writing, or by two processes writing); a missing file: neither."""
+    steps, bad = [], []
+    for n, line in enumerate(path.read_bytes().splitlines() if path.is_file() else [], 1):
+        try:
+            row = json.loads(line)  # (not UTF-8: a UnicodeDecodeError, a ValueError)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            steps.append(row["step"])
+        elif line.strip():
+            bad.append(n)
+    return steps, bad
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a .safetensors file (shorter than its header says, or no header), or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+        end = 8 + n + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, TypeError, KeyError, AttributeError):
+        return "is truncated or not safetensors (its header is unreadable)"
+    return f"is truncated ({size} of its {end} bytes)" if size < end else None
+
+
+def damage(found: Path, world: int = 1) -> tuple[Path, str] | None:
+    """The first damaged file of checkpoint `found` and what is wrong with it, or None: a file missing or truncated
+    (policy/'s weights against their headers, a .pt's zip directory, which is at its end), not JSON, or a line of a
+    log that is not a JSON row."""
+    policy = found / "policy"
+    config = policy / ("adapter_config.json" if (policy / "adapter_config.json").is_file() else "config.json")  # LoRA
+    index = policy / "model.safetensors.index.json"  # sharded weights
+    single = "pytorch_model.bin" if (policy / "pytorch_model.bin").is_file() else "model.safetensors"  # (unsafe)
+    shards = _json(index).get("weight_map", {}).values() if index.is_file() else [single]
+    weights = [policy / n for n in shards] if config.name == "config.json" else [policy / "adapter_model.safetensors"]
+    ranks = [found / f"rank{r}.pt" for r in range(world)] if world > 1 else []
+    for path in [config, *dict.fromkeys(weights), found / "trainer.pt", *ranks, found / "metrics.jsonl"]:
+        if not path.is_file():
+            return path, "is missing"
+    for path in policy.glob("*.json"):
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError):
+            return path, "is not JSON (truncated?)"
+    for path in policy.glob("*.safetensors"):
+        if why := safetensors_damage(path):
+            return path, why
+    for path in [found / "trainer.pt", *ranks]:
+        try:
+            zipfile.ZipFile(path).close()
+        except (zipfile.BadZipFile, OSError):
+            return path, "is truncated (torch.save's zip archive has no directory at its end)"
+    for name in LOGS:
+        if bad := log_rows(found / name)[1]:
+            return found / name, f"line {bad[0]} is not a JSON row with a step (torn by a crash, or two writers)"
+    return None
+
+
+def what_else(found: Path, algo: str, world: int = 1) -> str:
+    """What can still be done with a run whose checkpoint `found` is damaged: the last good one, if any."""
+    old = found.parent / "checkpoint.old"
+    if old != found and (old / "meta.json").is_file() and damage(old, world) is None:
+        step = json.loads((old / "meta.json").read_text())["step"]
+        return f"the previous checkpoint is whole: --resume {old} continues from its step {step}"
+    return (f"no earlier checkpoint is kept, so the run cannot continue: python {algo}.py --overwrite --out "
+            f"{found.parent} starts it again")  # fmt: skip
+
+
+def check_files(given: str, found: Path, algo: str, world: int = 1):
+    """open_checkpoint: every file of checkpoint `found` whole, else a UsageError naming the first damaged one (and its
+    line) and what can still be done."""
+    if (hit := damage(found, world)) is None:
+        return
+    path, why = hit
+    if why.startswith("line"):  # only a log: the weights and the training state are whole
+        then = "the weights and training state are whole: delete or repair the line (its row leaves the log), resume"
+    else:
+        then = what_else(found, algo, world)
+    raise UsageError(f"--resume {given}: damaged checkpoint: {path} {why}; {then}")
+
+
+def resuming(found: Path, args) -> str:
+    """start_run's line on --resume: from which step of how many, the checkpoint's time, and what is discarded past
+    it (the rows the run logged after its checkpoint, which its run repeats)."""
+    meta = found / "meta.json"
+    step, written = json.loads(meta.read_text())["step"], meta.stat().st_mtime
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written))
+    ago = common.duration(time.time() - written)
+    line = f"resuming from step {step} of {args.steps}: {found}, written {when} ({ago} ago)"
+    out = Path(args.out)
+    if out.resolve() != found.resolve().parent:
+        return line + f"; the run continues in --out {out}"
+    later, torn = log_rows(out / "metrics.jsonl")
+    later = [s for s in later if s > step]
+    dropped = [f"step {later[0]}" if len(later) == 1 else f"steps {later[0]}-{later[-1]}"] if later else []
+    dropped += [f"{len(torn)} torn line{'s' * (len(torn) > 1)}"] if torn else []
+    return line + (f"; discarding what {out / 'metrics.jsonl'} logged past it: {', '.join(dropped)}" if dropped else "")
+
+
+def _json(path: Path) -> dict:
+    """A JSON object file's contents; {} if it is absent, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def run_state(out: Path, algo: str | None) -> str:
+    """What the run in `out` came to, for check_out's refusal: finished (its step and final accuracy), stopped at step
+    k (the command that continues it), or ended (killed, crashed) without a checkpoint past step k."""
+    summary, steps = _json(out / "summary.json"), log_rows(out / "metrics.jsonl")[0]
+    meta = _json(out / "checkpoint" / "meta.json") or _json(out / "checkpoint.old" / "meta.json")
+    last, k, world = max(steps, default=0), meta.get("step"), meta.get("world", 1)
+    again = f"{f'torchrun --nproc_per_node {world}' if world > 1 else 'python'} {algo}.py --resume {out}"
+    if isinstance(summary.get("step"), int) and summary["step"] >= last:  # the summary is the run's last word
+        if summary.get("interrupted"):
+            return f"a {algo}.py run stopped at step {summary['step']} of {summary.get('steps')} (continue it: {again})"
+        accuracy, reward = summary.get("eval_accuracy_after"), (summary.get("eval_after") or {}).get("reward")
+        score = f"accuracy {accuracy}" if accuracy is not None else f"reward {reward}"  # (a task without answers)
+        return f"a finished {algo}.py run (step {summary['step']}, held-out {score}; {again} --steps N trains further)"
+    if algo is None:
+        return f"a run that no summary.json or checkpoint names (a crashed run?), logged to step {last}"
+    if isinstance(k, int):
+        return (f"a {algo}.py run that ended at step {last} without a checkpoint past step {k} (killed or crashed?; "
+                f"{again} continues from step {k})")  # fmt: skip
+    return f"a {algo}.py run that ended at step {last} without a checkpoint (killed or crashed?), so it cannot resume"
 
 
 def resumed_args(args_cls, path: str, parse):
     """The flags of a resumed run: `parse(defaults)` with the checkpoint's flags as the defaults, so that those
     given on the command line override them; they may differ from the checkpoint's only for RESUME_MAY_CHANGE.
     The run continues in the checkpoint's run directory unless --out says otherwise."""
+    for directory in (Path(path), Path(path).parent):  # a live run's directory (DIR or DIR/..) before its checkpoint
+        common.hold_out(directory, int(os.environ.get("RANK", 0)), create=False)
     found, meta = find_checkpoint(path, common.script_name(args_cls))
     names = {f.name for f in dataclasses.fields(args_cls)} - {"overwrite"}  # overwrite: this command's (check_out)
     saved = {**{k: v for k, v in meta["args"].items() if k in names}, "out": str(found.parent)}
@@ -116,9 +260,8 @@ def resumed_args(args_cls, path: str, parse):
 
 def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     """--resume's checkpoint directory, checked before any model is loaded: of `algo`, from this --model (by name and
-    by config), short of --steps, written by as many processes as this run has (each rank resumes its own stream)."""
-    from transformers import AutoConfig
-
+    by config), short of --steps, written by as many processes as this run has (each rank resumes its own stream),
+    its files whole (`damage`)."""
     found, meta = find_checkpoint(args.resume, algo)
     saved_world, saved_device = meta.get("world", 1), meta.get("device")
     device = common.resolve_device(args.device).type
@@ -132,10 +275,15 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
          f"the checkpoint was trained on {saved_device}, this run is on {device}; resume it on {saved_device} "
          f"(--device {saved_device}): its sampling generator is {saved_device}'s"),
         (meta["model"] != args.model, f"the checkpoint was trained from --model {meta['model']}, not {args.model}"),
+        (meta["step"] >= args.steps, f"the checkpoint is at step {meta['step']}, which --steps {args.steps} does not "
+         "exceed; pass a larger --steps to train further"),
     ]  # fmt: skip
     for failed, message in problems:
         if failed:
             raise UsageError(f"--resume {args.resume}: {message}")
+    check_files(args.resume, found, algo, saved_world)
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(common.model_path(args.model))
     except Exception as e:
@@ -144,9 +292,6 @@ def open_checkpoint(args, algo: str, world: int = 1) -> Path:
     diff = [f"{k} {saved.get(k)} vs {v}" for k, v in common.model_signature(config).items() if saved.get(k) != v]
     if diff:
         raise UsageError(f"--resume {args.resume}: incompatible model, checkpoint vs --model: {'; '.join(diff)}")
-    if meta["step"] >= args.steps:
-        raise UsageError(f"--resume {args.resume}: the checkpoint is at step {meta['step']}, which --steps "
-                         f"{args.steps} does not exceed; pass a larger --steps to train further")  # fmt: skip
     return found
 
 
@@ -214,10 +359,7 @@ def check_out(args, resume_from: Path | None) -> str:
         others = sorted(scripts - {args.algo})
         if others:
             held = f"a {' and '.join(f'{o}.py' for o in others)} run, not {args.algo}.py's"
-        elif scripts:
-            held = (f"an earlier {args.algo}.py run (--resume {args.out} continues it, a finished one to a larger "
-                    "--steps)")  # fmt: skip
-        else:
-            held = "a run that no summary.json or checkpoint names (a crashed run?)"
+        else:  # this script's run, or one no file names
+            held = run_state(out, args.algo if scripts else None)
         raise UsageError(f"--out {args.out} holds {held}; add --overwrite to replace it, or choose another --out")
     return f"{' and '.join(f'{s}.py' for s in sorted(scripts))} run" if scripts else "run (no file names its script)"

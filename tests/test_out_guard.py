@@ -36,16 +36,22 @@ def args_for(out: Path, **kw) -> gspo.Args:
     return gspo.Args(out=str(out), **kw)
 
 
-def make_run(out: Path, summary_algo=None, checkpoint_algo=None, metrics=True) -> Path:
-    """A run's files: metrics.jsonl, summary.json naming `summary_algo` (or not JSON: "?"), checkpoint/meta.json."""
+def make_run(
+    out: Path, summary_algo=None, checkpoint_algo=None, metrics=True, last=1, summary=(), checkpoint=1
+) -> Path:
+    """A run's files: metrics.jsonl's rows 1..`last` (the last one torn when `metrics` is "torn"), summary.json naming
+    `summary_algo` (or not JSON: "?") with the fields `summary`, checkpoint/meta.json at step `checkpoint`."""
     out.mkdir(parents=True)
     if metrics:
-        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        rows = "".join(json.dumps({"step": s, "lr": 0.1}) + "\n" for s in range(1, last + 1))
+        (out / "metrics.jsonl").write_text(rows + f'{{"step": {last + 1}, "lr": 0.' * (metrics == "torn"))
     if summary_algo is not None:
-        (out / "summary.json").write_text("not json" if summary_algo == "?" else json.dumps({"algo": summary_algo}))
+        (out / "summary.json").write_text(
+            "not json" if summary_algo == "?" else json.dumps({"algo": summary_algo, **dict(summary)})
+        )
     if checkpoint_algo is not None:
         (out / "checkpoint").mkdir()
-        (out / "checkpoint" / "meta.json").write_text(json.dumps({"algo": checkpoint_algo}))
+        (out / "checkpoint" / "meta.json").write_text(json.dumps({"algo": checkpoint_algo, "step": checkpoint}))
     return out
 
 
@@ -63,10 +69,22 @@ def test_nothing_to_replace_in_a_new_or_empty_directory(tmp_path):
         (dict(checkpoint_algo="grpo"), "grpo.py run, not gspo.py's", "grpo.py run"),
         # a gspo summary beside a grpo checkpoint is still another script's run (the files are mixed)
         (dict(summary_algo="gspo", checkpoint_algo="grpo"), "grpo.py run, not gspo.py's", "grpo.py and gspo.py run"),
-        (dict(summary_algo="gspo", checkpoint_algo="gspo"), "earlier gspo.py run (--resume {out} continues it",
+        # this script's run, in each state it can be in: what the refusal says of it (docs/running.md, "Outputs")
+        (dict(summary_algo="gspo", checkpoint_algo="gspo", last=6, checkpoint=6,
+              summary=dict(step=6, steps=6, interrupted=False, eval_accuracy_after=0.75)),
+         "a finished gspo.py run (step 6, held-out accuracy 0.75; python gspo.py --resume {out} --steps N",
          "gspo.py run"),
+        (dict(summary_algo="gspo", checkpoint_algo="gspo", last=4, checkpoint=4,
+              summary=dict(step=4, steps=10, interrupted=True)),
+         "a gspo.py run stopped at step 4 of 10 (continue it: python gspo.py --resume {out})", "gspo.py run"),
+        # stopped at 4, resumed, killed at step 9 (a torn row 10) after a checkpoint at 8: the summary is stale
+        (dict(summary_algo="gspo", checkpoint_algo="gspo", last=9, checkpoint=8, metrics="torn",
+              summary=dict(step=4, steps=10, interrupted=True)),
+         "a gspo.py run that ended at step 9 without a checkpoint past step 8 (killed or crashed?; python gspo.py "
+         "--resume {out} continues from step 8)", "gspo.py run"),
         # an unreadable summary beside metrics.jsonl: a run that crashed before any checkpoint or summary
-        (dict(summary_algo="?"), "no summary.json or checkpoint names", "run (no file names its script)"),
+        (dict(summary_algo="?", last=3), "no summary.json or checkpoint names (a crashed run?), logged to step 3",
+         "run (no file names its script)"),
     ],
 )  # fmt: skip
 def test_a_run_in_out_is_refused_in_one_line_naming_it_unless_overwrite(tmp_path, where, says, replaced):
@@ -111,7 +129,10 @@ def test_a_finished_run_is_refused_untouched_and_overwrite_replaces_it_whole(tmp
     (out / "traces.jsonl").write_text('{"step": 1, "earlier_run": true}\n')  # an earlier run's extra file
     (out / "leftover.txt").write_text("old")
     before = snapshot(out)
-    for name, says in (("gspo", "earlier gspo.py run"), ("grpo", "gspo.py run, not grpo.py's")):  # again; another
+    for name, says in (
+        ("gspo", "a finished gspo.py run (step 1, held-out accuracy"),
+        ("grpo", "gspo.py run, not grpo.py's"),
+    ):  # again; another
         status, err = run_main(name, ["--out", out], capsys)
         assert status == 2 and says in one_line_error(err) and "--overwrite" in one_line_error(err)
         assert snapshot(out) == before  # not a byte written

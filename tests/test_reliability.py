@@ -94,8 +94,19 @@ def bad_inputs(tmp):
         (["--prompts-per-step", "3", "--minibatches", "4"], "--minibatches 4 does not divide the batch of 6"),
         (["--temperature", "0"], "--temperature must be > 0"),
         (["--out", a_file], "is a file"),
+        (["--out", a_file / "out"], f"--out {a_file}/out: {a_file} is a file"),
         (["--resume", no_ckpt], "no checkpoint"),
         (["--no-such-flag", "1"], "Unrecognized options: --no-such-flag"),
+        (
+            ["--steeps", "2", "--seeed", "1"],
+            "Unrecognized options: --steeps, 2, --seeed, 1; did you mean --seed or --steps?",
+        ),
+        # a directory no one can create (a path under /proc, even for root), refused before the model loads
+        *(
+            [(["--out", "/proc/rlref/out"], "--out /proc/rlref/out: /proc is not writable")]
+            if Path("/proc").is_dir()
+            else []
+        ),
     ]
     own = [
         ("gspo", ["--group-size", "1"], "--group-size must be >= 2"),
