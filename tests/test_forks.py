@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, TREE_IGNORE
 
 FORK, DAPO, BARE = "rloo", "dapo", "bareloss"
 OFF_POLICY = (
@@ -42,7 +42,7 @@ def fork_section() -> str:
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
     """A copy of the project with fork.py = edit(parent.py), registered in the copy's SCRIPTS and TRAITS."""
     root = tmp_path / "project"
-    ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
+    ignore = shutil.ignore_patterns(*TREE_IGNORE)
     if not root.exists():  # (a second fork joins the first's copy)
         shutil.copytree(ROOT, root, ignore=ignore)
     source = (root / f"{parent}.py").read_text()
