@@ -6,7 +6,7 @@ import copy
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace  # noqa: F401 (replace: a fork's TRAITS line, docs/forks.md)
 from pathlib import Path
 
 import torch
@@ -38,12 +38,13 @@ class Traits:
     clip: str | None = "update"
     clip_flags: tuple = ("eps_low", "eps_high")  # the Args fields of (low, high); None for a side that has no flag
     clip_metric: str | None = "clip_frac"  # the logged share its clip acted on, in [0, 1] (gspo: of sequences)
+    clip_unit: str = "token"  # what clip_metric is a share of: every minibatch's "token"s, or "sequence"s (gspo's)
 
 
 TRAITS = {
     "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
     "grpo": Traits(grouped=True, skips_zero_advantage=True),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True, clip_metric="clip_frac_seqs"),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True, clip_metric="clip_frac_seqs", clip_unit="sequence"),
 }
 
 
@@ -62,7 +63,7 @@ def clip_rule(name: str, args, adv: torch.Tensor, ratio: torch.Tensor) -> torch.
     if kind == "update":
         return ((adv > 0) & above) | ((adv < 0) & below)
     assert kind == "weight", f"{name}: TRAITS' clip is {kind!r}, which a clip rule does not apply to"
-    return above | below
+    return (above | below) & (adv != 0)  # (a token with A = 0 has no term for the weight to cut)
 
 
 # What a copy of the project leaves out (tests/test_forks.py's project_with_fork; any tree copy in tests/): git's own,

@@ -167,6 +167,32 @@ def test_every_script_at_the_root_is_in_SCRIPTS(tmp_path):
     assert scripts_at_root(tmp_path) == {"rloo"}
 
 
+BASE_SCRIPTS = ("ppo", "grpo", "gspo")  # the project's own: a field none of them has is a fork's new flag
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_registered_script_has_done_each_step_of_docs_forks(name):
+    """docs/forks.md's "Register it", each step checked: its TRAITS line, its loss named after it and in test_losses'
+    LOSSES, its own tests/test_<name>.py, and a case in test_flags_reach_update's CASES for each new flag."""
+    import test_flags_reach_update
+    import test_losses
+
+    module, page = MODULES[name], "docs/forks.md, Register it"
+    traits(name)  # step 1 (SCRIPTS itself: test_every_script_at_the_root_is_in_SCRIPTS)
+    losses = [getattr(module, f) for f in (f"{name}_loss", f"{name}_policy_loss") if hasattr(module, f)]
+    assert len(losses) == 1, f"{name}.py has no one loss named {name}_loss (or {name}_policy_loss): {page}"
+    assert any(entry.fn is losses[0] for entry in test_losses.LOSSES.values()), (
+        f"{losses[0].__name__} is not in tests/test_losses.py's LOSSES: {page}, step 2"
+    )
+    assert (ROOT / "tests" / f"test_{name}.py").is_file(), f"tests/test_{name}.py is missing: {page}, step 3"
+    import dataclasses
+
+    base = {f.name for s in BASE_SCRIPTS for f in dataclasses.fields(importlib.import_module(s).Args)}
+    new = {f.name for f in dataclasses.fields(module.Args)} - base - set(test_flags_reach_update.declared(module))
+    missing = sorted(new - set(test_flags_reach_update.CASES))
+    assert not missing, f"{name}.py's new flags {missing} have no case in test_flags_reach_update.CASES: {page}, step 4"
+
+
 # --- The fixes of issue 39, section 4 ---
 
 
