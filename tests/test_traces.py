@@ -156,7 +156,7 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
                 else:  # the rule TRAITS declares the script's clip to follow (on the update, or on a weight)
                     rule = helpers.clip_rule(name, args, adv, ratio)
                 near = torch.zeros_like(rule)  # (a ratio within rounding of a bound: either way)
-                for bound in [1 + high] * (high is not None) + [1 - low] * (low is not None):
+                for bound in [1 + x for x in (high,) if x is not None] + [1 - x for x in (low,) if x is not None]:
                     near |= (ratio - bound).abs() < 1e-6
                 assert (torch.tensor(u["clipped"]) == rule)[~near].all()
                 seen["clipped"] += sum(u["clipped"])
