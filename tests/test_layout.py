@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,19 @@ def test_every_script_at_the_root_is_in_SCRIPTS(tmp_path):
     assert all((ROOT / f"{s}.py").is_file() for s in SCRIPTS), f"SCRIPTS names a file that is gone: {SCRIPTS}"
     (tmp_path / "rloo.py").write_text((ROOT / "gspo.py").read_text())  # and the scan sees an unregistered fork
     assert scripts_at_root(tmp_path) == {"rloo"}
+
+
+def test_the_environment_the_readme_creates_is_left_out_of_git_and_of_tree_copies():
+    """The README's `python -m venv DIR` (1.4 GB with torch): DIR in .gitignore, and in helpers.TREE_IGNORE, what
+    test_forks' copies of the project leave out."""
+    from helpers import TREE_IGNORE
+
+    made = re.findall(r"python -m venv (\S+)", (ROOT / "README.md").read_text())
+    assert made, "the README no longer says where it creates the environment"
+    ignored = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
+    for folder in made:
+        assert folder in ignored, f"{folder}/ (the README's environment) is not in .gitignore"
+        assert folder in TREE_IGNORE, f"{folder} is not in tests/helpers.py's TREE_IGNORE"
 
 
 BASE_SCRIPTS = ("ppo", "grpo", "gspo")  # the project's own: a field none of them has is a fork's new flag
