@@ -6,7 +6,7 @@ import copy
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace  # noqa: F401 (replace: a fork's TRAITS line, docs/forks.md)
 from pathlib import Path
 
 import torch
@@ -25,19 +25,50 @@ SCRIPTS = ("ppo", "grpo", "gspo")
 
 @dataclass(frozen=True)
 class Traits:
-    """What the shared tests must know of a script and cannot ask its code, declared once here."""
+    """What the shared tests must know of a script and cannot ask its code, declared once here (docs/forks.md, "The
+    contract"). A shared test that does not apply to a script by these skips it, saying why."""
 
     grouped: bool  # its advantage compares a prompt's --group-size completions (a constant group gets 0), not PPO's
     skips_zero_advantage: bool  # its updates leave out rows whose advantage is 0 (unless a flag gives them a gradient)
     test_flags: tuple = ()  # flags its shared tests add (PPO: --kl-coef 0, so a constant reward is no signal at all)
     entropy_bonus: str = "sequence-mean"  # how --entropy-coef's bonus averages at the defaults: or "token-mean"
+    # where its clip acts: "update" (PPO-style, max(-A r, -A clip(r)): a token is clipped, its gradient 0, where A > 0
+    # and r > 1 + high or A < 0 and r < 1 - low), "weight" (a detached weight clip(r, 1 - low, 1 + high) times the
+    # REINFORCE term, CISPO's: clipped where r is outside the band, whatever A), or None (no clip)
+    clip: str | None = "update"
+    clip_flags: tuple = ("eps_low", "eps_high")  # the Args fields of (low, high); None for a side that has no flag
+    clip_metric: str | None = "clip_frac"  # the logged share its clip acted on, in [0, 1] (gspo: of sequences)
+    clip_unit: str = "token"  # what clip_metric is a share of: every minibatch's "token"s, or "sequence"s (gspo's)
 
 
 TRAITS = {
     "ppo": Traits(grouped=False, skips_zero_advantage=False, test_flags=("--kl-coef", "0"), entropy_bonus="token-mean"),
     "grpo": Traits(grouped=True, skips_zero_advantage=True),
-    "gspo": Traits(grouped=True, skips_zero_advantage=True),
+    "gspo": Traits(grouped=True, skips_zero_advantage=True, clip_metric="clip_frac_seqs", clip_unit="sequence"),
 }
+
+
+def clip_bounds(name: str, args) -> tuple[float | None, float | None]:
+    """(low, high) of script `name`'s clip band [1 - low, 1 + high] as `args` sets it (TRAITS' clip_flags; None for a
+    side without a flag: no bound there)."""
+    return tuple(None if f is None else float(getattr(args, f)) for f in traits(name).clip_flags)
+
+
+def clip_rule(name: str, args, adv: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """Where script `name`'s clip acts on tokens with advantages `adv` and ratios `ratio` (TRAITS' clip)."""
+    low, high = clip_bounds(name, args)
+    below = ratio < 1 - low if low is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    above = ratio > 1 + high if high is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    kind = traits(name).clip
+    if kind == "update":
+        return ((adv > 0) & above) | ((adv < 0) & below)
+    assert kind == "weight", f"{name}: TRAITS' clip is {kind!r}, which a clip rule does not apply to"
+    return (above | below) & (adv != 0)  # (a token with A = 0 has no term for the weight to cut)
+
+
+# What a copy of the project leaves out (tests/test_forks.py's project_with_fork; any tree copy in tests/): git's own,
+# the outputs of runs and tools, and the environment the README creates (.venv, ignored by .gitignore too)
+TREE_IGNORE = (".git", ".venv", "venv", "runs", "__pycache__", ".hypothesis", ".ruff_cache", ".pytest_cache")
 
 
 def traits(name: str) -> Traits:

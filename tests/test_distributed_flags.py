@@ -3,6 +3,7 @@ the ranks hold unequal numbers of loss tokens (checked), so a denominator taken 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -12,12 +13,14 @@ import pytest
 import torch
 from helpers import (
     LOGGED_TOL,
+    SCRIPTS,
     assert_within,
     forward_roundings,
     free_port,
     needs_torchrun,
     probable_gamma,
     torchrun_cmd,
+    traits,
     unit_roundoff,
 )
 from test_distributed import ROOT, WORLD
@@ -137,6 +140,8 @@ WITH_LORA = {"gspo+entropy": ["--variant", "token", "--mask-truncated"],
 DDP_CASES = {case: CASES[case] for case in CASES if case not in FSDP_CASES}
 DDP_CASES |= {f"{case}+lora": (algo, [*flags, *WITH_LORA.get(case, ()), "--lora-rank", "4"])
               for case, (algo, flags) in CASES.items() if case in FSDP_CASES}  # fmt: skip
+# every other script registered in helpers.SCRIPTS (a fork), at its defaults: each torchrun check runs every script
+DDP_CASES |= {name: (name, []) for name in SCRIPTS if name not in {algo for algo, _ in CASES.values()}}
 
 # peft starts each lora_B at 0, where the adapted model is the base model and lora_A's gradient is exactly 0 (a step
 # that lost it would pass): every lora_B gets seeded values, the same in every process, as test_lora's adapters do
@@ -215,6 +220,17 @@ OFF_POLICY_CASES = {
     "gspo-sequence": ("gspo", ["--variant", "sequence"]),
     "ppo": ("ppo", []),
 }
+
+
+# a registered fork, its clip flags (TRAITS' clip_flags) at most 0.2, inside the offsets' reach, whatever its defaults
+def narrowed_clip(name: str) -> list[str]:
+    defaults = importlib.import_module(name).Args()
+    return [a for f in traits(name).clip_flags if f is not None
+            for a in ("--" + f.replace("_", "-"), str(min(getattr(defaults, f), 0.2)))]  # fmt: skip
+
+
+OFF_POLICY_CASES |= {name: (name, narrowed_clip(name)) for name in SCRIPTS if traits(name).clip is not None
+                     and name not in {algo for algo, _ in OFF_POLICY_CASES.values()}}  # fmt: skip
 MIN_CLIPPED = 0.1  # the least share clipped that a case accepts (rows of a group with equal rewards have A = 0: none)
 
 
@@ -226,11 +242,12 @@ def test_clipped_update_on_two_ranks_equals_one_process(tmp_path, tiny_path, cas
     single, ddp, records = assert_two_ranks_equal_one_process(tmp_path, tiny_path, case, algo, flags, offset=OFFSET)
     on_policy = run(tmp_path, algo, flags, 0, offset=0.0, name="-on-policy")
     one, two, on = (first_row(r) for r in (single, ddp, on_policy))
-    key = "clip_frac_seqs" if "clip_frac_seqs" in one else "clip_frac"  # GSPO's sequence ratio: a share of sequences
-    assert one[key] >= MIN_CLIPPED and on[key] == 0, (key, one[key], on[key])
-    # the same tokens clipped: a count, equal unless a ratio lies within rounding of a clip bound (test_distributed_
-    # metrics); then the float32 share's rounding, and metrics.jsonl's
-    assert abs(two[key] - one[key]) <= 4 * unit_roundoff(torch.float32) + LOGGED_TOL, (key, two[key], one[key])
+    key = traits(algo).clip_metric  # its clip share (GSPO's sequence ratio: a share of sequences; a fork's own name)
+    if key is not None:  # (a clip that logs no share: the gradients below alone)
+        assert one[key] >= MIN_CLIPPED and on[key] == 0, (key, one[key], on[key])
+        # the same tokens clipped: a count, equal unless a ratio lies within rounding of a clip bound (test_distributed_
+        # metrics); then the float32 share's rounding, and metrics.jsonl's
+        assert abs(two[key] - one[key]) <= 4 * unit_roundoff(torch.float32) + LOGGED_TOL, (key, two[key], one[key])
     tol = gradient_tol(tiny_path)
     for r in records:
         off, on = (torch.load(d / f"{r}-rank0.pt")["grads"] for d in (single, on_policy))

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, TREE_IGNORE
 
 FORK, DAPO, BARE = "rloo", "dapo", "bareloss"
 OFF_POLICY = (
@@ -39,20 +39,51 @@ def fork_section() -> str:
     return (ROOT / "docs" / "forks.md").read_text()
 
 
+def registration() -> tuple[str, str, str, str]:
+    """docs/forks.md's "Register it" code, for its example rloo (a copy of gspo.py): the lines that end
+    tests/helpers.py, the import and the LOSSES line of tests/test_losses.py, and a new flag's CASES line."""
+    section = fork_section().split("## Register it")[1].split("\n## ")[0]
+    blocks = [textwrap.dedent(code) for _, code in re.findall(r"\n( *)```python\n(.*?)\n *```", section, re.S)]
+    assert len(blocks) == 4, "docs/forks.md's Register it no longer has its four code blocks"
+    lines = [textwrap.dedent(b.replace("\n" + " " * (len(b) - len(b.lstrip())), "\n")) for b in blocks]
+    return tuple(lines)
+
+
 def project_with_fork(tmp_path: Path, edit=None, parent: str = "gspo", fork: str = FORK, traits: str = "") -> Path:
-    """A copy of the project with fork.py = edit(parent.py), registered in the copy's SCRIPTS and TRAITS."""
+    """A copy of the project with fork.py = edit(parent.py), registered by docs/forks.md's steps (registration()): its
+    lines at the end of the copy's helpers.py (its parent's TRAITS, changed by `traits`), its loss in test_losses'
+    LOSSES (the page's line for a copy of gspo; the parent's first line, renamed, for another parent), and
+    tests/test_<fork>.py (the parent's, its module renamed)."""
     root = tmp_path / "project"
-    ignore = shutil.ignore_patterns(".git", "runs", "__pycache__", ".hypothesis", ".ruff_cache")
     if not root.exists():  # (a second fork joins the first's copy)
-        shutil.copytree(ROOT, root, ignore=ignore)
+        shutil.copytree(ROOT, root, ignore=shutil.ignore_patterns(*TREE_IGNORE))
     source = (root / f"{parent}.py").read_text()
     text = source if edit is None else edit(source)
     assert edit is None or text != source, f"the edit no longer matches {parent}.py's text"
     (root / f"{fork}.py").write_text(text.replace(f"{parent}_loss", f"{fork}_loss"))  # its loss named after it
+    in_helpers, import_line, loss_line, _ = registration()
+    code = in_helpers.split("#")[0] if "#" in in_helpers.splitlines()[-1] else in_helpers  # (the comment: examples)
+    code = code.replace('"rloo"', f'"{fork}"').replace('TRAITS["gspo"]', f'TRAITS["{parent}"]')
+    if traits:
+        code = code.replace(f'replace(TRAITS["{parent}"])', f'replace(TRAITS["{parent}"], {traits})')
+    assert f'SCRIPTS = (*SCRIPTS, "{fork}")' in code and f'TRAITS["{fork}"] = ' in code, code
     helpers = root / "tests" / "helpers.py"
-    line = f'dataclasses.replace(TRAITS["{parent}"], {traits})' if traits else f'TRAITS["{parent}"]'
-    registered = f'\nimport dataclasses\nSCRIPTS = (*SCRIPTS, "{fork}")\nTRAITS["{fork}"] = {line}\n'
-    helpers.write_text(helpers.read_text() + registered)
+    helpers.write_text(helpers.read_text() + "\n" + code.strip() + "\n")
+    losses = root / "tests" / "test_losses.py"
+    text = losses.read_text()
+    if parent == "gspo":
+        line = loss_line.strip().replace("rloo", fork)
+    else:
+        line = next(x for x in text.splitlines() if f"Loss({parent}.{parent}_loss" in x).strip()
+        line = re.sub(r'^"[^"]+"', f'"{fork}"', line).replace(f"{parent}.{parent}_loss", f"{fork}.{fork}_loss")
+    assert import_line.strip() == "import rloo" and "LOSSES = {\n" in text, (import_line, "LOSSES")
+    text = text.replace("\nimport ppo\n", f"\nimport ppo\nimport {fork}\n", 1)
+    losses.write_text(text.replace("LOSSES = {\n", f"LOSSES = {{\n    {line}\n", 1))
+    own = (root / "tests" / f"test_{parent}.py").read_text()
+    own = own.replace(f"\nimport {parent}\n", f"\nimport {fork} as {parent}\n").replace(
+        f"{parent}.{parent}_loss", f"{parent}.{fork}_loss"
+    )
+    (root / "tests" / f"test_{fork}.py").write_text(own)
     return root
 
 
@@ -127,6 +158,10 @@ def test_the_readmes_fork_recipes_apply_to_grpo():
                        (OFF_POLICY, one_step_off_policy(source, broken=True))]:  # fmt: skip
         compile(text, f"{name}.py", "exec")
     assert re.fullmatch(r"\w+=\"[\w-]+\"", dapo_traits())
+    # a new flag's CASES line, as test_flags_reach_update reads it: (values, each argv words; companions)
+    case = eval("{" + registration()[3].strip().rstrip(",") + "}")  # noqa: S307 (the page's own text)
+    [(values, companions)] = case.values()
+    assert all(isinstance(v, tuple) and v[0].startswith("--") for v in values) and isinstance(companions, tuple)
 
 
 def pytest_in(root: Path, *args: str) -> subprocess.CompletedProcess:

@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,45 @@ def test_every_script_at_the_root_is_in_SCRIPTS(tmp_path):
     assert all((ROOT / f"{s}.py").is_file() for s in SCRIPTS), f"SCRIPTS names a file that is gone: {SCRIPTS}"
     (tmp_path / "rloo.py").write_text((ROOT / "gspo.py").read_text())  # and the scan sees an unregistered fork
     assert scripts_at_root(tmp_path) == {"rloo"}
+
+
+def test_the_environment_the_readme_creates_is_left_out_of_git_and_of_tree_copies():
+    """The README's `python -m venv DIR` (1.4 GB with torch): DIR in .gitignore, and in helpers.TREE_IGNORE, what
+    test_forks' copies of the project leave out."""
+    from helpers import TREE_IGNORE
+
+    made = re.findall(r"python -m venv (\S+)", (ROOT / "README.md").read_text())
+    assert made, "the README no longer says where it creates the environment"
+    ignored = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
+    for folder in made:
+        assert folder in ignored, f"{folder}/ (the README's environment) is not in .gitignore"
+        assert folder in TREE_IGNORE, f"{folder} is not in tests/helpers.py's TREE_IGNORE"
+
+
+BASE_SCRIPTS = ("ppo", "grpo", "gspo")  # the project's own: a field none of them has is a fork's new flag
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_registered_script_has_done_each_step_of_docs_forks(name):
+    """docs/forks.md's "Register it", each step checked: its TRAITS line, its loss named after it and in test_losses'
+    LOSSES, its own tests/test_<name>.py, and a case in test_flags_reach_update's CASES for each new flag."""
+    import test_flags_reach_update
+    import test_losses
+
+    module, page = MODULES[name], "docs/forks.md, Register it"
+    traits(name)  # step 1 (SCRIPTS itself: test_every_script_at_the_root_is_in_SCRIPTS)
+    losses = [getattr(module, f) for f in (f"{name}_loss", f"{name}_policy_loss") if hasattr(module, f)]
+    assert len(losses) == 1, f"{name}.py has no one loss named {name}_loss (or {name}_policy_loss): {page}"
+    assert any(entry.fn is losses[0] for entry in test_losses.LOSSES.values()), (
+        f"{losses[0].__name__} is not in tests/test_losses.py's LOSSES: {page}, step 2"
+    )
+    assert (ROOT / "tests" / f"test_{name}.py").is_file(), f"tests/test_{name}.py is missing: {page}, step 3"
+    import dataclasses
+
+    base = {f.name for s in BASE_SCRIPTS for f in dataclasses.fields(importlib.import_module(s).Args)}
+    new = {f.name for f in dataclasses.fields(module.Args)} - base - set(test_flags_reach_update.declared(module))
+    missing = sorted(new - set(test_flags_reach_update.CASES))
+    assert not missing, f"{name}.py's new flags {missing} have no case in test_flags_reach_update.CASES: {page}, step 4"
 
 
 # --- The fixes of issue 39, section 4 ---

@@ -1,7 +1,9 @@
-"""Properties every script's clipped loss must have, one test each over all of them (LOSSES); each script's own
-formulas are checked against a plain loop in its own file."""
+"""Properties every script's loss must have, one test each over all of them (LOSSES); each script's own formulas are
+checked against a plain loop in its own file (test_<name>.py). A fork adds its loss to LOSSES (docs/forks.md)."""
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -14,16 +16,26 @@ import grpo
 import gspo
 import ppo
 
-# name -> (the loss, its keywords, how it averages its per-token terms: "seq" = mean over rows of each row's
-# token mean, "token" = mean over all tokens, "sum-norm" = sum over B * max_len)
+
+class Loss(NamedTuple):
+    """A loss as the shared properties call it: fn(logp, old_logp, advantages, mask, **kw) -> (loss, info)."""
+
+    fn: Callable
+    kw: dict  # its keywords
+    agg: str  # how it averages its per-token terms: "seq" = mean over rows of each row's token mean, "token" = mean
+    # over all tokens, "sum-norm" = sum over B * max_len (its on-policy gradient, -A w, has these weights w)
+    value: str | None = "surrogate"  # its value on-policy (every ratio 1): "surrogate", -sum w A (the ratio times A,
+    # PPO-style); "reinforce", -sum w A logp (a detached weight times log-probs, as CISPO's); None: no property
+
+
 LOSSES = {
-    "grpo-seq-mean-token-mean": (grpo.grpo_loss, dict(agg="seq-mean-token-mean"), "seq"),
-    "grpo-token-mean": (grpo.grpo_loss, dict(agg="token-mean"), "token"),
-    "grpo-seq-mean-token-sum-norm": (grpo.grpo_loss, dict(agg="seq-mean-token-sum-norm"), "sum-norm"),
-    "gspo-sequence": (gspo.gspo_loss, dict(variant="sequence"), "seq"),
-    "gspo-token": (gspo.gspo_loss, dict(variant="token"), "seq"),
-    "ppo": (ppo.ppo_policy_loss, dict(dual_clip=3.0), "token"),
-    "ppo-no-dual-clip": (ppo.ppo_policy_loss, dict(dual_clip=None), "token"),
+    "grpo-seq-mean-token-mean": Loss(grpo.grpo_loss, dict(agg="seq-mean-token-mean"), "seq"),
+    "grpo-token-mean": Loss(grpo.grpo_loss, dict(agg="token-mean"), "token"),
+    "grpo-seq-mean-token-sum-norm": Loss(grpo.grpo_loss, dict(agg="seq-mean-token-sum-norm"), "sum-norm"),
+    "gspo-sequence": Loss(gspo.gspo_loss, dict(variant="sequence"), "seq"),
+    "gspo-token": Loss(gspo.gspo_loss, dict(variant="token"), "seq"),
+    "ppo": Loss(ppo.ppo_policy_loss, dict(dual_clip=3.0), "token"),
+    "ppo-no-dual-clip": Loss(ppo.ppo_policy_loss, dict(dual_clip=None), "token"),
 }
 NAMES = list(LOSSES)
 GARBAGE = st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 123.0, -7.5, 0.0])
@@ -34,7 +46,7 @@ FINITE_GARBAGE = st.sampled_from([1e30, -1e30, 123.0, -7.5, 0.0, -50.0])
 def loss_of(name, logp, old, adv, mask, ref=None, **kw):
     """(loss, info) of the named loss; `adv` [B] (given to PPO per token, as ppo.py does) or [B, T]; `ref` to GRPO's
     KL term."""
-    fn, own, _ = LOSSES[name]
+    fn, own = LOSSES[name][:2]
     if name.startswith("ppo") and adv.dim() == 1:
         adv = adv[:, None].expand_as(logp)
     if name.startswith("grpo") and ref is not None:
@@ -54,23 +66,70 @@ def scalars(info):
     return {k: v for k, v in info.items() if not isinstance(v, torch.Tensor)}
 
 
+def reinforce_weights(agg, mask):
+    """[B, T] w of each token in REINFORCE's -sum w A logp, by the loss's aggregation (1 / (|y_i| B), 1 / sum m or
+    1 / (B T)), written out."""
+    B, T = mask.shape
+    return {"seq": mask / (mask.sum(1, keepdim=True) * B), "token": mask / mask.sum(), "sum-norm": mask / (B * T)}[agg]
+
+
+def on_policy(name, b, mask_dtype=torch.float64):
+    """The named loss at old = logp (every ratio 1): (loss, its gradient, info, REINFORCE's gradient -A w)."""
+    mask, adv, logp = t64(b["mask"]), t64(b["adv"]), t64(b["logp"])
+    loss, g, info = loss_and_grad(name, logp, logp, adv, mask.to(mask_dtype))
+    return loss, g, info, -adv[:, None] * reinforce_weights(LOSSES[name].agg, mask)
+
+
+# each gradient element: <= 6 roundings each side, |A| <= 2
+GRAD_TOL = 2 * gamma_n(6) * 2.0
+
+
 @pytest.mark.parametrize("name", NAMES)
 @LIGHT
 @given(b=batches(), mask_dtype=st.sampled_from([torch.float64, torch.long, torch.bool]))
 def test_on_policy_gradient_equals_reinforce(name, b, mask_dtype):
     """With old = logp every ratio is 1: nothing clips, and the gradient is REINFORCE's, -A_i w_it per token, w the
-    aggregation's weight, written out here (1 / (|y_i| B), 1 / sum m or 1 / (B T)); the loss is -sum w A."""
-    mask, adv, logp = t64(b["mask"]), t64(b["adv"]), t64(b["logp"])
-    B, T = mask.shape
-    loss, g, info = loss_and_grad(name, logp, logp, adv, mask.to(mask_dtype))
-    w = {"seq": mask / (mask.sum(1, keepdim=True) * B), "token": mask / mask.sum(), "sum-norm": mask / (B * T)}
-    want_grad = -adv[:, None] * w[LOSSES[name][2]]
-    # each gradient element: <= 6 roundings each side, |A| <= 2; the loss a sum of <= 24 of them
-    torch.testing.assert_close(g, want_grad, rtol=0, atol=2 * gamma_n(6) * 2.0)
-    assert loss.item() == pytest.approx(want_grad.sum().item(), abs=2 * gamma_n(30) * 2.0)
+    aggregation's weight. A gradient property, whatever the loss's value (PPO-style clips, GSPO, CISPO's detached
+    weight alike); a weight of the ratio left attached to the graph adds -A w logp d(weight)/d(logp) and fails here."""
+    _, g, info, want_grad = on_policy(name, b, mask_dtype)
+    torch.testing.assert_close(g, want_grad, rtol=0, atol=GRAD_TOL)
     assert info["ratio_mean"] == 1.0 and info.get("ratio_max_dev", 0.0) == 0.0 and info.get("approx_kl", 0.0) == 0.0
     assert all(v == 0.0 for k, v in info.items() if "clip_frac" in k), info
     assert not info["clipped"].any()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if LOSSES[n].value is not None])
+@LIGHT
+@given(b=batches())
+def test_on_policy_loss_value(name, b):
+    """The loss's value at old = logp, as LOSSES declares it: -sum w A (a surrogate of the ratio) or -sum w A logp (a
+    detached weight times the log-probs), w the aggregation's weights."""
+    loss, _, _, want_grad = on_policy(name, b)
+    logp = t64(b["logp"]).masked_fill(t64(b["mask"]) == 0, 0.0)
+    want = want_grad.sum() if LOSSES[name].value == "surrogate" else (want_grad * logp).sum()
+    size = 2.0 * (6.0 if LOSSES[name].value == "reinforce" else 1.0)  # |A| <= 2 (times |logp| <= 6)
+    assert loss.item() == pytest.approx(want.item(), abs=2 * gamma_n(30) * size)  # a sum of <= 24 terms
+
+
+def test_a_weight_left_attached_fails_the_gradient_property():
+    """The check above can fail: a CISPO-style loss whose clipped IS weight is not detached (the planted bug), and the
+    same loss detached, which passes."""
+
+    def cispo_like(logp, old, adv, mask, detach=True):
+        ratio = torch.where(mask.bool(), logp - old, torch.zeros_like(logp)).exp()
+        weight = ratio.clamp(max=1.2)
+        per_token = -(weight.detach() if detach else weight) * adv[:, None] * logp
+        info = {"ratio": ratio.detach(), "clipped": (ratio > 1.2) & mask.bool(), "ratio_mean": 1.0}
+        return torch.where(mask.bool(), per_token, 0.0).sum() / mask.sum(), info
+
+    b = dict(mask=[[1, 1, 0], [1, 1, 1]], adv=[0.5, -1.5], logp=[[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]])
+    for detach in (True, False):
+        LOSSES["planted"] = Loss(lambda *a, detach=detach: cispo_like(*a, detach=detach), {}, "token", "reinforce")
+        try:
+            _, g, _, want = on_policy("planted", b)
+        finally:
+            del LOSSES["planted"]
+        assert torch.allclose(g, want, rtol=0, atol=GRAD_TOL) == detach, (detach, g, want)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -108,7 +167,7 @@ def test_an_empty_row_adds_nothing_but_its_place_in_b(name):
     kw = dict(max_len=3) if name.startswith("grpo") else {}
     loss, g, info = loss_and_grad(name, logp, old, adv, mask, ref=ref, **kw)
     alone, g_alone, _ = loss_and_grad(name, logp[:1], old[:1], adv[:1], mask[:1], ref=ref[:1], **kw)
-    share = 1.0 if LOSSES[name][2] == "token" else 0.5
+    share = 1.0 if LOSSES[name].agg == "token" else 0.5
     assert torch.isfinite(loss) and torch.isfinite(g).all() and torch.isfinite(info["ratio"]).all()
     assert all(math.isfinite(v) for v in scalars(info).values()), info
     assert torch.equal(g[1], torch.zeros(3, dtype=torch.float64))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import SCRIPTS, gamma, main_in_process, recorded_rows, traits
+from helpers import SCRIPTS, clip_rule, gamma, main_in_process, recorded_rows, traits
 
 import common
 
@@ -15,13 +15,17 @@ F32, F64 = torch.float32, torch.float64
 # 4 prompts x 4 completions: the first two groups each hold one success, the last two none (A = 0 on 8 of 16 rows),
 # so that some minibatch of 4 rows has no row with signal and its update forwards a stand-in row
 REWARD = "def two_groups(prompts, completions, **kw):\n    return [float(i == 0) for i in range(len(completions))]\n"
-LOSS = {"ppo": "ppo_policy_loss", "grpo": "grpo_loss", "gspo": "gspo_loss"}
+
+
+def loss_name(module, name) -> str:
+    """The script's loss, `<name>_loss` or `<name>_policy_loss` (docs/forks.md's contract)."""
+    return next(f for f in (f"{name}_loss", f"{name}_policy_loss") if hasattr(module, f))
 
 
 def record_updates(monkeypatch, module, name) -> list[dict]:
     """Every call of the script's loss, in order: its inputs (float64 copies), its loss, and, for a script that
     forwards only rows with signal, the minibatch and whether a real row or a stand-in was forwarded."""
-    seen, loss_fn = [], getattr(module, LOSS[name])
+    seen, loss_fn = [], getattr(module, loss_name(module, name))
 
     def loss(logp, old_logp, advantages, mask, **kw):
         out = loss_fn(logp, old_logp, advantages, mask, **kw)
@@ -29,7 +33,7 @@ def record_updates(monkeypatch, module, name) -> list[dict]:
                         mask=mask.bool(), loss=out[0].item(), kw=kw)  # fmt: skip
         return out
 
-    monkeypatch.setattr(module, LOSS[name], loss)
+    monkeypatch.setattr(module, loss_name(module, name), loss)
     if traits(name).skips_zero_advantage:
         choose = module.rows_with_signal
 
@@ -40,13 +44,17 @@ def record_updates(monkeypatch, module, name) -> list[dict]:
 
         monkeypatch.setattr(module, "rows_with_signal", rows_with_signal)
     else:  # PPO forwards every row of each minibatch
-        monkeypatch.setattr(module, LOSS[name], lambda *a, **kw: seen.append({"real": True}) or loss(*a, **kw))
+        monkeypatch.setattr(
+            module, loss_name(module, name), lambda *a, **kw: seen.append({"real": True}) or loss(*a, **kw)
+        )
     return seen
 
 
-def float64_row(name, updates, minibatch_tokens) -> dict:
-    """The step's update metrics from each update's inputs, by plain loops in float64."""
-    sums = dict.fromkeys(["clipped", "low", "high", "dual", "kl", "seqs", "tokens"], 0.0)
+def float64_row(name, updates, minibatch_tokens, args=None) -> dict:
+    """The step's update metrics from each update's inputs, by plain loops in float64; a fork's (a script not of the
+    three, its `args` given): the shared ones and its clip share by its TRAITS (helpers.clip_rule)."""
+    sums = dict.fromkeys(["clipped", "low", "high", "dual", "kl", "seqs", "tokens", "declared"], 0.0)
+    fork = name not in ("ppo", "grpo", "gspo")
     ratios, log_ratios = [], []
     for u in updates:
         if not u["real"]:
@@ -58,7 +66,15 @@ def float64_row(name, updates, minibatch_tokens) -> dict:
             # PPO's advantage is per token (GAE); GRPO's and GSPO's one per sequence
             adv = [(u["adv"][i, t] if u["adv"].dim() == 2 else u["adv"][i]).item() for t in ts]
             log_ratios += d
-            if name == "gspo":  # one ratio per sequence with a loss token: exp of the mean log-ratio (Eq. 7)
+            if fork and traits(name).clip is not None:  # its clip's decisions, per token or per sequence
+                x = torch.tensor(d, dtype=F64)
+                seq = traits(name).clip_unit == "sequence"
+                ratio = x.mean().exp()[None] if seq else x.exp()
+                a = torch.tensor(adv[:1] if seq else adv, dtype=F64)
+                sums["declared"] += clip_rule(name, args, a, ratio).sum().item() if d else 0
+            if name == "gspo" or (
+                fork and traits(name).clip_unit == "sequence"
+            ):  # one ratio per sequence with a loss token: exp of the mean log-ratio (Eq. 7)
                 if d:
                     s, a = math.exp(sum(d) / len(d)), adv[0]
                     ratios.append(s)
@@ -82,15 +98,18 @@ def float64_row(name, updates, minibatch_tokens) -> dict:
         "log_ratio_std": math.sqrt(sum((x - lr_mean) ** 2 for x in log_ratios) / len(log_ratios)),
         "ratio_outside_grpo_clip": sum(not 0.8 <= math.exp(x) <= 1.2 for x in log_ratios) / len(log_ratios),
     }
-    if name != "ppo":
+    if traits(name).grouped:  # (PPO logs neither)
         row["ratio_std"] = math.sqrt(sum((r - mean) ** 2 for r in ratios) / n)
         row["ratio_max_dev"] = max(abs(r - 1) for r in ratios)
-    if name == "gspo":
+    if fork and traits(name).clip_metric is not None:  # a share of every minibatch's tokens (or sequences)
+        units = sum(u["minibatch"] for u in updates) if traits(name).clip_unit == "sequence" else minibatch_tokens
+        row[traits(name).clip_metric] = sums["declared"] / units
+    elif name == "gspo":
         row["clip_frac_seqs"] = sums["clipped"] / sum(u["minibatch"] for u in updates)
     elif name == "grpo":
         row.update(clip_frac=sums["clipped"] / minibatch_tokens, clip_frac_low=sums["low"] / minibatch_tokens,
                    clip_frac_high=sums["high"] / minibatch_tokens)  # fmt: skip
-    else:
+    elif name == "ppo":
         row.update(clip_frac=sums["clipped"] / n, dual_clip_frac=sums["dual"] / n, approx_kl=sums["kl"] / n)
     return row
 
@@ -119,7 +138,7 @@ def test_the_row_pools_every_token_of_every_update_and_no_stand_in(tmp_path, cap
     for step, row in enumerate(rows):
         mine = updates[8 * step : 8 * step + 8]
         stand_ins += sum(not u["real"] for u in mine)
-        want = float64_row(name, mine, masks[step].sum().item() * 2)  # 2 epochs: every token twice
+        want = float64_row(name, mine, masks[step].sum().item() * 2, module.Args())  # 2 epochs: every token twice
         tokens = sum(int(u["mask"].sum()) for u in mine)
         for key, value in want.items():
             # float32 terms (an exp: 2u) summed in float32 within an update, pooled in float64: gamma of the count
@@ -133,7 +152,8 @@ def test_the_row_pools_every_token_of_every_update_and_no_stand_in(tmp_path, cap
             counts = [int(u["mask"].sum()) for u in counted]
             assert abs(by_update - want["ratio_mean"]) > 1e-5, f"token counts {counts}: the case cannot tell apart"
         if len(counted) < len(mine):  # a stand-in counted as a row would be another number too
-            with_stand_ins = float64_row(name, [dict(u, real=True) for u in mine], masks[step].sum().item() * 2)
+            with_stand_ins = float64_row(name, [dict(u, real=True) for u in mine], masks[step].sum().item() * 2,
+                                         module.Args())  # fmt: skip
             assert abs(with_stand_ins["ratio_mean"] - want["ratio_mean"]) > 1e-5
     assert stand_ins or not traits(name).skips_zero_advantage, "no stand-in row: the case does not test it"
 

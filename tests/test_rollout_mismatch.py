@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import F64, SCRIPTS, assert_within, gamma, logit_scale, logit_tol, logprob_tol, unit_roundoff
+from helpers import F64, SCRIPTS, assert_within, gamma, logit_scale, logit_tol, logprob_tol, traits, unit_roundoff
 from test_fork_traps import TINY_RUN, final_weights, run_main
 
 import common
@@ -315,7 +315,8 @@ def test_bf16_rollouts_log_the_mismatch_and_the_correction_and_trace_mu(tmp_path
     for r in rows:
         assert 1e-4 < r["mismatch_log_ratio_std"] < 0.2 and r["mismatch_k3"] >= 0
         assert 0.5 < r["is_weight_mean"] < 2 and 0 <= r["is_truncated_frac"] <= 1
-        assert "clip_frac" in r or "clip_frac_seqs" in r  # (GSPO's sequence variant: a share of sequences)
+        clip = traits(name).clip_metric  # (GSPO's sequence variant: a share of sequences; a fork's own name)
+        assert clip is None or 0 <= r[clip] <= 1, (clip, sorted(r))
     # traces.jsonl's `mu` (traced at the last step) is the bf16 sampler's log-prob: near pi_old's, not equal to it
     completions = [c for line in (tmp_path / "out" / "traces.jsonl").read_text().splitlines()
                    for c in json.loads(line)["completions"]]  # fmt: skip

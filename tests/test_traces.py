@@ -90,7 +90,7 @@ def logprobs(model, record, completion) -> torch.Tensor:
 def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
     records = traces(runs[name]["full"])
     args = common.parse_args(SCRIPTS[name].Args, [*RUN, *OWN.get(name, [])])  # the flags the runs were given
-    eps_low, eps_high = args.eps_low, args.eps_high
+    low, high = helpers.clip_bounds(name, args) if helpers.traits(name).clip else (None, None)  # (TRAITS' clip_flags)
     kept = min(args.trace_groups, args.prompts_per_step)  # all 4 prompts here, groups with A = 0 too
     assert [r["step"] for r in records] == [1] * kept + [2] * kept
     device = torch.device("cpu")
@@ -151,8 +151,13 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
                 ratio = torch.tensor(u["ratio"], dtype=torch.float64)
                 assert torch.allclose(ratio, expected, rtol=1e-6, atol=1e-6)
                 adv = torch.tensor(c["advantage"] if name == "ppo" else [c["advantage"]] * n, dtype=torch.float64)
-                rule = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))  # each loss's rule
-                near = ((ratio - (1 + eps_high)).abs() < 1e-6) | ((ratio - (1 - eps_low)).abs() < 1e-6)
+                if helpers.traits(name).clip is None:  # no clip: nothing is marked clipped
+                    rule = torch.zeros_like(ratio, dtype=torch.bool)
+                else:  # the rule TRAITS declares the script's clip to follow (on the update, or on a weight)
+                    rule = helpers.clip_rule(name, args, adv, ratio)
+                near = torch.zeros_like(rule)  # (a ratio within rounding of a bound: either way)
+                for bound in [1 + x for x in (high,) if x is not None] + [1 - x for x in (low,) if x is not None]:
+                    near |= (ratio - bound).abs() < 1e-6
                 assert (torch.tensor(u["clipped"]) == rule)[~near].all()
                 seen["clipped"] += sum(u["clipped"])
                 seen["not_clipped"] += n - sum(u["clipped"])
@@ -170,7 +175,8 @@ def test_the_trace_matches_a_recomputation_from_the_saved_rollout(runs, name):
                 assert torch.allclose(torch.tensor(c["updates"][0]["logp"]), at_start, atol=2e-5), (
                     f"step {record['step']}: the first update's log-probs are not those of the step's starting weights"
                 )
-    assert seen["clipped"] and seen["not_clipped"], seen  # the clip rule was tested both ways
+    # the clip rule was tested both ways (a script without a clip: no token marked clipped)
+    assert (seen["clipped"] or helpers.traits(name).clip is None) and seen["not_clipped"], seen
     if helpers.traits(name).skips_zero_advantage and "--kl-coef" not in OWN.get(name, []):  # (a KL term: every row)
         assert seen["not_forwarded"], "no row with advantage 0 was traced: the null path went untested"
 
@@ -446,8 +452,11 @@ def test_a_default_run_traces_groups_with_signal(default_runs, name):
     # the trace prefers groups with signal: it keeps one without only when the rollout had too few
     assert sum(r["signal"] for r in records) == min(len(records), records[0]["groups_with_signal"])
     assert any(r["signal"] for r in records)
-    bounds = [1 - args.eps_low, 1 + args.eps_high]
-    assert all(r["clip_range"] == pytest.approx(bounds) for r in records)
+    # the band [1 - eps_low, 1 + eps_high] where the script's clip has those flags (extras/traces.py reads them), else
+    # none is drawn
+    has_band = helpers.traits(name).clip_flags == ("eps_low", "eps_high")
+    bounds = [1 - args.eps_low, 1 + args.eps_high] if has_band else None
+    assert all(r["clip_range"] == (pytest.approx(bounds) if has_band else None) for r in records)
 
 
 def browser_at(width, height, phone):
@@ -484,16 +493,19 @@ def test_the_page_at_a_desktops_and_a_phones_width(default_runs, tmp_path, width
             ticks = [float(t.text) for t in column.find_elements(By.CSS_SELECTOR, ".key .ticks span")]
             assert ticks[0] == pytest.approx(math.exp(-scale), rel=1e-3) and ticks[1] == 1
             assert ticks[2] == pytest.approx(math.exp(scale), rel=1e-3)
-            clip = column.find_element(By.CSS_SELECTOR, ".key .clip").text
-            low, high = map(float, re.match(r"clip bounds (\S+) and (\S+)", clip).groups())
-            assert (low, high) == pytest.approx((1 - args.eps_low, 1 + args.eps_high), abs=1e-9)
-            marks = column.find_elements(By.CSS_SELECTOR, ".key .bar .mark")
-            bar = column.find_element(By.CSS_SELECTOR, ".key .bar")
-            for mark, bound in zip(marks, (low, high)):  # the mark at the bound's place on the log scale
-                x = max(-1, min(1, math.log(bound) / scale))
-                centre = mark.rect["x"] + mark.rect["width"] / 2 - bar.rect["x"] - 1  # inside the 1 px border
-                assert abs(centre - (bar.rect["width"] - 2) * (1 + x) / 2) < 2
-            assert len(marks) == 2
+            if helpers.traits(name).clip_flags != ("eps_low", "eps_high"):  # (a fork's own clip: no band drawn)
+                assert not column.find_elements(By.CSS_SELECTOR, ".key .clip, .key .bar .mark")
+            else:
+                clip = column.find_element(By.CSS_SELECTOR, ".key .clip").text
+                low, high = map(float, re.match(r"clip bounds (\S+) and (\S+)", clip).groups())
+                assert (low, high) == pytest.approx((1 - args.eps_low, 1 + args.eps_high), abs=1e-9)
+                marks = column.find_elements(By.CSS_SELECTOR, ".key .bar .mark")
+                bar = column.find_element(By.CSS_SELECTOR, ".key .bar")
+                for mark, bound in zip(marks, (low, high)):  # the mark at the bound's place on the log scale
+                    x = max(-1, min(1, math.log(bound) / scale))
+                    centre = mark.rect["x"] + mark.rect["width"] / 2 - bar.rect["x"] - 1  # inside the 1 px border
+                    assert abs(centre - (bar.rect["width"] - 2) * (1 + x) / 2) < 2
+                assert len(marks) == 2
             # on-policy rows: those whose (last) update the script marked on_policy (the step's first, here)
             shown = [c for r in records if r["step"] == step for c in r["completions"]]
             lines = [e.text for e in column.find_elements(By.CSS_SELECTOR, ".group .line")]
