@@ -297,18 +297,15 @@ def train(args: Args):
         roll = sampler.sample(prompts, rng)
         mask = roll.completion_mask  # [B, T] 1 on completion tokens, the EOS token included
 
-        # 2. Score (env.reward_fn, a common.Rewards): the weighted --reward functions and --reward-model (the default,
-        #    --reward exact, is `common.score`: 1 when the answer after the last '####' is the record's), minus
-        #    --missing-eos-penalty for a completion without EOS.
+        # 2. Score (env.reward_fn, a common.Rewards): the weighted --reward functions and --reward-model; the default,
+        #    --reward exact, is `common.score`: 1 if the answer after the last '####' is the record's.
         rewards, parts = env.reward_fn(tok, roll, records)  # [B]; parts: each component [B], accuracy, format_rate
         ends = common.completion_ends(roll, sampler.eos_ids)  # [B]
-        scores = rewards.to(env.device) - args.missing_eos_penalty * (~ends).float()
+        scores = rewards.to(env.device) - args.missing_eos_penalty * (~ends).float()  # minus a penalty without EOS
 
-        # 3. Log-probs of pi_old and of the reference, and the critic's values, once per rollout, on every row;
-        #    then the per-token rewards (score - beta * KL) and their GAE advantages.
-        #    pi_old: the log-probs of the weights that sampled the batch (no update has run since, so the current
-        #    weights), without gradient; --old-logp rollout: the sampler's own (of its whole distribution), no forward.
-        if args.old_logp == "rollout":
+        # 3. pi_old (the log-probs of the weights that sampled the batch: no update has run since), the reference's and
+        #    the critic's values, without gradient, over every row; then per-token rewards and their GAE advantages.
+        if args.old_logp == "rollout":  # the sampler's own (of its whole distribution), no forward
             old_logp = roll.sample_logp_full * mask  # [B, T]
         else:
             with torch.no_grad(), common.recording_experts(moe, roll):  # MoE: each token's experts, into roll.experts
@@ -418,11 +415,11 @@ def train(args: Args):
         if moe is not None:  # MoE: the share of tokens whose experts the step's updates changed
             row.update(moe.drift(model, roll, args.temperature))
 
-        # 6. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck (no signal: every
-        #    score in the batch equal, or no exploration left: entropy near 0, completions all alike) or collapsed,
+        # 6. Evaluate (every --eval-every steps and after the last), warn once if the run looks stuck or collapsed,
         #    write the row, and checkpoint (every --save-every steps, on Ctrl-C).
         samples = common.evaluate_if_due(args, env, model, tok, progress, row, shown=("explained_variance",))  # eval_*
         row["step_time_s"] = time.perf_counter() - started  # the whole step, its evaluation included
+        # no signal: every score in the batch equal, or no exploration left (entropy near 0: completions all alike)
         no_signal = common.all_equal(scores) or row["entropy"] < common.NO_SIGNAL_ENTROPY  # (all ranks' tokens)
         common.log_step(args, env, progress, writer, bar, row, scores, no_signal, samples, trace)
         if common.save_checkpoint_if_due(args, env, model, tok, state, step):
