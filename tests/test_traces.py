@@ -284,10 +284,11 @@ def test_the_page_in_a_real_browser(page):
                 assert len(column.find_elements(By.CSS_SELECTOR, ".eos")) == sum(c["eos"] for c in completions)
         for quantity in ("advantage", "ratio", "clipped", "entropy", "kl", "log_ratio"):
             Select(driver.find_element(By.ID, "quantity")).select_by_value(quantity)
-        # hover the second token of GSPO's first forwarded completion at step 2: the tooltip shows its numbers
-        Select(driver.find_element(By.ID, "step")).select_by_value("2")
+        # hover the second token of GSPO's first forwarded completion (a traced step may have none: every group
+        # constant, and a stand-in row is not traced): the tooltip shows its numbers
+        step, c = next((r["step"], c) for r in run_traces[1] for c in r["completions"] if c["updates"])
+        Select(driver.find_element(By.ID, "step")).select_by_value(str(step))
         gspo_column = driver.find_elements(By.CSS_SELECTOR, "#runs > .run")[1]
-        c = next(c for r in run_traces[1] if r["step"] == 2 for c in r["completions"] if c["updates"])
         token = gspo_column.find_element(By.CSS_SELECTOR, f'.tok[data-row="{c["row"]}"][data-t="1"]')
         ActionChains(driver).move_to_element(token).perform()
         tip = driver.find_element(By.ID, "tip")
