@@ -1603,7 +1603,7 @@ def log_step(args, env: Setup, progress: Progress, writer: RunLogger, bar, row: 
              "train on what they have (said once; the run goes on)")  # fmt: skip
     # PPO, whose baseline is no group, counts its steps without signal as flat; a batch all at the highest reward
     # the run has sampled is not (a collapse falls from something better), and solved if the run has sampled worse
-    lowest, highest = global_min(rewards), global_max(rewards)
+    lowest, highest = global_range(rewards)
     progress.reward_low, progress.reward_high = min(progress.reward_low, lowest), max(progress.reward_high, highest)
     flat = 0.0 if lowest == progress.reward_high else row["zero_std_low_frac"] if env.needs_group else float(no_signal)
     solved = progress.reward_low < lowest == progress.reward_high
@@ -1731,8 +1731,8 @@ def finish(args, env: Setup, model, tok, progress: Progress, writer: RunLogger, 
 
 def all_equal(x: torch.Tensor) -> bool:
     """Whether every element of `x` on every rank is the same value."""
-    extremes = all_reduce_sum(torch.stack([x.float().max(), -x.float().min()]), op="MAX")
-    return bool(extremes[0] == -extremes[1])
+    smallest, largest = global_range(x)
+    return smallest == largest
 
 
 def rounded(value, decimals: int = 6):
@@ -2078,13 +2078,11 @@ def global_sums(totals: dict) -> dict:
     return collections.Counter(totals if _torchrun() is None else _torchrun().global_sums(totals))
 
 
-def global_max(x) -> float:
-    """The largest element of `x` (a tensor or a number) on every rank; global_min the smallest."""
-    return all_reduce_sum(torch.as_tensor(x, dtype=torch.float64).max(), op="MAX").item()
-
-
-def global_min(x) -> float:
-    return all_reduce_sum(torch.as_tensor(x, dtype=torch.float64).min(), op="MIN").item()
+def global_range(x) -> tuple[float, float]:
+    """(smallest, largest) element of `x` (a tensor or a number) over every rank, in one all-reduce."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    largest, minus_smallest = all_reduce_sum(torch.stack([x.max(), -x.min()]), op="MAX").tolist()
+    return -minus_smallest, largest
 
 
 def global_mean(x: torch.Tensor) -> float:

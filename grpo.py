@@ -373,7 +373,7 @@ def train(args: Args):
         t = common.global_sums(totals)  # each sum over the ranks
         n = max(t["tokens"], 1)  # the updates' tokens (no token: each mean 0, the ratio's 1)
         ratio_mean, log_ratio_mean = t["ratio"] / t["tokens"] if t["tokens"] else 1.0, t["log_ratio"] / n
-        lowest = common.global_min(s_rewards)
+        lowest, _ = common.global_range(s_rewards)
         row = {
             "step": step,
             "lr": optimizer.param_groups[0]["lr"],
@@ -388,7 +388,7 @@ def train(args: Args):
             "clip_frac_high": t["clipped_high"] / max(t["minibatch_tokens"], 1),
             "ratio_mean": ratio_mean,  # the token ratios of every update: their mean, spread, largest |r - 1|
             "ratio_std": math.sqrt(max(0.0, t["ratio_sq"] / n - ratio_mean**2)),
-            "ratio_max_dev": common.global_max(max_dev),
+            "ratio_max_dev": common.global_range(max_dev)[1],
             "kl": t["kl"] / n,  # k3 to the reference, per token (0 without --kl-coef)
             "log_ratio_std": math.sqrt(max(0.0, t["log_ratio_sq"] / n - log_ratio_mean**2)),
             "ratio_outside_grpo_clip": t["outside"] / n,

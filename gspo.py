@@ -329,7 +329,7 @@ def train(args: Args):
         t = common.global_sums(totals)  # each sum over the ranks
         ratio_mean = t["ratio"] / t["seqs"] if t["seqs"] else 1.0  # (no sequence: ratio 1)
         log_ratio_mean = t["log_ratio"] / max(t["tokens"], 1)
-        lowest = common.global_min(s_rewards)
+        lowest, _ = common.global_range(s_rewards)
         row = {
             "step": step,
             "lr": optimizer.param_groups[0]["lr"],
@@ -343,7 +343,7 @@ def train(args: Args):
                else {"clip_frac": t["clipped"] / max(t["minibatch_tokens"], 1)}),
             "ratio_mean": ratio_mean,  # the sequence ratios s_i of every update: their mean, spread, largest |s - 1|
             "ratio_std": math.sqrt(max(0.0, t["ratio_sq"] / max(t["seqs"], 1) - ratio_mean**2)),
-            "ratio_max_dev": common.global_max(max_dev),
+            "ratio_max_dev": common.global_range(max_dev)[1],
             "log_ratio_std": math.sqrt(max(0.0, t["log_ratio_sq"] / max(t["tokens"], 1) - log_ratio_mean**2)),
             "ratio_outside_grpo_clip": t["outside"] / max(t["tokens"], 1),
             "entropy": common.global_token_mean(s_roll.entropy, s_mask),  # of the sampling distribution, per token

@@ -407,7 +407,7 @@ def train(args: Args):
             groups = rewards.view(-1, args.group_size)  # [groups, G]
             constant = groups.max(1).values == groups.min(1).values
             row["zero_std_frac"] = common.global_mean(constant.float())
-            lowest = common.global_min(rewards)  # ... all at the batch's lowest reward (all failed, unless solved)
+            lowest, _ = common.global_range(rewards)  # ... all at the batch's lowest reward (all failed, unless solved)
             row["zero_std_low_frac"] = common.global_mean((constant & (groups[:, 0] == lowest)).float())
         if args.reward_model:  # --reward-model: how far the policy moved from where it started
             row.update(common.extra("reward_model", "--reward-model").kl_to_init(ref_model, roll, old_logp,
